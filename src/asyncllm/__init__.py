@@ -1,0 +1,40 @@
+"""asyncllm: an asyncio streaming SDK for LLM inference on CPUs."""
+
+from asyncllm.config import EngineArgs
+from asyncllm.errors import (
+    AsyncLLMError,
+    EngineDeadError,
+    EngineGenerateError,
+    InvalidRequestError,
+    StreamClosedError,
+)
+from asyncllm.outputs import CompletionOutput, RequestOutput
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "AsyncLLM",
+    "AsyncLLMError",
+    "CompletionOutput",
+    "EngineArgs",
+    "EngineDeadError",
+    "EngineGenerateError",
+    "GenerateOutputStream",
+    "InvalidRequestError",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "StreamClosedError",
+]
+
+
+def __getattr__(name: str) -> object:
+    # AsyncLLM pulls in torch-free frontend code only, but keep `import asyncllm` cheap.
+    if name == "AsyncLLM":
+        from asyncllm.async_llm import AsyncLLM
+
+        return AsyncLLM
+    if name == "GenerateOutputStream":
+        from asyncllm.streams import GenerateOutputStream
+
+        return GenerateOutputStream
+    raise AttributeError(name)

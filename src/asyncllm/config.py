@@ -1,0 +1,192 @@
+"""User-facing `EngineArgs` and the small frozen configs the engine is built from.
+
+`EngineArgs` is what users write; `EngineArgs.create_engine_config()` resolves the model (downloading the
+default model once) and splits the arguments into `ModelConfig`, `CacheConfig`, `SchedulerConfig` and
+`ParallelConfig`, each frozen, each passed only to the parts that need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from asyncllm.errors import InvalidRequestError
+
+LoadFormat = Literal["auto", "dummy"]
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run.
+
+    Fields:
+        model: the name or path the user gave.
+        model_path: resolved local path: a `.gguf` file or an HF directory.
+        load_format: "auto" (real weights) or "dummy" (random weights, same shapes; for fast tests).
+        max_model_len: tokens per sequence (prompt + output) at most; None = the model's context length.
+        seed: global seed (dummy weights, unseeded sampling).
+    """
+
+    model: str
+    model_path: str
+    load_format: LoadFormat = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    Fields:
+        block_size: tokens per KV cache block.
+        num_kv_blocks: force this many blocks; None = size from `kv_cache_memory_bytes`.
+        kv_cache_memory_bytes: memory budget of the KV cache over all layers, in bytes.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    Fields:
+        max_num_seqs: requests running in one step at most.
+        max_num_batched_tokens: tokens (prefill + decode) in one step at most; long prompts are chunked.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the engine core and its workers run.
+
+    Fields:
+        engine_process: run the engine core in its own process (True) or a background thread (False).
+        num_threads: torch intra-op threads per worker; None = torch's default.
+        distributed_executor_backend: "uni" for now (more in later issues).
+        tensor_parallel_size: workers sharding the model.
+    """
+
+    engine_process: bool = False
+    num_threads: int | None = None
+    distributed_executor_backend: str = "uni"
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs, as four small frozen parts."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """Arguments of an engine, as users write them. Unknown keys are rejected (TypeError from the
+    constructor, InvalidRequestError from `from_dict`).
+
+    Fields:
+        model: "smollm2-135m-instruct" (default; fetched once into the user cache), a `.gguf` path, or an HF
+            directory with config.json, *.safetensors and tokenizer.json.
+        max_model_len: tokens per sequence at most; None = the model's context length.
+        block_size: tokens per KV cache block.
+        num_kv_blocks: KV cache blocks (override); None = sized from `kv_cache_memory_bytes`.
+        kv_cache_memory_bytes: KV cache budget in bytes (default 1 GiB).
+        max_num_seqs: concurrent running requests at most.
+        max_num_batched_tokens: tokens per step at most.
+        num_threads: torch threads per worker; None = torch's default.
+        seed: global seed.
+        engine_process: engine core in its own process (True) or in a background thread (False).
+        load_format: "auto" or "dummy" (random weights).
+    Raises:
+        InvalidRequestError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
+    """
+
+    model: str = DEFAULT_MODEL
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    num_threads: int | None = None
+    seed: int = 0
+    engine_process: bool = False
+    load_format: LoadFormat = "auto"
+    distributed_executor_backend: str = "uni"
+    tensor_parallel_size: int = 1
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineArgs:
+        """Build from a mapping, rejecting keys that are not fields.
+
+        Raises:
+            InvalidRequestError: naming the unknown keys.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown EngineArgs keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    def validate(self) -> None:
+        """Check ranges.
+
+        Raises:
+            InvalidRequestError: naming the field and its allowed range.
+        """
+        positive = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }
+        optional_positive = {
+            "max_model_len": self.max_model_len,
+            "num_kv_blocks": self.num_kv_blocks,
+            "num_threads": self.num_threads,
+        }
+        for name, value in {**positive, **optional_positive}.items():
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise InvalidRequestError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate, resolve the model to a local path (fetching the default model once), and split.
+
+        Raises:
+            InvalidRequestError: bad values.
+            ModelNotFoundError: the model cannot be resolved or fetched.
+        """
+        from asyncllm.model.resolve import resolve_model_path
+
+        self.validate()
+        model = ModelConfig(
+            model=self.model,
+            model_path=str(resolve_model_path(self.model)),
+            load_format=self.load_format,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+        )
+        cache = CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes)
+        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        parallel = ParallelConfig(
+            self.engine_process,
+            self.num_threads,
+            self.distributed_executor_backend,
+            self.tensor_parallel_size,
+        )
+        return EngineConfig(model, cache, scheduler, parallel)

@@ -1,0 +1,140 @@
+"""Messages between the frontend and the engine core: msgspec Structs, the same in thread and process mode.
+
+Wire form (process mode, a later issue): one request-type byte + a msgpack payload. Structs use
+`array_like=True, omit_defaults=True, gc=False` as vLLM v1 does; enums are IntEnums.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+from asyncllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence finished. `str()` gives the OpenAI/vLLM string."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The first frame of every message to the engine core."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One request, tokenized and validated by the frontend.
+
+    Fields:
+        request_id: unique among in-flight requests.
+        prompt_token_ids: [num_prompt_tokens] token ids.
+        sampling_params: validated parameters.
+        eos_token_id: the model's EOS id (None: no EOS).
+        arrival_time: `time.time()` at submission, seconds.
+        priority: lower runs first (priority scheduling, a later issue).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one request produced in one engine step.
+
+    Fields:
+        request_id: the request.
+        new_token_ids: tokens sampled this step (usually one; empty for a partial prefill chunk).
+        finish_reason: set on the request's last output from the engine.
+        stop_reason: the stop token id that ended it (None for EOS or length).
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Scheduler state after a step.
+
+    Fields:
+        num_running_reqs: requests in the running set.
+        num_waiting_reqs: requests waiting to be scheduled.
+        num_free_blocks: KV cache blocks not held by any request.
+        num_total_blocks: KV cache blocks in all.
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV cache blocks in use, in [0, 1]."""
+        if self.num_total_blocks == 0:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Answer to a utility call (e.g. `get_scheduler_stats`). `error` is set when the call raised."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Everything one engine step (or one utility call) sends to the frontend.
+
+    Fields:
+        outputs: per-request outputs of the step.
+        scheduler_stats: stats after the step.
+        timestamp: `time.monotonic()` in the engine when the outputs were made, seconds.
+        utility_result: set when this message answers a utility call.
+        finished_requests: ids the engine finished or aborted this step (for bookkeeping).
+    """
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = msgspec.field(default_factory=time.monotonic)
+    utility_result: UtilityResult | None = None
+    finished_requests: list[str] | None = None
+
+
+class EngineReadyInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the engine core reports once it is ready.
+
+    Fields:
+        num_kv_blocks: KV cache blocks allocated.
+        max_model_len: tokens per sequence at most.
+        vocab_size: logits width (valid token ids are [0, vocab_size)).
+    """
+
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int

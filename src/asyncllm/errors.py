@@ -1,0 +1,42 @@
+"""The error vocabulary of asyncllm.
+
+Each class says when it is raised. Users act on two of them: `EngineGenerateError` (one request failed,
+the engine keeps serving) and `EngineDeadError` (the engine is gone; sticky, unrecoverable).
+"""
+
+from __future__ import annotations
+
+
+class AsyncLLMError(Exception):
+    """Base class of every error asyncllm raises on purpose."""
+
+
+class InvalidRequestError(AsyncLLMError, ValueError):
+    """Bad input, raised at submission (`generate()`), before anything reaches the engine.
+
+    Raised for out-of-range sampling parameters, an empty or too long prompt, a token id outside the
+    vocabulary, a duplicate in-flight `request_id`, or an unknown `EngineArgs` key. The engine keeps serving.
+    """
+
+
+class ModelNotFoundError(AsyncLLMError, ValueError):
+    """A model name or path could not be resolved, fetched or verified (e.g. offline, bad checksum)."""
+
+
+class EngineGenerateError(AsyncLLMError):
+    """One request failed inside the engine; other requests and the engine are unaffected."""
+
+
+class EngineDeadError(AsyncLLMError):
+    """The engine core (or one of its workers) died. Sticky: every later call raises it too."""
+
+    def __init__(self, message: str = "the engine core died; create a new AsyncLLM") -> None:
+        super().__init__(message)
+
+
+class ExecutorError(AsyncLLMError):
+    """A worker failed or timed out. Raised inside the engine; users see it as `EngineDeadError`."""
+
+
+class StreamClosedError(AsyncLLMError):
+    """A `GenerateOutputStream` was used after `aclose()`."""

@@ -1,0 +1,84 @@
+"""The `Executor` interface: how the engine core runs the model, wherever the workers live.
+
+`uni` (one worker in the engine-core process) is here now; `mp` and `ray` plug in behind the same methods.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from asyncllm.config import EngineConfig
+from asyncllm.engine.protocol import EngineReadyInfo
+from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
+
+FailureCallback = Callable[[], None]
+
+
+class Executor(ABC):
+    """Runs workers and forwards calls to them.
+
+    Lifecycle: construct (starts workers and loads the model) -> `determine_num_kv_blocks()` ->
+    `initialize_kv_cache(n)` -> `execute_model()` per step -> `shutdown()`.
+    """
+
+    max_concurrent_batches: int = 1
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._failure_callbacks: list[FailureCallback] = []
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers and load the model in each."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        """Call `Worker.<method>(*args, **kwargs)` on every worker.
+
+        Returns:
+            One result per worker, by rank; only rank `unique_reply_rank`'s result when it is given.
+        Raises:
+            ExecutorError: a worker raised, died, or did not answer within `timeout` seconds.
+        """
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV cache blocks every worker can hold (the minimum over workers)."""
+        return int(min(self.collective_rpc("determine_num_kv_blocks")))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV cache blocks in every worker."""
+        self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
+
+    def get_ready_info(self, num_blocks: int) -> EngineReadyInfo:
+        """Model facts the frontend needs (max_model_len, vocab_size) plus the block count."""
+        max_model_len, vocab_size = self.collective_rpc("get_model_info", unique_reply_rank=0)[0]
+        return EngineReadyInfo(num_kv_blocks=num_blocks, max_model_len=max_model_len, vocab_size=vocab_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; rank 0's sampled tokens are returned."""
+        result: ModelRunnerOutput = self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=0)[
+            0
+        ]
+        return result
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        """Call `callback()` (from any thread) when a worker dies."""
+        self._failure_callbacks.append(callback)
+
+    def check_health(self) -> None:
+        """Raise `ExecutorError` if a worker is dead. Uniproc: always healthy while its process lives."""
+        return None
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and free its resources. Idempotent."""

@@ -1,0 +1,135 @@
+"""Per-step attention metadata for a flat batch of tokens, built once and shared by every layer.
+
+The batch is flat: the scheduled tokens of all sequences, each sequence's tokens contiguous and in order.
+Attention runs batched over sequences with padding: queries are scattered into
+`[num_seqs, max_query_len]`, keys and values are gathered from the paged cache through the block tables
+into `[num_seqs, max_seq_len]`, and one boolean mask gives causality (with the cached-prefix offset) and
+padding. No Python loop over sequences runs inside the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """A padded batch of sequences with similar query lengths (decodes, or prefills).
+
+    Fields:
+        block_tables: [num_seqs, max_blocks] int64; each sequence's blocks in order, padded with 0.
+        seq_lens: [num_seqs] int64; tokens in the cache for each sequence after this step.
+        query_index: [num_seqs, max_query_len] int64; flat token index of each padded query position
+            (padding points at index num_tokens: a scratch row that attention discards).
+        attn_mask: [num_seqs, 1, max_query_len, max_seq_len] bool; True where a query may attend a key.
+    """
+
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_index: torch.Tensor
+    attn_mask: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.block_tables.shape[0])
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.query_index.shape[1])
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.attn_mask.shape[-1])
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs to read and write the paged KV cache for one step.
+
+    Decodes (one query token) and prefills are padded in separate groups, so a long prefill does not pad
+    every decode to its length.
+
+    Fields:
+        num_tokens: tokens in the flat batch.
+        slot_mapping: [num_tokens] int64; cache slot (block_id * block_size + offset) each token's K/V goes to.
+        groups: one or two `AttentionGroup`s covering every sequence once.
+        block_size: tokens per block.
+    """
+
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    groups: list[AttentionGroup]
+    block_size: int
+
+
+def build_attention_metadata(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> AttentionMetadata:
+    """Build the metadata for a step from per-sequence lengths and block tables.
+
+    Args:
+        query_lens: tokens each sequence computes this step (>= 1), in flat-batch order.
+        seq_lens: tokens each sequence has in the cache after this step (>= query_lens[i]); the new tokens
+            are the last `query_lens[i]` of them, at positions seq_lens[i] - query_lens[i] ... seq_lens[i] - 1.
+        block_tables: each sequence's KV cache block ids, enough to hold seq_lens[i] tokens.
+        block_size: tokens per block.
+    Returns:
+        AttentionMetadata with int64 index tensors.
+    Raises:
+        ValueError: if the lists disagree in length, or a block table is too short for its sequence.
+    """
+    num_seqs = len(query_lens)
+    if not (len(seq_lens) == len(block_tables) == num_seqs) or num_seqs == 0:
+        raise ValueError("query_lens, seq_lens and block_tables must be non-empty and of one length")
+    q = np.asarray(query_lens, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    tables = _pad_block_tables(block_tables, s, block_size)
+    starts = np.concatenate(([0], np.cumsum(q)[:-1]))
+    num_tokens = int(q.sum())
+
+    # Slot of each token: positions seq_len - query_len .. seq_len - 1 of its sequence.
+    token_seq = np.repeat(np.arange(num_seqs), q)
+    token_pos = np.arange(num_tokens) - starts[token_seq] + (s - q)[token_seq]
+    slots = tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
+
+    groups = []
+    for members in (np.flatnonzero(q == 1), np.flatnonzero(q > 1)):
+        if len(members):
+            groups.append(
+                _build_group(q[members], s[members], starts[members], tables[members], num_tokens, block_size)
+            )
+    return AttentionMetadata(num_tokens, torch.from_numpy(slots), groups, block_size)
+
+
+def _pad_block_tables(block_tables: list[list[int]], seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+    max_blocks = max(1, max(len(t) for t in block_tables))
+    tables = np.zeros((len(block_tables), max_blocks), dtype=np.int64)
+    for i, table in enumerate(block_tables):
+        if len(table) * block_size < seq_lens[i]:
+            raise ValueError(f"sequence {i}: {len(table)} blocks cannot hold {seq_lens[i]} tokens")
+        tables[i, : len(table)] = table
+    return tables
+
+
+def _build_group(
+    q: np.ndarray, s: np.ndarray, starts: np.ndarray, tables: np.ndarray, num_tokens: int, block_size: int
+) -> AttentionGroup:
+    max_q, max_s = int(q.max()), int(s.max())
+    col = np.arange(max_q)
+    valid = col[None, :] < q[:, None]  # [num_seqs, max_q]
+    query_index = np.where(valid, starts[:, None] + col[None, :], num_tokens)
+    q_pos = (s - q)[:, None] + col[None, :]  # absolute position of each padded query
+    k_pos = np.arange(max_s)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < s[:, None, None])
+    mask[~valid] = False
+    mask[~valid, 0] = True  # padding rows attend one key so softmax stays finite; their output is dropped
+    max_blocks = -(-max_s // block_size)  # gather only the blocks this group's longest sequence uses
+    return AttentionGroup(
+        block_tables=torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks])),
+        seq_lens=torch.from_numpy(s),
+        query_index=torch.from_numpy(query_index),
+        attn_mask=torch.from_numpy(mask[:, None, :, :]),
+    )

@@ -1,0 +1,75 @@
+"""What the scheduler hands the executor each step, and what the model runner hands back.
+
+msgspec Structs, so the `mp` executor (a later issue) can broadcast them to workers without pickle.
+Shape follows vLLM v1's `SchedulerOutput` / `ModelRunnerOutput`: new requests carry everything once,
+requests already known to the workers carry only what changed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from asyncllm.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers have not seen (or that resumes after preemption: its state was dropped).
+
+    Fields:
+        req_id: request id.
+        prompt_token_ids: [num_prompt_tokens].
+        output_token_ids: tokens generated before a preemption (recomputed like prompt tokens).
+        sampling_params: the request's sampling parameters.
+        block_ids: KV cache blocks allocated to it so far, in order.
+        num_computed_tokens: tokens whose K/V are already in the cache (prefix-cache hits).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers already hold, scheduled again.
+
+    Fields:
+        req_id: request id.
+        new_block_ids: blocks appended to its block table this step.
+        num_computed_tokens: tokens whose K/V are in the cache before this step.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's schedule.
+
+    Fields:
+        scheduled_new_reqs: requests to add to the workers' batch.
+        scheduled_cached_reqs: requests already in the workers' batch.
+        num_scheduled_tokens: req_id -> tokens to compute this step (1 for a decode, a chunk for prefill).
+        total_num_scheduled_tokens: sum of `num_scheduled_tokens`.
+        finished_req_ids: requests that finished or were aborted since the last step; workers drop them.
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = msgspec.field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = msgspec.field(default_factory=list)
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Tokens sampled in one step.
+
+    Fields:
+        sampled_token_ids: req_id -> tokens sampled this step; a request whose prefill is still partial
+            after this step is absent (nothing sampled).
+    """
+
+    sampled_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
