@@ -1,0 +1,20 @@
+# The two commands a newcomer runs. Each does its own set-up (.venv, torch==2.13.0 CPU, install, model fetch).
+.PHONY: run test test-fast lint
+
+run:            ## stream a real answer from the default model (SmolLM2-135M-Instruct)
+	@scripts/setup.sh runtime
+	@.venv/bin/python examples/stream_chat.py
+
+test:           ## the whole test suite (real model on CPU; a few minutes)
+	@scripts/setup.sh dev
+	@.venv/bin/python -m pytest -q
+
+test-fast:      ## the suite without the slow end-to-end tests
+	@scripts/setup.sh dev
+	@.venv/bin/python -m pytest -q -m "not slow"
+
+lint:           ## ruff and mypy on the sources
+	@scripts/setup.sh dev
+	@.venv/bin/ruff check src tests benchmarks examples
+	@.venv/bin/ruff format --check src tests benchmarks examples
+	@.venv/bin/mypy

@@ -1,0 +1,46 @@
+"""Stream a chat answer from a real model on the CPU.
+
+    python examples/stream_chat.py                      # asks the default model about the capital of France
+    python examples/stream_chat.py --prompt "Write a haiku about autumn." --max-tokens 64 --temperature 0.7
+
+The first run fetches the default model (SmolLM2-135M-Instruct, 98 MB) into ~/.cache/asyncllm/models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf path or HF directory")
+    parser.add_argument("--prompt", default="What is the capital of France?")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> None:
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=args.model, engine_process=False))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, output_kind=RequestOutputKind.DELTA
+    )
+    messages = [{"role": "user", "content": args.prompt}]
+    async with llm:
+        print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
+        start = time.perf_counter()
+        num_tokens = 0
+        async for out in llm.generate(messages, params):
+            completion = out.outputs[0]
+            num_tokens += len(completion.token_ids)
+            print(completion.text, end="", flush=True)
+        elapsed = time.perf_counter() - start
+        print(f"\n[{num_tokens} tokens in {elapsed:.2f} s, finish_reason={completion.finish_reason}]")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))
