@@ -1,0 +1,249 @@
+"""`Tokenizer`: a `tokenizers.Tokenizer` built from GGUF metadata or an HF directory, plus the chat template.
+
+From a GGUF file (`tokenizer.ggml.model == "gpt2"`, byte-level BPE) the tokenizer is rebuilt the way HF
+`transformers` does it in `integrations/gguf/gguf_tokenizer_mapping.py` (v5), so token ids match
+`AutoTokenizer.from_pretrained(dir, gguf_file=name)`:
+- BPE over the file's tokens (re-spelled into the byte-level alphabet if needed) and merges, no unk token;
+- pre-tokenizer: a `Split` regex chosen by `tokenizer.ggml.pre` for the families in `_PRE_TOKENIZER_SPLITS`,
+  otherwise the plain GPT-2 `ByteLevel(add_prefix_space=False, use_regex=True)`; decoder `ByteLevel`;
+- tokens typed CONTROL (3) become special added tokens, USER_DEFINED (4) plain added tokens, so
+  `<|im_start|>` / `<|im_end|>` are matched whole in text;
+- BOS/EOS are added only if `tokenizer.ggml.add_bos_token` / `add_eos_token` say so (SmolLM2: neither).
+
+Known difference from the true SmolLM2 tokenizer: its `tokenizer.json` (pre-tokenizer `smollm` in llama.cpp)
+splits digits individually (`Digits(individual_digits=True)` before `ByteLevel`), so "2024" is 4 tokens
+there. transformers has no entry for `smollm` and falls back to the GPT-2 regex, which keeps runs of digits
+together (" 2024" may be one or two tokens). We match transformers, as required; prompts with numbers
+therefore tokenize slightly differently from the original model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.model.gguf_metadata import read_gguf_metadata
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# `tokenizer.ggml.pre` -> split regex (as transformers maps them); anything else uses the GPT-2 regex.
+_PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, and its chat template.
+
+    Attributes:
+        hf: the underlying `tokenizers.Tokenizer` (use it with `tokenizers.decoders.DecodeStream`).
+        vocab_size: size of the vocabulary including added tokens.
+        bos_token_id, eos_token_id: special ids, None when the model has none.
+        chat_template: Jinja2 chat template source, None when the model has none.
+        add_bos_token: whether `encode(..., add_special_tokens=True)` prepends BOS.
+    """
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+        add_bos_token: bool,
+    ) -> None:
+        self.hf = hf
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+
+    @classmethod
+    def load(cls, model_path: str) -> Tokenizer:
+        """Load from a `.gguf` file's metadata or from an HF directory (tokenizer.json + tokenizer_config.json).
+
+        Raises:
+            ValueError: the GGUF tokenizer type is not byte-level BPE ("gpt2"), or the path is neither.
+        """
+        path = pathlib.Path(model_path)
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return _load_gguf(path)
+        if path.is_dir() and (path / "tokenizer.json").is_file():
+            return _load_hf_dir(path)
+        raise ValueError(f"{model_path}: not a .gguf file or a directory with tokenizer.json")
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.hf.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self.hf.id_to_token(self.eos_token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognized whole.
+
+        `add_special_tokens` adds BOS (and EOS) only where the model asks for them (`add_bos_token`).
+        """
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; special tokens are dropped when `skip_special_tokens`."""
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render chat messages into a prompt string with the model's template.
+
+        Rendered in a Jinja2 immutable sandbox with the globals HF templates expect (`raise_exception`,
+        `strftime_now`, a `tojson` filter that does not escape HTML, `bos_token`, `eos_token`).
+
+        Raises:
+            InvalidRequestError: the model has no chat template, or the template rejects the messages.
+        """
+        if self.chat_template is None:
+            raise InvalidRequestError("this model has no chat template; pass a text prompt instead")
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequestError(f"chat template failed: {exc}") from exc
+
+
+def _load_gguf(path: pathlib.Path) -> Tokenizer:
+    meta = read_gguf_metadata(path)
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"{path}: tokenizer type {meta.get('tokenizer.ggml.model')!r} unsupported; need 'gpt2'")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+
+    hf = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"])
+    hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    hf.decoder = decoders.ByteLevel()
+    _add_typed_tokens(hf, tokens, token_types)
+    hf.post_processor = _bos_eos_processor(tokens, bos if add_bos else None, eos if add_eos else None)
+    return Tokenizer(hf, bos, eos, meta.get("tokenizer.chat_template"), add_bos)
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (Radford et al., 2019, `bytes_to_unicode`)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str]) -> HFTokenizer:
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    vocab = {
+        tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
+        for i, tok in enumerate(tokens)
+    }
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    return HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))  # type: ignore[arg-type]
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    split = _PRE_TOKENIZER_SPLITS.get(pre or "")
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _add_typed_tokens(hf: HFTokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """CONTROL tokens (spelled in the byte alphabet) -> special; USER_DEFINED -> plain added tokens."""
+    alphabet = set(_byte_alphabet().values())
+    control = [t for t, k in zip(tokens, token_types, strict=True) if k == _CONTROL and set(t) <= alphabet]
+    user = [t for t, k in zip(tokens, token_types, strict=True) if k == _USER_DEFINED]
+    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+
+def _bos_eos_processor(tokens: list[str], bos: int | None, eos: int | None) -> processors.PostProcessor:
+    pre = [tokens[bos]] if bos is not None else []
+    post = [tokens[eos]] if eos is not None else []
+    special = [(tokens[i], i) for i in {i for i in (bos, eos) if i is not None}]
+    single = " ".join([*pre, "$A", *post])
+    pair = " ".join([*pre, "$A", *post, *pre, "$B:1", *post])
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def _load_hf_dir(path: pathlib.Path) -> Tokenizer:
+    hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    config_file = path / "tokenizer_config.json"
+    config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    template = config.get("chat_template")
+    jinja_file = path / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text()
+    if isinstance(template, list):  # a list of named templates: take "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    bos = _special_id(hf, config.get("bos_token"))
+    eos = _special_id(hf, config.get("eos_token"))
+    add_bos = bos is not None and hf.encode("a").ids[:1] == [bos]
+    return Tokenizer(hf, bos, eos, template, add_bos)
+
+
+def _special_id(hf: HFTokenizer, token: str | dict[str, Any] | None) -> int | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    return None if token is None else hf.token_to_id(token)
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
