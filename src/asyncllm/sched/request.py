@@ -1,0 +1,151 @@
+"""The engine-side `Request`: the one object that owns a request's state inside the engine core.
+
+Nobody else keeps a parallel copy: the scheduler, the KV cache manager (by request id) and the stop checks all
+read and write this object. Follows vLLM v1's `vllm/v1/request.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from asyncllm.engine.protocol import EngineCoreRequest, FinishReason
+from asyncllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Every status after `PREEMPTED` is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the FINISHED_* statuses."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The wire finish reason of a finished status; None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One request's engine state.
+
+    Attributes:
+        request_id: unique among in-flight requests.
+        prompt_token_ids: [num_prompt_tokens] token ids.
+        output_token_ids: tokens sampled so far (kept across preemption and recomputed on resume).
+        sampling_params: the request's validated parameters.
+        eos_token_id: the model's EOS id, or None.
+        arrival_time: `time.time()` at submission, seconds.
+        priority: lower runs first (used by a priority queue, a later issue).
+        num_computed_tokens: tokens whose K/V are in the KV cache (or scheduled to be, once scheduled).
+        status: a `RequestStatus`.
+        stop_reason: the stop token id that finished it (None for EOS, length, abort).
+        num_preemptions: times this request was preempted.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.num_preemptions = 0
+        self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+        """Build the engine state of a request the frontend tokenized and validated."""
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_id,
+            request.arrival_time,
+            request.priority,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose K/V are not in the cache yet (the rest of a prefill, or the last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        """Record tokens sampled for this request."""
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Apply the stop rules after new tokens were appended; set `status` and `stop_reason` if finished.
+
+        Order: a stop token id (stop_reason = the id) or EOS (unless `ignore_eos`; stop_reason None) -> STOP,
+        honoured only once at least `min_tokens` tokens precede it (vLLM's min_tokens semantics); then
+        `max_tokens` reached -> LENGTH; then prompt + output reaching `max_model_len` -> LENGTH.
+        Stop strings are the frontend's job.
+
+        Returns:
+            True if the request is now finished.
+        """
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens > params.min_tokens:
+            if last in self._stop_token_ids:
+                self.stop_reason = last
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if not params.ignore_eos and last == self.eos_token_id:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

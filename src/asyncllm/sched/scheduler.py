@@ -1,0 +1,193 @@
+"""`Scheduler`: token-budget continuous batching with chunked prefill and preemption by recompute.
+
+There are no prefill and decode phases, only requests whose `num_computed_tokens` lags their `num_tokens`.
+Each step hands out at most `max_num_batched_tokens` tokens: first to running requests (one token for a decode,
+the next chunk for an unfinished prefill), then to waiting requests while fewer than `max_num_seqs` run. A
+prompt longer than the budget is therefore split over steps (chunked prefill). When the KV cache runs out of
+blocks, the most recently admitted running request is preempted: its blocks are freed and it goes back to
+the front of the waiting queue; its output tokens are kept and recomputed with the prompt when it resumes.
+Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token budget").
+"""
+
+from __future__ import annotations
+
+from asyncllm.config import SchedulerConfig
+from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from asyncllm.sched.kv_cache_manager import KVCacheManager
+from asyncllm.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from asyncllm.sched.request import Request, RequestStatus
+from asyncllm.sched.request_queue import create_request_queue
+
+
+class Scheduler:
+    """Decides which tokens of which requests run each step, and applies the sampled tokens.
+
+    Args:
+        config: `max_num_seqs` and `max_num_batched_tokens`.
+        num_kv_blocks: blocks in the KV cache.
+        block_size: tokens per block.
+        max_model_len: prompt + output tokens per request at most; must fit in the cache
+            (`num_kv_blocks * block_size >= max_model_len`) or a lone request could never finish.
+    Raises:
+        ValueError: if `max_model_len` does not fit in the KV cache.
+    """
+
+    def __init__(self, config: SchedulerConfig, num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
+        if num_kv_blocks * block_size < max_model_len:
+            raise ValueError(f"{num_kv_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue("fcfs")
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self._finished_req_ids: list[str] = []  # for the workers, in the next SchedulerOutput
+        self._finished_req_ids_to_report: list[str] = []  # for the frontend, in the next EngineCoreOutputs
+        self.num_preemptions = 0
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the frontend validated."""
+        req = Request.from_engine_core_request(request)
+        self.requests[req.request_id] = req
+        self.waiting.add_request(req)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort): free their blocks; no output is emitted for them.
+
+        Unknown or already finished ids are ignored.
+        """
+        reqs = [self.requests[i] for i in request_ids if i in self.requests]
+        doomed = {id(req) for req in reqs}
+        self.running = [req for req in self.running if id(req) not in doomed]
+        self.waiting.remove_requests(reqs)
+        for req in reqs:
+            req.status = status
+            self._free_request(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        """True while finished or aborted requests are waiting to be reported to the workers."""
+        return bool(self._finished_req_ids)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_total_blocks=self.kv_cache_manager.num_total_blocks,
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's tokens: running requests first, then waiting ones, within the budgets.
+
+        Advances each scheduled request's `num_computed_tokens` by its scheduled tokens (the output carries
+        the values from before the step).
+        """
+        output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        budget = self.config.max_num_batched_tokens
+        budget, num_preempted = self._schedule_running(output, budget)
+        if num_preempted == 0:
+            self._schedule_waiting(output, budget)
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, int]:
+        num_preempted = 0
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_tokens = min(req.num_tokens_to_compute, budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
+            while new_block_ids is None:
+                victim = self.running.pop()  # never scheduled yet this step: it sits at or after `index`
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is req:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
+            if new_block_ids is None:
+                break
+            output.scheduled_cached_reqs.append(
+                CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
+            )
+            output.num_scheduled_tokens[req.request_id] = num_tokens
+            budget -= num_tokens
+            index += 1
+        return budget, num_preempted
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek_request()
+            num_tokens = min(req.num_tokens_to_compute, budget)
+            if self.kv_cache_manager.allocate_slots(req, num_tokens) is None:
+                break
+            self.waiting.pop_request()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            output.scheduled_new_reqs.append(self._make_new_request_data(req))
+            output.num_scheduled_tokens[req.request_id] = num_tokens
+            budget -= num_tokens
+
+    def _make_new_request_data(self, req: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=req.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens,
+            output_token_ids=list(req.output_token_ids),
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's blocks and queue it first; it is recomputed from scratch when resumed."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(req)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append the sampled tokens, apply the stop rules, and free finished requests.
+
+        Returns:
+            One `EngineCoreOutput` per request that sampled a token (with its finish reason if it finished);
+            `finished_requests` lists the ids finished this step or aborted since the last step.
+        """
+        outputs: list[EngineCoreOutput] = []
+        finished: set[int] = set()
+        for req_id, token_ids in model_runner_output.sampled_token_ids.items():
+            req = self.requests.get(req_id)
+            if req is None or not token_ids or req_id not in scheduler_output.num_scheduled_tokens:
+                continue  # aborted while the step ran
+            req.append_output_token_ids(token_ids)
+            if req.check_stop(self.max_model_len):
+                finished.add(id(req))
+                self._free_request(req)
+            outputs.append(EngineCoreOutput(req_id, token_ids, req.finish_reason, req.stop_reason))
+        if finished:
+            self.running = [req for req in self.running if id(req) not in finished]
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.get_stats(), finished_requests=self._take_finished_to_report()
+        )
+
+    def make_empty_outputs(self) -> EngineCoreOutputs:
+        """The outputs of a step that ran nothing (still reports aborted ids and stats)."""
+        return EngineCoreOutputs(scheduler_stats=self.get_stats(), finished_requests=self._take_finished_to_report())
+
+    def _take_finished_to_report(self) -> list[str] | None:
+        ids, self._finished_req_ids_to_report = self._finished_req_ids_to_report, []
+        return ids or None
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self._finished_req_ids.append(req.request_id)
+        self._finished_req_ids_to_report.append(req.request_id)

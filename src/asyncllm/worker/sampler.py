@@ -1,0 +1,125 @@
+"""Batched sampling from logits: greedy rows by argmax, the others by temperature, top-k, top-p and an
+exponential race.
+
+Sampling `argmax(p / q)` with `q ~ Exp(1)` i.i.d. per vocabulary entry draws token i with probability p_i
+(the "exponential race" / Gumbel-max trick in exponential form, as vLLM's sampler does). Its only randomness
+is the noise `q`, drawn per row: a seeded row draws its noise from its own generator, so it samples the same
+token alone or in any batch. The generator is re-seeded at every output position from (seed, position), so a
+seeded request also gives the same tokens after a preemption (its state is rebuilt on resume).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncllm.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, position) pairs over the seed space
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters of one step, as tensors.
+
+    Fields:
+        temperature: [num_reqs] float32; 0 for greedy rows.
+        top_k: [num_reqs] int64 (vocab_size = disabled), or None when no row uses top-k.
+        top_p: [num_reqs] float32 (1.0 = disabled), or None when no row uses top-p.
+        generators: row index -> the seeded generator of that row, already seeded for this step.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+    @classmethod
+    def from_params(
+        cls, params: list[SamplingParams], vocab_size: int, generators: dict[int, torch.Generator]
+    ) -> SamplingMetadata:
+        """Build the tensors for rows sampled with `params` (one per row) over a `vocab_size` vocabulary."""
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_ps = [p.top_p for p in params]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor(top_ks, dtype=torch.int64) if min(top_ks) < vocab_size else None,
+            top_p=torch.tensor(top_ps, dtype=torch.float32) if min(top_ps) < 1.0 else None,
+            generators=generators,
+        )
+
+
+def seed_generator(generator: torch.Generator, seed: int, position: int) -> torch.Generator:
+    """Re-seed a request's generator for the token at output `position` (0-based); returns it."""
+    return generator.manual_seed((seed * _SEED_MIX + position) % (1 << 63))
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    Args:
+        seed: seed of the generator shared by unseeded rows (ModelConfig.seed).
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Sample.
+
+        Args:
+            logits: [num_reqs, vocab_size] float32 (not modified).
+            meta: per-row parameters.
+        Returns:
+            [num_reqs] int64 token ids.
+        Source: exponential race (argmax p/q, q ~ Exp(1)) as in vLLM's `random_sample`; top-k/top-p masking
+            with one ascending sort as in vLLM's `apply_top_k_top_p`.
+        """
+        greedy_tokens = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy_tokens
+        is_greedy = meta.temperature == 0
+        temperature = torch.where(is_greedy, 1.0, meta.temperature)
+        scaled = logits / temperature.unsqueeze(1)
+        scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+        probs = scaled.softmax(dim=-1)
+        sampled = probs.div_(self._draw_noise(probs, meta.generators)).argmax(dim=-1)
+        return torch.where(is_greedy, greedy_tokens, sampled)
+
+    def _draw_noise(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        if len(generators) < probs.shape[0]:
+            noise.exponential_(generator=self.generator)
+        for row, generator in generators.items():
+            noise[row].exponential_(generator=generator)
+        return noise
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf.
+
+    Args:
+        logits: [num_reqs, vocab_size] float32.
+        top_k: [num_reqs] int64 in [1, vocab_size], or None.
+        top_p: [num_reqs] float32 in (0, 1], or None.
+    Returns:
+        A new [num_reqs, vocab_size] tensor (or `logits` itself when both are None). Ties with the k-th
+        logit are kept; the most likely token always survives top-p.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (logits.shape[1] - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative <= (1.0 - top_p).unsqueeze(1)
+        outside[:, -1] = False
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return sorted_logits.scatter(1, order, sorted_logits)

@@ -1,0 +1,112 @@
+"""Sampler: greedy = argmax; top-k/top-p pick only allowed tokens; seeded rows are batch-independent;
+temperature reshapes the distribution as softmax(logits / T)."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, seed_generator
+
+VOCAB = 50
+
+
+def _meta(params: list[SamplingParams], generators: dict[int, torch.Generator] | None = None) -> SamplingMetadata:
+    return SamplingMetadata.from_params(params, VOCAB, generators or {})
+
+
+def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax() -> None:
+    logits = _logits(8)
+    tokens = Sampler()(logits, _meta([SamplingParams(temperature=0.0)] * 8))
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+def test_greedy_rows_stay_argmax_in_a_mixed_batch() -> None:
+    logits = _logits(6)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 5.0) for i in range(6)]
+    tokens = Sampler()(logits, _meta(params))
+    assert torch.equal(tokens[1::2], logits[1::2].argmax(dim=-1))
+
+
+def test_top_k_only_picks_top_k_tokens() -> None:
+    logits = _logits(4)
+    sampler = Sampler(seed=1)
+    allowed = logits.topk(3, dim=-1).indices
+    seen = set()
+    for _ in range(200):
+        tokens = sampler(logits, _meta([SamplingParams(temperature=10.0, top_k=3)] * 4))
+        assert (allowed == tokens.unsqueeze(1)).any(dim=1).all()
+        seen.add(tuple(tokens.tolist()))
+    assert len(seen) > 10  # high temperature: it does sample, not always the argmax
+
+
+def test_top_p_only_picks_the_nucleus() -> None:
+    logits = torch.full((2, VOCAB), -10.0)
+    logits[:, :4] = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    masked = apply_top_k_top_p(logits, None, torch.tensor([0.7, 0.85]))
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [0, 1]  # 0.5 + 0.3 >= 0.7
+    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [0, 1, 2]
+    sampler = Sampler(seed=2)
+    params = [SamplingParams(top_p=0.7), SamplingParams(top_p=0.85)]
+    counts = torch.zeros(2, VOCAB)
+    for _ in range(300):
+        tokens = sampler(logits, _meta(params))
+        counts[torch.arange(2), tokens] += 1
+    assert counts[0, 2:].sum() == 0
+    assert counts[0, :2].min() > 0
+    assert counts[1, 3:].sum() == 0
+    assert counts[1, :3].min() > 0
+
+
+def test_top_p_keeps_the_most_likely_token_even_for_tiny_p() -> None:
+    logits = _logits(3)
+    masked = apply_top_k_top_p(logits, torch.tensor([VOCAB, 2, 1]), torch.tensor([1e-6, 1.0, 1.0]))
+    assert torch.isfinite(masked).sum(dim=1).tolist() == [1, 2, 1]
+    assert torch.equal(masked.argmax(dim=-1), logits.argmax(dim=-1))
+
+
+def _seeded_tokens(row_logits: torch.Tensor, others: torch.Tensor | None, position: int) -> int:
+    """The token of a seed-42 row at `position`, sampled alone or as row 1 of a batch with `others`."""
+    generator = seed_generator(torch.Generator(), 42, position)
+    if others is None:
+        return int(Sampler(seed=7)(row_logits[None], _meta([SamplingParams(seed=42)], {0: generator}))[0])
+    batch = torch.cat([others[:1], row_logits[None], others[1:]])
+    params = [SamplingParams(temperature=0.5), SamplingParams(seed=42), SamplingParams(top_k=5, seed=3)]
+    other_generator = seed_generator(torch.Generator(), 3, position)
+    return int(Sampler(seed=position)(batch, _meta(params, {1: generator, 2: other_generator}))[1])
+
+
+def test_seeded_row_gives_same_tokens_alone_and_in_a_batch() -> None:
+    row = torch.zeros(VOCAB)  # uniform: every token equally likely, so agreement is not luck
+    others = _logits(2, seed=5)
+    alone = [_seeded_tokens(row, None, position) for position in range(20)]
+    batched = [_seeded_tokens(row, others, position) for position in range(20)]
+    assert alone == batched
+    assert len(set(alone)) > 5
+
+
+def test_seed_generator_depends_on_seed_and_position() -> None:
+    draws = {
+        (seed, position): seed_generator(torch.Generator(), seed, position).initial_seed()
+        for seed in range(5)
+        for position in range(5)
+    }
+    assert len(set(draws.values())) == 25
+
+
+def test_temperature_matches_softmax_of_scaled_logits() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    num_rows = 20000
+    for temperature in (0.5, 1.0, 2.0):
+        sampler = Sampler(seed=123)
+        params = [SamplingParams(temperature=temperature)] * num_rows
+        meta = SamplingMetadata.from_params(params, 4, {})
+        tokens = sampler(logits.expand(num_rows, 4), meta)
+        freq = torch.bincount(tokens, minlength=4).float() / num_rows
+        expected = (logits / temperature).softmax(dim=-1)
+        assert torch.allclose(freq, expected, atol=0.015), (temperature, freq, expected)
