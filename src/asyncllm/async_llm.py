@@ -1,0 +1,229 @@
+"""`AsyncLLM`: the asyncio front door. Submit prompts, stream `RequestOutput`s, abort, shut down.
+
+Data flow: `generate()` -> InputProcessor (tokenize + validate, synchronously) -> OutputProcessor state +
+EngineCoreClient.add_request -> engine core (a background thread) -> the output handler task (one per
+AsyncLLM, on the running loop) -> OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from types import TracebackType
+from typing import Any
+
+from asyncllm.config import EngineArgs, EngineConfig
+from asyncllm.engine.client import EngineCoreClient, make_client
+from asyncllm.engine.protocol import EngineCoreOutputs, SchedulerStats
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.processing.input_processor import InputProcessor, PromptType
+from asyncllm.processing.output_processor import OutputProcessor
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
+
+logger = logging.getLogger(__name__)
+OUTPUT_CHUNK_SIZE = 256  # engine outputs processed between yields to the event loop
+
+
+class AsyncLLM:
+    """Streaming LLM inference on an engine core.
+
+    Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; use as `async with llm:` or call `shutdown()`.
+
+    Args:
+        config: the engine configuration (for reference).
+        tokenizer: `asyncllm.model.tokenizer.Tokenizer` of the model.
+        client: a ready engine-core client.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, client: EngineCoreClient) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        self._client = client
+        info = client.ready_info
+        self._input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size)
+        self._output_processor = OutputProcessor(tokenizer.hf)
+        self._output_handler: asyncio.Task[None] | None = None
+        self._background_tasks: set[asyncio.Task[Any]] = set()
+        self._dead: BaseException | None = None
+        self._shut_down = False
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        """Resolve the model, load its tokenizer, and start the engine core (blocks until it is ready).
+
+        Raises:
+            InvalidRequestError: bad engine arguments (also engine_process=True, not supported yet).
+            ModelNotFoundError: the model cannot be resolved.
+        """
+        from asyncllm.model.tokenizer import Tokenizer
+
+        config = args.create_engine_config()
+        tokenizer = Tokenizer.load(config.model.model_path)
+        return cls(config, tokenizer, make_client(config))
+
+    # ---- properties ---------------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine died (sticky)."""
+        return self._dead is not None or self._client.errored
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine serves requests (not shut down, not dead)."""
+        return not self._shut_down and not self.errored
+
+    def get_tokenizer(self) -> Any:
+        """The model's `asyncllm.model.tokenizer.Tokenizer`."""
+        return self._tokenizer
+
+    def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine died or was shut down."""
+        self._ensure_running()
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> GenerateOutputStream:
+        """Submit one prompt; returns its output stream at once (tokenization happens here).
+
+        Args:
+            prompt: text, `{"prompt_token_ids": [...]}`, or chat messages `[{"role", "content"}, ...]`.
+            sampling_params: None means `SamplingParams()`.
+            request_id: unique among in-flight requests; None makes one.
+            priority: lower runs first.
+        Returns:
+            A `GenerateOutputStream` of `RequestOutput`s; the last has `finished=True`.
+        Raises:
+            InvalidRequestError: bad input or a duplicate in-flight request id (nothing reaches the engine).
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        prompt_text, request = self._input_processor.process(prompt, sampling_params, request_id, priority)
+        if self._output_processor.has_request(request.request_id):
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
+        collector = RequestOutputCollector(request.sampling_params.output_kind)
+        self._output_processor.add_request(request, prompt_text, collector)
+        try:
+            self._client.add_request(request)
+        except BaseException:
+            self._output_processor.abort_requests([request.request_id], notify=False)
+            raise
+        loop = _running_loop()
+        if loop is not None:
+            self._ensure_output_handler()
+        return GenerateOutputStream(
+            request.request_id, collector, self._abort_closed_stream, self._ensure_output_handler, loop
+        )
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests; each open stream then ends with a final output (finish_reason "abort").
+
+        Unknown or finished ids are ignored.
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        aborted = self._output_processor.abort_requests(ids)
+        await self._abort_in_engine(aborted)
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        """The engine scheduler's current counts (running, waiting, free and total KV blocks).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        stats: SchedulerStats = await self._client.call_utility_async("get_scheduler_stats")
+        return stats
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Stop the output handler and the engine. Open streams raise `EngineDeadError`. Idempotent."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        handler, self._output_handler = self._output_handler, None
+        if handler is not None and not handler.done() and handler.get_loop() is _running_loop():
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+        self._output_processor.propagate_error(EngineDeadError("the engine was shut down"))
+        await asyncio.to_thread(self._client.shutdown)
+
+    async def __aenter__(self) -> AsyncLLM:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.shutdown()
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        if self.errored:
+            raise EngineDeadError() from (self._dead or None)
+        if self._shut_down:
+            raise EngineDeadError("the engine was shut down")
+
+    def _ensure_output_handler(self) -> None:
+        """Start the output handler on the running loop, unless it already runs there."""
+        loop = _running_loop()
+        if loop is None or self._shut_down or self.errored:
+            return
+        handler = self._output_handler
+        if handler is None or handler.done() or handler.get_loop() is not loop:
+            self._output_handler = loop.create_task(self._run_output_handler(), name="asyncllm-output-handler")
+
+    async def _run_output_handler(self) -> None:
+        """The one loop: engine outputs -> output processor -> collectors; stop-string hits -> engine aborts."""
+        try:
+            while True:
+                outputs = await self._client.get_output_async()
+                await self._process_engine_outputs(outputs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            if not self._shut_down:
+                logger.error("the output handler stopped: %r", e)
+                self._dead = e
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError()
+            self._output_processor.propagate_error(error)
+
+    async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        items = outputs.outputs
+        for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
+            if start:
+                await asyncio.sleep(0)  # let other coroutines run between chunks
+            result = self._output_processor.process_outputs(items[start : start + OUTPUT_CHUNK_SIZE])
+            await self._abort_in_engine(result.reqs_to_abort)
+
+    async def _abort_in_engine(self, request_ids: list[str]) -> None:
+        if request_ids and not self.errored and not self._shut_down:
+            await self._client.abort_requests_async(request_ids)
+
+    def _abort_closed_stream(self, request_id: str) -> None:
+        """Called (on the loop thread) when a stream is closed or dropped unfinished: no output is sent."""
+        aborted = self._output_processor.abort_requests([request_id], notify=False)
+        if not aborted:
+            return
+        loop = _running_loop()
+        if loop is None:
+            return
+        task = loop.create_task(self._abort_in_engine(aborted))
+        self._background_tasks.add(task)
+        task.add_done_callback(self._background_tasks.discard)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

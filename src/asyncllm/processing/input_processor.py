@@ -1,0 +1,188 @@
+"""Prompt -> validated `EngineCoreRequest`, on the caller's side, before anything reaches the engine.
+
+Prompt forms:
+    "text"                                       encoded with the tokenizer (special tokens added, e.g. BOS).
+    {"prompt_token_ids": [int, ...]}             used as is (optionally with "prompt": its text).
+    {"prompt": "text"}                           same as "text".
+    [{"role": "user", "content": "..."}, ...]    rendered with the model's chat template
+                                                 (add_generation_prompt=True), encoded without special tokens.
+
+Length rule: a prompt may use at most `max_model_len - 1` tokens (one must be left to generate), and
+`max_tokens` is clamped to what fits: `max_tokens = min(max_tokens or inf, max_model_len - num_prompt_tokens)`
+(and `min_tokens` to at most that).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import msgspec
+
+from asyncllm.engine.protocol import EngineCoreRequest
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling_params import SamplingParams
+
+PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+class TokenizerLike(Protocol):
+    """What the input processor needs from `asyncllm.model.tokenizer.Tokenizer`."""
+
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+class ProcessedRequest(NamedTuple):
+    """A validated request and the prompt text (None for token-id prompts) for `RequestOutput.prompt`."""
+
+    prompt: str | None
+    request: EngineCoreRequest
+
+
+class InputProcessor:
+    """Tokenizes and validates prompts.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        max_model_len: tokens per sequence at most (prompt + output).
+        vocab_size: valid token ids are [0, vocab_size).
+    """
+
+    def __init__(self, tokenizer: TokenizerLike, max_model_len: int, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+
+    def process(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> ProcessedRequest:
+        """Build the engine request for one prompt.
+
+        Args:
+            prompt: one of the forms in the module docstring.
+            sampling_params: None means `SamplingParams()`; never mutated (a clamped copy is sent).
+            request_id: None makes a unique one (uuid4 hex).
+            priority: lower runs first.
+        Returns:
+            The prompt text and the `EngineCoreRequest` (eos id from the tokenizer, max_tokens clamped).
+        Raises:
+            InvalidRequestError: bad prompt shape, empty or too long prompt, token id outside the vocabulary,
+                bad sampling parameters, request id or priority.
+        """
+        params = self._validate_params(sampling_params)
+        request_id = _validate_request_id(request_id)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority={priority!r} is invalid: must be an integer")
+        text, token_ids = self.tokenize(prompt)
+        self._validate_token_ids(token_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=self._clamp_max_tokens(params, len(token_ids)),
+            eos_token_id=self._tokenizer.eos_token_id,
+            arrival_time=time.time(),
+            priority=priority,
+        )
+        return ProcessedRequest(text, request)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Turn a prompt into (text or None, token ids).
+
+        Raises:
+            InvalidRequestError: the prompt has none of the accepted shapes, or is empty.
+        """
+        if isinstance(prompt, str):
+            return prompt, self._encode_text(prompt, add_special_tokens=True)
+        if isinstance(prompt, Mapping):
+            return self._tokenize_dict(prompt)
+        if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            text = self._render_chat(prompt)
+            return text, self._encode_text(text, add_special_tokens=False)
+        raise InvalidRequestError(
+            f"prompt of type {type(prompt).__name__} is invalid: must be a str, a dict with "
+            "'prompt_token_ids' (or 'prompt'), or a list of chat messages"
+        )
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        if not text:
+            raise InvalidRequestError("the prompt is empty")
+        token_ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not token_ids:
+            raise InvalidRequestError("the prompt encodes to no tokens")
+        return list(token_ids)
+
+    def _tokenize_dict(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unknown:
+            raise InvalidRequestError(f"unknown prompt keys {unknown}: use 'prompt_token_ids' or 'prompt'")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequestError("prompt['prompt'] must be a str")
+        if "prompt_token_ids" not in prompt:
+            if text is None:
+                raise InvalidRequestError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+            return text, self._encode_text(text, add_special_tokens=True)
+        token_ids = prompt["prompt_token_ids"]
+        if not isinstance(token_ids, Sequence) or isinstance(token_ids, str | bytes):
+            raise InvalidRequestError("prompt_token_ids must be a list of ints")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: prompt_token_ids has no tokens")
+        return text, list(token_ids)
+
+    def _render_chat(self, messages: Sequence[Any]) -> str:
+        if not messages:
+            raise InvalidRequestError("the chat prompt has no messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise InvalidRequestError(f"chat message {i} must be a dict with 'role' and 'content'")
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not role:
+                raise InvalidRequestError(f"chat message {i} needs a non-empty str 'role'")
+            if not isinstance(content, str):
+                raise InvalidRequestError(f"chat message {i} needs a str 'content'")
+        return self._tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True)
+
+    def _validate_token_ids(self, token_ids: list[int]) -> None:
+        for token_id in token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self._vocab_size:
+                raise InvalidRequestError(f"token id {token_id!r} is outside the vocabulary [0, {self._vocab_size})")
+        if len(token_ids) > self._max_model_len - 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; at most {self._max_model_len - 1} fit "
+                f"(max_model_len={self._max_model_len}, one token must be left to generate)"
+            )
+
+    def _validate_params(self, params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
+        params.validate()
+        bad = [t for t in params.stop_token_ids or () if t >= self._vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {self._vocab_size})")
+        return params
+
+    def _clamp_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        room = self._max_model_len - num_prompt_tokens
+        if params.max_tokens is not None and params.max_tokens <= room:
+            return params
+        return msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+
+
+def _validate_request_id(request_id: str | None) -> str:
+    if request_id is None:
+        return uuid.uuid4().hex
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError(f"request_id={request_id!r} is invalid: must be a non-empty str")
+    return request_id

@@ -1,0 +1,182 @@
+"""What `AsyncLLM.generate()` returns: an async stream of `RequestOutput`, backed by a one-slot collector.
+
+The output handler puts outputs into a request's `RequestOutputCollector`; the consumer takes them out.
+The collector has a single slot, so a slow consumer never makes memory grow: DELTA outputs waiting in the
+slot are merged (text concatenated, token ids extended) and CUMULATIVE / FINAL_ONLY outputs replace the
+waiting one. Either way the consumer sees the same final text, and the finished output is never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from types import TracebackType
+
+from asyncllm.errors import StreamClosedError
+from asyncllm.outputs import RequestOutput
+from asyncllm.sampling_params import RequestOutputKind
+
+
+class RequestOutputCollector:
+    """The single slot between the output handler (producer) and one stream's consumer.
+
+    Used on the event loop's thread only.
+
+    Args:
+        output_kind: DELTA outputs merge when the consumer lags; other kinds replace.
+    """
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self._aggregate = output_kind == RequestOutputKind.DELTA
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        """Offer an output; merges into (DELTA) or replaces (other kinds) an output still waiting."""
+        if self._output is None or not self._aggregate:
+            self._output = output
+        else:
+            _merge_delta(self._output, output)
+        self._ready.set()
+
+    def put_error(self, error: BaseException) -> None:
+        """Deliver an error; `get()` raises it once the waiting output (if any) was taken."""
+        self._error = error
+        self._ready.set()
+
+    def get_nowait(self) -> RequestOutput | None:
+        """Take the waiting output, or None.
+
+        Raises:
+            The delivered error, when no output is waiting.
+        """
+        output = self._output
+        if output is not None:
+            self._output = None
+        elif self._error is not None:
+            raise self._error
+        if self._error is None:
+            self._ready.clear()
+        return output
+
+    async def get(self) -> RequestOutput:
+        """Wait for and take the next output.
+
+        Raises:
+            The delivered error (e.g. `EngineDeadError`), when no output is waiting.
+        """
+        while (output := self.get_nowait()) is None:
+            await self._ready.wait()
+        return output
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append `new` (a later DELTA output of the same request) to `into`, which nobody has seen yet."""
+    by_index = {c.index: c for c in into.outputs}
+    for completion in new.outputs:
+        old = by_index.get(completion.index)
+        if old is None:
+            into.outputs.append(completion)
+            continue
+        old.text += completion.text
+        old.token_ids.extend(completion.token_ids)
+        old.finish_reason = completion.finish_reason
+        old.stop_reason = completion.stop_reason
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+
+
+class GenerateOutputStream:
+    """Async iterator over one request's `RequestOutput`s; the last one has `finished=True`.
+
+    Closing it (`aclose()`, leaving `async with`, cancelling the consuming task, or dropping it unfinished,
+    e.g. by breaking out of `async for`) aborts the request in the engine.
+
+    Args:
+        request_id: the request this stream belongs to.
+        collector: where the output handler puts this request's outputs.
+        abort: `abort(request_id)`, called on the loop's thread to abort the request; must not raise.
+        ensure_running: called before each wait (starts the output handler on the running loop).
+        loop: the loop the request was submitted on; the garbage-collection abort is scheduled on it.
+    Raises (from iteration):
+        StreamClosedError: used after `aclose()`.
+        EngineDeadError: the engine died.
+        EngineGenerateError: this request failed in the engine.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        collector: RequestOutputCollector,
+        abort: Callable[[str], None],
+        ensure_running: Callable[[], None] = lambda: None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._collector = collector
+        self._abort = abort
+        self._ensure_running = ensure_running
+        self._loop = loop
+        self._finished = False  # the finished output was handed out, or an error was raised
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        """True once the last output (or an error) was handed to the consumer."""
+        return self._finished
+
+    @property
+    def closed(self) -> bool:
+        """True after `aclose()`."""
+        return self._closed
+
+    def __aiter__(self) -> GenerateOutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StreamClosedError(f"the output stream of request {self.request_id!r} is closed")
+        if self._finished:
+            raise StopAsyncIteration
+        self._ensure_running()
+        try:
+            output = await self._collector.get()
+        except asyncio.CancelledError:
+            self._close_and_abort()
+            raise
+        except BaseException:
+            self._finished = True
+            raise
+        if output.finished:
+            self._finished = True
+        return output
+
+    async def aclose(self) -> None:
+        """Close the stream; aborts the request in the engine if it is not finished. Idempotent."""
+        self._close_and_abort()
+
+    async def __aenter__(self) -> GenerateOutputStream:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def _close_and_abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._finished:
+            self._finished = True
+            self._abort(self.request_id)
+
+    def __del__(self) -> None:
+        # Dropped unfinished (e.g. `break` out of `async for`): abort on the request's loop, from any thread.
+        if self._closed or self._finished or self._loop is None:
+            return
+        self._closed = self._finished = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is left to abort
+            self._loop.call_soon_threadsafe(self._abort, self.request_id)
