@@ -1,0 +1,197 @@
+"""GenerateOutputStream and its one-slot collector: kinds, merging under a slow consumer, close, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from asyncllm import (
+    EngineDeadError,
+    EngineGenerateError,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    StreamClosedError,
+)
+from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from asyncllm.outputs import CompletionOutput
+from asyncllm.processing.output_processor import OutputProcessor
+from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
+
+TEXT = "Streams merge deltas: ünïcödé 😀 and spaces  kept."
+
+
+@pytest.fixture(scope="module")
+def hf(model_path: str) -> HFTokenizer:
+    from asyncllm.model.tokenizer import Tokenizer
+
+    return Tokenizer.load(model_path).hf
+
+
+def output(text: str, ids: list[int], finished: bool = False) -> RequestOutput:
+    reason = "length" if finished else None
+    return RequestOutput("r", None, [1], [CompletionOutput(0, text, ids, reason)], finished=finished)
+
+
+class Aborts:
+    """Records abort callbacks."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def __call__(self, request_id: str) -> None:
+        self.ids.append(request_id)
+
+
+def make_stream(kind: RequestOutputKind = RequestOutputKind.DELTA) -> tuple[GenerateOutputStream, Aborts]:
+    aborts = Aborts()
+    collector = RequestOutputCollector(kind)
+    return GenerateOutputStream("r", collector, aborts, loop=asyncio.get_running_loop()), aborts
+
+
+async def feed(hf: HFTokenizer, kind: RequestOutputKind, consume_every: int) -> list[RequestOutput]:
+    """Run TEXT through the real output processor one token per step; the consumer reads every n steps."""
+    processor = OutputProcessor(hf)
+    collector = RequestOutputCollector(kind)
+    processor.add_request(EngineCoreRequest("r", [1], SamplingParams(output_kind=kind)), None, collector)
+    ids = hf.encode(TEXT).ids
+    seen = []
+    for i, token in enumerate(ids):
+        reason = FinishReason.LENGTH if i == len(ids) - 1 else None
+        processor.process_outputs([EngineCoreOutput("r", [token], finish_reason=reason)])
+        if i % consume_every == 0 or reason is not None:
+            out = collector.get_nowait()
+            if out is not None:
+                seen.append(out)
+    return seen
+
+
+@pytest.mark.parametrize("consume_every", [1, 3, 7, 1000])
+async def test_delta_merging_under_a_slow_consumer_keeps_the_text(hf: HFTokenizer, consume_every: int) -> None:
+    outputs = await feed(hf, RequestOutputKind.DELTA, consume_every)
+    ids = hf.encode(TEXT).ids
+    assert "".join(o.outputs[0].text for o in outputs) == TEXT
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == ids
+    assert [o.finished for o in outputs].count(True) == 1
+    assert outputs[-1].finished
+    assert outputs[-1].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY])
+async def test_cumulative_and_final_replace_under_a_slow_consumer(hf: HFTokenizer, kind: RequestOutputKind) -> None:
+    outputs = await feed(hf, kind, consume_every=5)
+    assert outputs[-1].outputs[0].text == TEXT
+    assert outputs[-1].finished
+    assert [o.finished for o in outputs].count(True) == 1
+
+
+async def test_collector_holds_one_output_however_many_are_put() -> None:
+    collector = RequestOutputCollector(RequestOutputKind.DELTA)
+    for i in range(1000):
+        collector.put(output("a", [i]))
+    merged = collector.get_nowait()
+    assert merged is not None
+    assert merged.outputs[0].text == "a" * 1000
+    assert merged.outputs[0].token_ids == list(range(1000))
+    assert collector.get_nowait() is None
+
+
+async def test_stream_yields_until_finished_then_stops() -> None:
+    stream, aborts = make_stream()
+    stream._collector.put(output("a", [1]))
+    assert (await stream.__anext__()).outputs[0].text == "a"
+    stream._collector.put(output("b", [2], finished=True))
+    rest = [o async for o in stream]
+    assert [o.finished for o in rest] == [True]
+    assert stream.finished
+    with pytest.raises(StopAsyncIteration):
+        await stream.__anext__()
+    await stream.aclose()
+    assert aborts.ids == []  # finished requests are not aborted
+
+
+async def test_stream_waits_for_the_producer() -> None:
+    stream, _ = make_stream()
+
+    async def produce() -> None:
+        await asyncio.sleep(0.01)
+        stream._collector.put(output("late", [1], finished=True))
+
+    task = asyncio.create_task(produce())
+    assert (await asyncio.wait_for(stream.__anext__(), 5)).outputs[0].text == "late"
+    await task
+
+
+async def test_aclose_is_idempotent_and_aborts_once() -> None:
+    stream, aborts = make_stream()
+    await stream.aclose()
+    await stream.aclose()
+    assert aborts.ids == ["r"]
+    assert stream.closed
+
+
+async def test_use_after_close_raises_stream_closed() -> None:
+    stream, _ = make_stream()
+    await stream.aclose()
+    with pytest.raises(StreamClosedError):
+        await stream.__anext__()
+
+
+async def test_async_with_closes_the_stream() -> None:
+    stream, aborts = make_stream()
+    async with stream as s:
+        assert s is stream
+    assert aborts.ids == ["r"]
+
+
+@pytest.mark.parametrize("error", [EngineDeadError(), EngineGenerateError("request failed")])
+async def test_errors_are_raised_after_the_waiting_output(error: Exception) -> None:
+    stream, aborts = make_stream()
+    stream._collector.put(output("a", [1]))
+    stream._collector.put_error(error)
+    assert (await stream.__anext__()).outputs[0].text == "a"
+    with pytest.raises(type(error)):
+        await stream.__anext__()
+    await stream.aclose()
+    assert aborts.ids == []
+
+
+async def test_error_wakes_a_waiting_consumer() -> None:
+    stream, _ = make_stream()
+    waiter = asyncio.create_task(stream.__anext__())
+    await asyncio.sleep(0)
+    stream._collector.put_error(EngineDeadError())
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(waiter, 5)
+
+
+async def test_cancelling_the_consumer_aborts_the_request() -> None:
+    stream, aborts = make_stream()
+    waiter = asyncio.create_task(stream.__anext__())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert aborts.ids == ["r"]
+    assert stream.closed
+
+
+async def test_dropping_an_unfinished_stream_schedules_an_abort() -> None:
+    stream, aborts = make_stream()
+    del stream
+    gc.collect()
+    await asyncio.sleep(0)
+    assert aborts.ids == ["r"]
+
+
+def test_dropping_a_stream_of_a_closed_loop_is_silent() -> None:
+    loop = asyncio.new_event_loop()
+    aborts = Aborts()
+    stream = GenerateOutputStream("r", RequestOutputCollector(RequestOutputKind.DELTA), aborts, loop=loop)
+    loop.close()
+    del stream
+    gc.collect()
+    assert aborts.ids == []
