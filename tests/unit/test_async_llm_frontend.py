@@ -1,0 +1,213 @@
+"""AsyncLLM on a scripted fake engine core and the real tokenizer: the frontend contract without a model."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import (
+    AsyncLLM,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    StreamClosedError,
+)
+from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from asyncllm.engine.client import InprocClient
+from asyncllm.engine.protocol import EngineCoreRequest
+from tests.unit.fake_engine_core import NUM_BLOCKS, FakeEngineCore
+
+ANSWER = "The capital of France is Paris. 😀"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: str):
+    from asyncllm.model.tokenizer import Tokenizer
+
+    return Tokenizer.load(model_path)
+
+
+def make_llm(tokenizer, **core_kw) -> tuple[AsyncLLM, list[FakeEngineCore]]:
+    answer_ids = [*tokenizer.encode(ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
+    cores: list[FakeEngineCore] = []
+
+    def script(req: EngineCoreRequest) -> list[int]:
+        return answer_ids
+
+    def factory(config: EngineConfig) -> FakeEngineCore:
+        cores.append(FakeEngineCore(script, **core_kw))
+        return cores[-1]
+
+    config = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())
+    return AsyncLLM(config, tokenizer, InprocClient(config, core_factory=factory)), cores
+
+
+@pytest_asyncio.fixture
+async def llm(tokenizer) -> AsyncIterator[AsyncLLM]:
+    engine, _ = make_llm(tokenizer, max_model_len=256)
+    async with engine:
+        yield engine
+
+
+def greedy(max_tokens: int = 64, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=kind, **kw)
+
+
+async def collect(stream) -> list[RequestOutput]:
+    return [out async for out in stream]
+
+
+async def wait_for(predicate: Callable[[], bool], within: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+async def test_kinds_end_with_one_finished_output(llm: AsyncLLM, kind: RequestOutputKind) -> None:
+    outputs = await collect(llm.generate("Hi", greedy(kind=kind)))
+    assert [o.finished for o in outputs].count(True) == 1
+    assert outputs[-1].finished
+    if kind == RequestOutputKind.DELTA:
+        text = "".join(o.outputs[0].text for o in outputs)
+    else:
+        text = outputs[-1].outputs[0].text
+    assert text == ANSWER
+    assert outputs[-1].outputs[0].finish_reason == "stop"
+    if kind == RequestOutputKind.FINAL_ONLY:
+        assert len(outputs) == 1
+
+
+async def test_three_prompt_forms(llm: AsyncLLM, tokenizer) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = await collect(llm.generate(messages, greedy(kind=RequestOutputKind.FINAL_ONLY)))
+    rendered = tokenizer.apply_chat_template(messages)
+    assert chat[0].prompt == rendered
+    assert chat[0].prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    ids = await collect(llm.generate({"prompt_token_ids": [5, 6]}, greedy(kind=RequestOutputKind.FINAL_ONLY)))
+    assert (ids[0].prompt, ids[0].prompt_token_ids) == (None, [5, 6])
+    text = await collect(llm.generate("Hello", greedy(kind=RequestOutputKind.FINAL_ONLY)))
+    assert text[0].prompt == "Hello"
+
+
+async def test_stop_string_finishes_and_aborts_in_the_engine(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer, step_delay=0.005)
+    async with engine:
+        outputs = await collect(engine.generate("Hi", greedy(kind=RequestOutputKind.DELTA, stop=[" Paris"])))
+        final = outputs[-1].outputs[0]
+        assert "".join(o.outputs[0].text for o in outputs) == "The capital of France is"
+        assert (final.finish_reason, final.stop_reason) == ("stop", " Paris")
+        await wait_for(lambda: cores[0].aborted == [outputs[-1].request_id])
+
+
+async def test_max_tokens_gives_length(llm: AsyncLLM) -> None:
+    outputs = await collect(llm.generate("Hi", greedy(3)))
+    assert outputs[-1].outputs[0].finish_reason == "length"
+    assert len(outputs[-1].outputs[0].token_ids) == 3
+
+
+async def test_invalid_input_raises_at_submission(llm: AsyncLLM) -> None:
+    for bad in ["", {"prompt_token_ids": []}, {"prompt_token_ids": [10**9]}, [{"role": "user"}], 42]:
+        with pytest.raises(InvalidRequestError):
+            llm.generate(bad, greedy())  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="256"):
+        llm.generate({"prompt_token_ids": [1] * 256}, greedy())
+    outputs = await collect(llm.generate("still serving", greedy(2)))
+    assert outputs[-1].finished
+
+
+async def test_duplicate_in_flight_request_id_is_rejected(tokenizer) -> None:
+    engine, _ = make_llm(tokenizer, step_delay=0.01)
+    async with engine:
+        stream = engine.generate("Hi", greedy(), request_id="dup")
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            engine.generate("Hi", greedy(), request_id="dup")
+        await collect(stream)
+        await collect(engine.generate("Hi", greedy(2), request_id="dup"))  # free again once finished
+
+
+async def test_abort_ends_the_stream_with_a_final_abort_output(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer, step_delay=0.005)
+    async with engine:
+        outputs = []
+        async for out in engine.generate("Hi", greedy(1000, ignore_eos=True), request_id="a"):
+            outputs.append(out)
+            if len(outputs) == 2:
+                await engine.abort("a")
+        assert [o.finished for o in outputs].count(True) == 1
+        assert outputs[-1].outputs[0].finish_reason == "abort"
+        await wait_for(lambda: cores[0].aborted == ["a"])
+
+
+async def test_aclose_and_breaking_out_abort_in_the_engine(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer, step_delay=0.005)
+    async with engine:
+        stream = engine.generate("Hi", greedy(1000, ignore_eos=True), request_id="closed")
+        await stream.__anext__()
+        await stream.aclose()
+        await stream.aclose()
+        with pytest.raises(StreamClosedError):
+            await stream.__anext__()
+        async for _ in engine.generate("Hi", greedy(1000, ignore_eos=True), request_id="broken"):
+            break
+        gc.collect()
+        await wait_for(lambda: sorted(cores[0].aborted) == ["broken", "closed"])
+        stats = await engine.get_scheduler_stats()
+        assert (stats.num_running_reqs, stats.num_free_blocks) == (0, NUM_BLOCKS)
+
+
+async def test_slow_consumer_delta_merges_to_the_same_text(tokenizer) -> None:
+    engine, _ = make_llm(tokenizer, max_model_len=512)
+    async with engine:
+        outputs = []
+        async for out in engine.generate("Hi", greedy(200, RequestOutputKind.DELTA, ignore_eos=True)):
+            outputs.append(out)
+            await asyncio.sleep(0.01)
+        ids = [t for o in outputs for t in o.outputs[0].token_ids]
+        assert len(ids) == 200
+        assert "".join(o.outputs[0].text for o in outputs) == tokenizer.decode(ids)
+        assert len(outputs) < 200, "a lagging consumer should see merged outputs"
+
+
+async def test_engine_death_reaches_every_stream_and_is_sticky(tokenizer) -> None:
+    engine, _ = make_llm(tokenizer, step_delay=0.005, fail_at_step=5)
+    streams = [engine.generate("Hi", greedy(100, ignore_eos=True)) for _ in range(3)]
+    for stream in streams:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(collect(stream), 5)
+    assert engine.errored
+    assert not engine.is_running
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+    with pytest.raises(EngineDeadError):
+        engine.generate("Hi", greedy())
+    await engine.shutdown()
+
+
+async def test_shutdown_ends_open_streams_and_is_idempotent(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer, step_delay=0.005)
+    stream = engine.generate("Hi", greedy(1000, ignore_eos=True))
+    await stream.__anext__()
+    await engine.shutdown()
+    await engine.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(collect(stream), 5)
+    assert cores[0].shut_down.is_set()
+    assert not engine.is_running
+    with pytest.raises(EngineDeadError):
+        engine.generate("Hi", greedy())
+
+
+async def test_many_concurrent_streams(llm: AsyncLLM) -> None:
+    streams = [llm.generate(f"prompt {i}", greedy(8, RequestOutputKind.DELTA)) for i in range(300)]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for outputs in results:
+        assert outputs[-1].finished
+        assert len([t for o in outputs for t in o.outputs[0].token_ids]) == 8
