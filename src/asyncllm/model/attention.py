@@ -1,0 +1,87 @@
+"""Paged attention in plain torch: write K/V into the block cache, gather per group, run SDPA, scatter back.
+
+The cache of one layer is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` float32 (index 0 = K,
+1 = V). A token's slot is `block_id * block_size + offset`. For each `AttentionGroup` (decodes, prefills),
+the keys/values of every sequence are gathered through its block table into
+`[num_seqs, max_seq_len, num_kv_heads, head_dim]` and one batched `scaled_dot_product_attention` call runs
+with the group's boolean mask (causal with the cached-prefix offset, plus padding). No Python loop over
+sequences or tokens.
+
+Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
+grouped-query attention (Ainslie et al., 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asyncllm.model.attention_metadata import AttentionGroup, AttentionMetadata
+
+
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values in the paged cache, in place.
+
+    Args:
+        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] float32; modified in place.
+        key, value: [num_tokens, num_kv_heads, head_dim].
+        slot_mapping: [num_tokens] int64 slot (block_id * block_size + offset) of each token.
+    Raises:
+        IndexError: if a slot is outside the cache.
+    """
+    block_size = kv_cache.shape[2]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    kv_cache[blocks, 0, offsets] = key
+    kv_cache[blocks, 1, offsets] = value
+
+
+def gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of a group's sequences, in position order.
+
+    Returns:
+        (key, value), each [num_seqs, num_kv_heads, max_seq_len, head_dim] (SDPA layout).
+    """
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_seqs, max_blocks = group.block_tables.shape
+    kv = kv_cache[group.block_tables]  # [num_seqs, max_blocks, 2, block_size, kv_heads, head_dim]
+    kv = kv.transpose(1, 2).reshape(num_seqs, 2, max_blocks * block_size, num_kv_heads, head_dim)
+    kv = kv[:, :, : group.max_seq_len].transpose(2, 3)  # [num_seqs, 2, kv_heads, max_seq_len, head_dim]
+    return kv[:, 0], kv[:, 1]
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None
+) -> torch.Tensor:
+    """Attention of each query token over its sequence's cached keys/values (this step's already written).
+
+    Args:
+        query: [num_tokens, num_heads, head_dim] float32 (rotary already applied).
+        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]; num_heads % num_kv_heads == 0 (GQA).
+        meta: the step's metadata; every token belongs to exactly one group.
+        scale: softmax scale; default 1 / sqrt(head_dim).
+    Returns:
+        [num_tokens, num_heads * head_dim] float32.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    # Row num_tokens is a scratch row: padded query positions read it and write their (discarded) output to it.
+    padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
+    out = query.new_empty(num_tokens + 1, num_heads * head_dim)
+    for group in meta.groups:  # at most two: decodes, prefills
+        out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale)
+    return out[:num_tokens]
+
+
+def _group_attention(
+    padded_query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float | None
+) -> torch.Tensor:
+    """[num_seqs, max_query_len, num_heads * head_dim] attention output of one padded group."""
+    num_seqs, max_query_len = group.query_index.shape
+    q = padded_query[group.query_index].transpose(1, 2)  # [num_seqs, num_heads, max_query_len, head_dim]
+    key, value = gather_kv(kv_cache, group)
+    if key.shape[1] != q.shape[1]:  # GQA: each K/V head serves num_heads // num_kv_heads query heads
+        repeats = q.shape[1] // key.shape[1]
+        key = key.repeat_interleave(repeats, dim=1)
+        value = value.repeat_interleave(repeats, dim=1)
+    o = F.scaled_dot_product_attention(q, key, value, attn_mask=group.attn_mask, scale=scale)
+    return o.transpose(1, 2).reshape(num_seqs, max_query_len, -1)

@@ -1,0 +1,213 @@
+"""Llama-family decoder (SmolLM2, Llama, Mistral; Qwen2 with q/k/v biases) for CPU inference in float32.
+
+Linear weights are stored `[in, out]` contiguous and applied as `x @ W` (about twice the weight-streaming
+speed of `F.linear` for matrix-vector products on this CPU); q/k/v are one fused matmul and gate/up another.
+Rotary embeddings use a cos/sin cache indexed by positions. The LM head runs only in `compute_logits`, on
+the rows the runner samples. Parameters are filled by `load_weights` from HF-named `[out, in]` tensors.
+
+Sources: Llama (Touvron et al., 2023); RMSNorm (Zhang & Sennrich, 2019); rotary position embedding,
+RoFormer (Su et al., 2021), in HF's "rotate half" layout; SwiGLU MLP (Shazeer, 2020); GQA (Ainslie et al., 2023).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.attention import paged_attention, write_kv_cache
+from asyncllm.model.attention_metadata import AttentionMetadata
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight, over the last dim."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotary_cos_sin(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each [max_positions, head_dim // 2] float32 (RoFormer, Su et al., 2021)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of each head ("rotate half" layout, as HF Llama).
+
+    Args:
+        x: [num_tokens, num_heads, head_dim].
+        cos, sin: [num_tokens, 1, head_dim // 2] for the tokens' positions.
+    Returns:
+        [num_tokens, num_heads, head_dim].
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP block with fused [in, out] weights."""
+
+    def __init__(self, arch: ModelArchConfig, qkv_bias: bool) -> None:
+        super().__init__()
+        self.arch = arch
+        h, d = arch.hidden_size, arch.head_dim
+        self.q_size, self.kv_size = arch.num_attention_heads * d, arch.num_key_value_heads * d
+        self.input_norm = _param(h)
+        self.qkv_proj = _param(h, self.q_size + 2 * self.kv_size)
+        self.qkv_bias: nn.Parameter | None = _param(self.q_size + 2 * self.kv_size) if qkv_bias else None
+        self.o_proj = _param(self.q_size, h)
+        self.post_attention_norm = _param(h)
+        self.gate_up_proj = _param(h, 2 * arch.intermediate_size)
+        self.down_proj = _param(arch.intermediate_size, h)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """[num_tokens, hidden_size] -> [num_tokens, hidden_size]; writes this step's K/V into `kv_cache`."""
+        eps = self.arch.rms_norm_eps
+        hidden = hidden + self._attention(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta)
+        return hidden + self._mlp(rms_norm(hidden, self.post_attention_norm, eps))
+
+    def _attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n, d = x.shape[0], self.arch.head_dim
+        qkv = x @ self.qkv_proj
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(n, -1, d), cos, sin)
+        k = apply_rotary(k.view(n, -1, d), cos, sin)
+        write_kv_cache(kv_cache, k, v.view(n, -1, d), meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta) @ self.o_proj
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj
+
+    def load_weight(self, name: str, w: torch.Tensor) -> None:
+        """Place one HF layer tensor (name after `model.layers.N.`, `[out, in]`) into the fused [in, out] params."""
+        q, kv = self.q_size, self.kv_size
+        inter = self.arch.intermediate_size
+        # HF name -> (param, start column, width); weights are transposed to [in, out].
+        slots: dict[str, tuple[str, int, int]] = {
+            "self_attn.q_proj": ("qkv_proj", 0, q),
+            "self_attn.k_proj": ("qkv_proj", q, kv),
+            "self_attn.v_proj": ("qkv_proj", q + kv, kv),
+            "self_attn.o_proj": ("o_proj", 0, self.arch.hidden_size),
+            "mlp.gate_proj": ("gate_up_proj", 0, inter),
+            "mlp.up_proj": ("gate_up_proj", inter, inter),
+            "mlp.down_proj": ("down_proj", 0, self.arch.hidden_size),
+        }
+        if name == "input_layernorm.weight":
+            self.input_norm.copy_(w)
+        elif name == "post_attention_layernorm.weight":
+            self.post_attention_norm.copy_(w)
+        elif name.endswith(".bias") and name[: -len(".bias")] in slots and self.qkv_bias is not None:
+            _, start, width = slots[name[: -len(".bias")]]
+            self.qkv_bias[start : start + width].copy_(w)
+        elif name.endswith(".weight") and name[: -len(".weight")] in slots:
+            param, start, width = slots[name[: -len(".weight")]]
+            target: torch.Tensor = getattr(self, param)
+            target[:, start : start + width].copy_(w.t())
+        else:
+            raise KeyError(f"unexpected layer weight {name!r}")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only Llama-family language model.
+
+    Attributes:
+        arch: the architecture config it was built from.
+    """
+
+    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim // 2] buffers
+    rope_sin: torch.Tensor
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        qkv_bias = arch.architecture == "qwen2"
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, qkv_bias) for _ in range(arch.num_hidden_layers))
+        self.norm = _param(arch.hidden_size)
+        self.lm_head = _param(arch.hidden_size, arch.vocab_size)  # [in, out]
+        # Tied: embeddings are columns of lm_head (no second 113 MB copy); untied: their own [vocab, hidden].
+        self.embed_tokens: nn.Parameter | None = (
+            None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
+        )
+        cos, sin = rotary_cos_sin(arch.head_dim, arch.max_position_embeddings, arch.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run every layer over a flat batch of tokens.
+
+        Args:
+            input_ids: [num_tokens] int64.
+            positions: [num_tokens] int64 absolute positions (< max_position_embeddings).
+            kv_caches: one [num_blocks, 2, block_size, num_kv_heads, head_dim] float32 tensor per layer;
+                written in place at `meta.slot_mapping`.
+            meta: attention metadata of this step (`build_attention_metadata`).
+        Returns:
+            [num_tokens, hidden_size] float32 final-normed hidden states.
+        """
+        hidden = self.embed(input_ids)
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64 -> [num_tokens, hidden_size] float32 token embeddings."""
+        if self.embed_tokens is None:
+            return self.lm_head.index_select(1, input_ids).t()
+        return self.embed_tokens[input_ids]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden_size] -> [num_sampled, vocab_size] float32 logits."""
+        return hidden @ self.lm_head
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`) into the fused params.
+
+        Raises:
+            KeyError: for a tensor name this model does not have.
+        """
+        for name, tensor in weights:
+            self._load_one(name, tensor.to(torch.float32))
+
+    def _load_one(self, name: str, w: torch.Tensor) -> None:
+        if name == "model.embed_tokens.weight":
+            if self.embed_tokens is None:
+                self.lm_head.copy_(w.t())
+            else:
+                self.embed_tokens.copy_(w)
+        elif name == "lm_head.weight":
+            if self.embed_tokens is not None:  # tied models ignore a duplicated head
+                self.lm_head.copy_(w.t())
+        elif name == "model.norm.weight":
+            self.norm.copy_(w)
+        else:
+            match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+            if match is None:
+                raise KeyError(f"unexpected weight {name!r}")
+            cast(LlamaDecoderLayer, self.layers[int(match[1])]).load_weight(match[2], w)

@@ -1,0 +1,195 @@
+"""Build a model from a GGUF file or an HF safetensors directory, or with random ("dummy") weights.
+
+GGUF (ggml docs, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): tensors are read with
+`gguf.GGUFReader` and dequantized to float32 with `gguf.quants.dequantize`; names are mapped to HF names;
+llama.cpp's converter permutes the rows of Q and K weights of `llama` models for its interleaved rotary
+layout, and `_unpermute` undoes it (the inverse of `permute` in llama.cpp's convert_hf_to_gguf.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncllm.config import ModelConfig
+from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.gguf_metadata import read_gguf_header
+from asyncllm.model.registry import HF_MODEL_TYPES, get_model_class
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
+    """Architecture hyper-parameters from a `.gguf` file's metadata or an HF directory's config.json.
+
+    Raises:
+        ValueError: the path is neither, or a required key is missing.
+    """
+    path = pathlib.Path(model_path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        metadata, tensors = read_gguf_header(path)
+        tied = all(t.name != "output.weight" for t in tensors)  # no separate LM head: tied to token_embd
+        return _arch_from_gguf(metadata, tied)
+    if (path / "config.json").is_file():
+        return _arch_from_hf(json.loads((path / "config.json").read_text()))
+    raise ValueError(f"{model_path}: not a .gguf file or a directory with config.json")
+
+
+def _arch_from_gguf(meta: dict[str, Any], tied: bool) -> ModelArchConfig:
+    arch = meta["general.architecture"]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=get("attention.key_length", hidden // heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings=tied,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
+    heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    return ModelArchConfig(
+        architecture=HF_MODEL_TYPES[model_type],
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+
+
+def load_model(model_config: ModelConfig) -> nn.Module:
+    """Build the model for `model_config.model_path` and fill its weights.
+
+    `load_format="auto"` loads the checkpoint (GGUF dequantized to float32, or safetensors);
+    `"dummy"` fills random weights of the right shapes from `model_config.seed` (no file I/O beyond metadata).
+
+    Returns:
+        The model in eval mode, float32, with attribute `arch: ModelArchConfig`.
+    Raises:
+        ValueError: unsupported architecture or file layout.
+        KeyError: a checkpoint tensor the model does not know.
+    """
+    path = pathlib.Path(model_config.model_path)
+    arch = read_arch_config(path)
+    weights: Iterable[tuple[str, torch.Tensor]] = ()
+    if model_config.load_format != "dummy":
+        weights = _iter_gguf_weights(path, arch) if path.suffix.lower() == ".gguf" else _iter_safetensors_weights(path)
+    model = get_model_class(arch.architecture)(arch)
+    if model_config.load_format == "dummy":
+        _fill_dummy(model, model_config.seed)
+    else:
+        model.load_weights(weights)  # type: ignore[operator]
+    return model.eval()
+
+
+def _iter_gguf_weights(path: pathlib.Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 [out, in] tensor) for every tensor of a GGUF file, dequantized one at a time."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    _, infos = read_gguf_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain views: no memmap overhead
+    for info in infos:
+        qtype = GGMLQuantizationType(info.ggml_type)
+        block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+        shape = [int(n) for n in reversed(info.shape)]  # ggml lists the fastest-varying dim first
+        row_bytes = shape[-1] // block_elems * block_bytes
+        raw = data[info.offset : info.offset + math.prod(shape[:-1]) * row_bytes].reshape(*shape[:-1], row_bytes)
+        array = np.array(dequantize(raw, qtype), dtype=np.float32)  # a writable copy, off the file map
+        weight = torch.from_numpy(array.reshape(shape))
+        name = _hf_name(info.name)
+        if arch.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = arch.num_attention_heads if "q_proj" in name else arch.num_key_value_heads
+            weight = _unpermute(weight, heads)
+        yield name, weight
+
+
+def _hf_name(gguf_name: str) -> str:
+    stem, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if match and match[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{match[1]}.{_GGUF_LAYER_NAMES[match[2]]}.{kind}"
+    if stem in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[stem]}.{kind}"
+    raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (pairs interleaved) -> (first half, second half)."""
+    out_dim = weight.shape[0]
+    half = out_dim // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _iter_safetensors_weights(path: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import safe_open
+
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if not name.endswith("rotary_emb.inv_freq"):
+                    yield name, f.get_tensor(name)
+
+
+def _fill_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights: N(0, 0.02) for matrices, ones for norm weights, zeros for biases; seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and "bias" in name:
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,31 @@
+"""Architecture name -> model class.
+
+Names are those of `ModelArchConfig.architecture` (GGUF `general.architecture`, or HF `model_type` mapped
+through `HF_MODEL_TYPES`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from asyncllm.model.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+# HF config.json `model_type` -> architecture name used above.
+HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The model class for an architecture name.
+
+    Raises:
+        ValueError: the architecture is not supported (lists the supported ones).
+    """
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(MODEL_CLASSES)}") from None
