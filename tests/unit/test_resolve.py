@@ -1,0 +1,89 @@
+"""Model name/path resolution, the user cache, and fetch failures (no network is used here)."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import pytest
+
+from asyncllm.errors import ModelNotFoundError
+from asyncllm.model import resolve
+from asyncllm.model.resolve import KNOWN_MODELS, model_cache_dir, resolve_model_path
+
+NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def empty_cache(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return model_cache_dir()
+
+
+def _forbid_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("must not fetch")
+
+    monkeypatch.setattr(resolve, "_fetch_member", fail)
+
+
+def test_cache_dir_follows_xdg(empty_cache: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    assert empty_cache == tmp_path / "xdg" / "asyncllm" / "models"
+
+
+def test_cache_hit_does_not_fetch(empty_cache: pathlib.Path, model_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    empty_cache.mkdir(parents=True)
+    shutil.copy(model_path, empty_cache / KNOWN_MODELS[NAME].filename)
+    _forbid_fetch(monkeypatch)
+    assert resolve_model_path("SmolLM2-135M-Instruct") == empty_cache / KNOWN_MODELS[NAME].filename
+
+
+def test_gguf_path_resolves_to_itself(model_path: str) -> None:
+    assert resolve_model_path(model_path) == pathlib.Path(model_path).resolve()
+
+
+def test_hf_directory_resolves_to_itself(tmp_path: pathlib.Path) -> None:
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (tmp_path / name).write_text("{}")
+    assert resolve_model_path(str(tmp_path)) == tmp_path.resolve()
+
+
+@pytest.mark.parametrize("bad", ["no-such-model", "/no/such/file.gguf", "README.md"])
+def test_unknown_name_or_path_raises(bad: str) -> None:
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        resolve_model_path(bad)
+
+
+def test_incomplete_hf_directory_raises(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="not an HF model directory"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_offline_fetch_raises(empty_cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip cannot reach any index: as if offline
+    with pytest.raises(ModelNotFoundError, match="could not fetch"):
+        resolve_model_path(NAME)
+    assert not list(empty_cache.glob("*.gguf"))
+
+
+def test_checksum_mismatch_raises_and_caches_nothing(
+    empty_cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake_fetch(known: resolve.KnownModel, tmp: pathlib.Path) -> pathlib.Path:
+        out = tmp / known.filename
+        out.write_bytes(b"not the model")
+        return out
+
+    monkeypatch.setattr(resolve, "_fetch_member", fake_fetch)
+    with pytest.raises(ModelNotFoundError, match="checksum mismatch"):
+        resolve_model_path(NAME)
+    assert not list(empty_cache.glob("*.gguf"))
+
+
+def test_corrupt_cached_file_is_fetched_again(empty_cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    empty_cache.mkdir(parents=True)
+    (empty_cache / KNOWN_MODELS[NAME].filename).write_bytes(b"truncated")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    with pytest.raises(ModelNotFoundError, match="could not fetch"):
+        resolve_model_path(NAME)
