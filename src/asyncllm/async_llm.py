@@ -200,10 +200,9 @@ class AsyncLLM:
     async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
         items = outputs.outputs
         for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
-            if start:
-                await asyncio.sleep(0)  # let other coroutines run between chunks
             result = self._output_processor.process_outputs(items[start : start + OUTPUT_CHUNK_SIZE])
             await self._abort_in_engine(result.reqs_to_abort)
+            await asyncio.sleep(0)  # let other coroutines run between chunks (and between engine steps)
 
     async def _abort_in_engine(self, request_ids: list[str]) -> None:
         if request_ids and not self.errored and not self._shut_down:

@@ -49,6 +49,15 @@ class IncrementalDetokenizer:
         return self._text[: self._num_emittable]
 
     @property
+    def num_output_chars(self) -> int:
+        """Length of `output_text`."""
+        return self._num_emittable
+
+    def output_text_since(self, start: int) -> str:
+        """`output_text[start:]`, without copying the part before `start`."""
+        return self._text[start : self._num_emittable]
+
+    @property
     def stopped(self) -> bool:
         """True once a stop string matched; later tokens are ignored."""
         return self.stop_reason is not None

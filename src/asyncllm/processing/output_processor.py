@@ -170,16 +170,16 @@ def _make_output(state: RequestState) -> RequestOutput | None:
     """Build the next `RequestOutput` of a request, or None when its kind has nothing to send."""
     finished = state.finish_reason is not None
     detok = state.detokenizer
-    text, token_ids = detok.output_text, detok.token_ids
+    num_chars, num_tokens = detok.num_output_chars, len(detok.token_ids)
     if not finished:
-        nothing_new = len(text) == state.num_sent_chars and len(token_ids) == state.num_sent_tokens
+        nothing_new = num_chars == state.num_sent_chars and num_tokens == state.num_sent_tokens
         if nothing_new or state.output_kind == RequestOutputKind.FINAL_ONLY:
             return None
     if state.output_kind == RequestOutputKind.DELTA:
-        text, token_ids = text[state.num_sent_chars :], token_ids[state.num_sent_tokens :]
+        text, token_ids = detok.output_text_since(state.num_sent_chars), detok.token_ids[state.num_sent_tokens :]
     else:
-        token_ids = list(token_ids)
-    state.num_sent_chars, state.num_sent_tokens = len(detok.output_text), len(detok.token_ids)
+        text, token_ids = detok.output_text, list(detok.token_ids)
+    state.num_sent_chars, state.num_sent_tokens = num_chars, num_tokens
     completion = CompletionOutput(0, text, token_ids, state.finish_reason, state.stop_reason)
     return RequestOutput(
         request_id=state.request_id,

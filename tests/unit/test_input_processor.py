@@ -1,0 +1,91 @@
+"""InputProcessor: the three prompt forms, validation at submission, max_tokens clamping, request ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm import InvalidRequestError, SamplingParams
+from asyncllm.processing.input_processor import InputProcessor
+
+MAX_MODEL_LEN = 32
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def processor(model_path: str) -> InputProcessor:
+    from asyncllm.model.tokenizer import Tokenizer
+
+    return InputProcessor(Tokenizer.load(model_path), MAX_MODEL_LEN, VOCAB)
+
+
+def test_text_prompt(processor: InputProcessor) -> None:
+    text, request = processor.process("Hello world", SamplingParams(max_tokens=4))
+    assert text == "Hello world"
+    assert request.prompt_token_ids == processor._tokenizer.encode("Hello world")
+    assert request.eos_token_id == processor._tokenizer.eos_token_id
+    assert request.sampling_params.max_tokens == 4
+    assert len(request.request_id) == 32
+
+
+def test_token_prompt(processor: InputProcessor) -> None:
+    text, request = processor.process({"prompt_token_ids": [5, 6, 7]})
+    assert text is None
+    assert request.prompt_token_ids == [5, 6, 7]
+
+
+def test_chat_prompt_is_rendered_then_encoded_without_special_tokens(processor: InputProcessor) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text, request = processor.process(messages)
+    tokenizer = processor._tokenizer
+    assert text == tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert text is not None
+    assert text.endswith("<|im_start|>assistant\n")
+    assert request.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        ("", "empty"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [VOCAB]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
+        ({"prompt_token_ids": ["a"]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [1] * MAX_MODEL_LEN}, "at most 31 fit"),
+        ({"tokens": [1]}, "unknown prompt keys"),
+        ([], "no messages"),
+        ([{"role": "user"}], "content"),
+        (["hi"], "must be a dict"),
+        (3, "prompt of type int"),
+    ],
+)
+def test_bad_prompts_raise(processor: InputProcessor, prompt: object, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        processor.process(prompt)  # type: ignore[arg-type]
+
+
+def test_bad_params_and_ids_raise(processor: InputProcessor) -> None:
+    params = SamplingParams()
+    params.temperature = -1.0
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        processor.process("Hi", params)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        processor.process("Hi", SamplingParams(stop_token_ids=[VOCAB]))
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        processor.process("Hi", request_id="")
+    with pytest.raises(InvalidRequestError, match="sampling_params"):
+        processor.process("Hi", {"max_tokens": 3})  # type: ignore[arg-type]
+
+
+def test_max_tokens_is_clamped_to_what_fits_without_mutating_params(processor: InputProcessor) -> None:
+    params = SamplingParams(max_tokens=100, min_tokens=40)
+    _, request = processor.process({"prompt_token_ids": [1] * 30}, params)
+    assert (request.sampling_params.max_tokens, request.sampling_params.min_tokens) == (2, 2)
+    assert params.max_tokens == 100
+    _, unbounded = processor.process({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=None))
+    assert unbounded.sampling_params.max_tokens == MAX_MODEL_LEN - 10
+
+
+def test_generated_request_ids_are_unique(processor: InputProcessor) -> None:
+    ids = {processor.process("Hi").request.request_id for _ in range(100)}
+    assert len(ids) == 100
