@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from types import TracebackType
 from typing import Any
 
@@ -48,6 +49,8 @@ class AsyncLLM:
         self._background_tasks: set[asyncio.Task[Any]] = set()
         self._dead: BaseException | None = None
         self._shut_down = False
+        # Stops the engine if this object is collected or the interpreter exits without shutdown().
+        self._finalizer = weakref.finalize(self, client.shutdown)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -155,7 +158,7 @@ class AsyncLLM:
             with contextlib.suppress(asyncio.CancelledError):
                 await handler
         self._output_processor.propagate_error(EngineDeadError("the engine was shut down"))
-        await asyncio.to_thread(self._client.shutdown)
+        await asyncio.to_thread(self._finalizer)
 
     async def __aenter__(self) -> AsyncLLM:
         return self
