@@ -1,0 +1,85 @@
+"""`EngineCore`: the inner loop of the engine. A step is: schedule, run the model, update the requests.
+
+It owns the scheduler (and through it every request's state and the KV cache blocks) and the executor (the
+workers). It is not thread-safe: one thread (the client's engine thread, or the engine process's busy loop)
+calls every method. Follows vLLM v1's `EngineCore` (vllm/v1/engine/core.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from asyncllm.config import EngineConfig
+from asyncllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineReadyInfo, SchedulerStats
+from asyncllm.executors import get_executor_class
+from asyncllm.executors.base import Executor
+from asyncllm.sched.request import RequestStatus
+from asyncllm.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Builds the executor, sizes and allocates the KV cache, builds the scheduler, and runs steps.
+
+    Attributes:
+        ready_info: KV block count, max model length and vocabulary size, for the frontend.
+    Args:
+        config: the engine config.
+        executor_class: overrides `config.parallel.distributed_executor_backend` (tests, custom executors).
+    Raises:
+        InvalidRequestError: unknown executor backend.
+        ExecutorError: a worker failed to start, load the model or allocate the cache.
+    """
+
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        self.config = config
+        self.executor = (executor_class or get_executor_class(config.parallel.distributed_executor_backend))(config)
+        num_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.ready_info = self._cap_max_model_len(self.executor.get_ready_info(num_blocks))
+        self.scheduler = Scheduler(config.scheduler, num_blocks, config.cache.block_size, self.ready_info.max_model_len)
+
+    def _cap_max_model_len(self, info: EngineReadyInfo) -> EngineReadyInfo:
+        """A sequence must fit in the whole KV cache, or it could never finish: cap max_model_len to it."""
+        capacity = info.num_kv_blocks * self.config.cache.block_size
+        if capacity >= info.max_model_len:
+            return info
+        logger.warning(
+            "KV cache holds %d tokens < max_model_len %d: capping max_model_len", capacity, info.max_model_len
+        )
+        return EngineReadyInfo(info.num_kv_blocks, capacity, info.vocab_size)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request (validated by the frontend)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish these requests now and free their blocks; no output is emitted for them; unknown ids are
+        ignored. They are listed in `finished_requests` of the next step's outputs."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model, update the requests.
+
+        Returns:
+            The step's outputs; no outputs when nothing was scheduled.
+        Raises:
+            ExecutorError: a worker failed (the engine is then unusable).
+        """
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_req_ids:
+            return self.scheduler.make_empty_outputs()
+        model_runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a step has work: unfinished requests, or finished ones the workers must still drop."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def shutdown(self) -> None:
+        """Stop the executor and its workers. Idempotent."""
+        self.executor.shutdown()

@@ -1,0 +1,171 @@
+"""`ModelRunner`: turns a `SchedulerOutput` into one forward pass and one sampled token per finished prefill
+or decode.
+
+The runner keeps each request's token ids, block table, computed-token count and generator, updated from each
+`SchedulerOutput` (new requests carry everything, cached ones only their new blocks; finished ids are dropped),
+so the scheduler never resends what the worker already has. After vLLM v1's `GPUModelRunner`
+(vllm/v1/worker/gpu_model_runner.py), without the persistent-batch tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
+
+
+class CausalLM(Protocol):
+    """What the runner needs of a model (`asyncllm.model.llama.LlamaForCausalLM` is one)."""
+
+    arch: ModelArchConfig
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits."""
+        ...
+
+
+@dataclass
+class CachedRequestState:
+    """What the worker keeps for one request between steps.
+
+    Fields:
+        req_id: request id.
+        token_ids: prompt + output tokens known so far (the runner appends what it samples).
+        num_prompt_tokens: prompt length.
+        block_ids: the request's KV cache block table.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        sampling_params: its parameters.
+        generator: its own generator when seeded, else None (the shared one is used).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+    @classmethod
+    def from_new_request(cls, new: NewRequestData) -> CachedRequestState:
+        seeded = new.sampling_params.seed is not None
+        return cls(
+            req_id=new.req_id,
+            token_ids=[*new.prompt_token_ids, *new.output_token_ids],
+            num_prompt_tokens=len(new.prompt_token_ids),
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            sampling_params=new.sampling_params,
+            generator=torch.Generator() if seeded else None,
+        )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class ModelRunner:
+    """Runs the model for a flat batch of scheduled tokens and samples.
+
+    Args:
+        model: the model (see `CausalLM`).
+        block_size: tokens per KV cache block.
+        vocab_size: logits width.
+        seed: seed of the generator shared by unseeded requests.
+    """
+
+    def __init__(self, model: CausalLM, block_size: int, vocab_size: int, seed: int = 0) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.sampler = Sampler(seed)
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Update request state, run one forward over every scheduled token, sample where prefills end.
+
+        Returns:
+            Sampled token ids for each request whose computed tokens reach the end of its known tokens.
+        Raises:
+            KeyError: if a scheduled request was never sent as new (a scheduler/worker protocol bug).
+        """
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        states = [self.requests[req_id] for req_id in scheduler_output.num_scheduled_tokens]
+        query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
+        input_ids, positions, meta = self._prepare_inputs(states, query_lens)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self._advance(states, query_lens)
+        rows, sampled_states = self._select_sampling_rows(states, query_lens)
+        if not sampled_states:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[rows])
+        token_ids = self.sampler(logits, self._make_sampling_metadata(sampled_states)).tolist()
+        for state, token_id in zip(sampled_states, token_ids, strict=True):
+            state.token_ids.append(token_id)
+        return ModelRunnerOutput({state.req_id: [t] for state, t in zip(sampled_states, token_ids, strict=True)})
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:  # also a preempted request resuming: replace its state
+            self.requests[new.req_id] = CachedRequestState.from_new_request(new)
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(
+        self, states: list[CachedRequestState], query_lens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids and positions ([num_tokens] int64 each) and the attention metadata."""
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        seq_lens = starts + query_lens
+        chunks = zip(states, starts.tolist(), seq_lens.tolist(), strict=True)
+        input_ids = np.concatenate([np.asarray(s.token_ids[start:end], dtype=np.int64) for s, start, end in chunks])
+        offsets = np.repeat(starts - np.cumsum(query_lens) + query_lens, query_lens)
+        positions = offsets + np.arange(int(query_lens.sum()), dtype=np.int64)
+        meta = build_attention_metadata(
+            query_lens.tolist(), seq_lens.tolist(), [s.block_ids for s in states], self.block_size
+        )
+        return torch.from_numpy(input_ids), torch.from_numpy(positions), meta
+
+    @staticmethod
+    def _select_sampling_rows(
+        states: list[CachedRequestState], query_lens: np.ndarray
+    ) -> tuple[torch.Tensor, list[CachedRequestState]]:
+        """Flat rows of the last scheduled token of each request that samples (its computed tokens reach the
+        end of its known tokens; a partial prefill chunk does not), and those requests."""
+        last_rows = np.cumsum(query_lens) - 1
+        chosen = [i for i, state in enumerate(states) if state.num_computed_tokens >= len(state.token_ids)]
+        return torch.from_numpy(last_rows[chosen]), [states[i] for i in chosen]
+
+    def _make_sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        generators = {}
+        for row, state in enumerate(states):
+            seed = state.sampling_params.seed
+            if state.generator is not None and seed is not None:
+                generators[row] = seed_generator(state.generator, seed, state.num_output_tokens)
+        return SamplingMetadata.from_params([s.sampling_params for s in states], self.vocab_size, generators)
+
+    @staticmethod
+    def _advance(states: list[CachedRequestState], query_lens: np.ndarray) -> None:
+        for state, num_tokens in zip(states, query_lens.tolist(), strict=True):
+            state.num_computed_tokens += num_tokens

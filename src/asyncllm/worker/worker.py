@@ -1,0 +1,70 @@
+"""`Worker`: one model replica with its KV cache, driven by an executor.
+
+It sets the torch thread count, loads the model, sizes and allocates the paged KV cache, and runs each step
+through its `ModelRunner`. Every public method is callable by name through `Executor.collective_rpc`.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from asyncllm.config import EngineConfig
+from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.loader import load_model
+from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncllm.worker.model_runner import CausalLM, ModelRunner
+
+
+class Worker:
+    """Loads the model and runs it.
+
+    Args:
+        config: the engine config (model, cache and parallel parts are used).
+        rank: this worker's rank (0 for `uni`).
+    Raises:
+        ModelNotFoundError, OSError, ValueError: from loading the model.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        if config.parallel.num_threads is not None:
+            torch.set_num_threads(config.parallel.num_threads)
+        self.model = cast(CausalLM, load_model(config.model))
+        self.arch: ModelArchConfig = self.model.arch
+        self.model_runner = ModelRunner(
+            self.model, config.cache.block_size, self.arch.vocab_size, seed=config.model.seed
+        )
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks to allocate: `CacheConfig.num_kv_blocks` if set, else the memory budget divided by the bytes
+        of one block over all layers (>= 1)."""
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        return max(1, cache.kv_cache_memory_bytes // self.arch.kv_cache_bytes_per_block(cache.block_size))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] float32 tensor per layer."""
+        arch = self.arch
+        shape = (num_blocks, 2, self.config.cache.block_size, arch.num_key_value_heads, arch.head_dim)
+        self.model_runner.kv_caches = [torch.zeros(shape, dtype=torch.float32) for _ in range(arch.num_hidden_layers)]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step; see `ModelRunner.execute_model`."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def get_model_info(self) -> tuple[int, int]:
+        """(max_model_len, vocab_size): max_model_len is the configured value capped by the model's context."""
+        context = self.arch.max_position_embeddings
+        return min(self.config.model.max_model_len or context, context), self.arch.vocab_size
+
+    def check_health(self) -> None:
+        """Nothing to check in-process: a live worker is healthy."""
+
+    def shutdown(self) -> None:
+        """Drop the KV cache and the per-request state."""
+        self.model_runner.kv_caches = []
+        self.model_runner.requests.clear()
