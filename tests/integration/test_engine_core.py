@@ -7,11 +7,15 @@ import random
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from asyncllm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.protocol import EngineCoreRequest, FinishReason
+from asyncllm.executors.base import Executor
+from asyncllm.model.attention_metadata import AttentionMetadata
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.model_runner import ModelRunner
 from tests.reference import greedy_margins
 
 NUM_REQUESTS = 16
@@ -147,3 +151,88 @@ def test_real_model_batched_matches_alone_where_greedy_choice_is_clear(model_pat
         assert num_diverged <= 2
     finally:
         core.shutdown()
+
+
+# An exact oracle for the scheduler, runner and attention metadata: a fake model whose next token is
+# sum((position + 1) * token) over the whole sequence, mod the vocabulary, read back from the paged cache.
+FAKE_VOCAB = 997
+
+
+def _oracle(prompt: list[int], num_tokens: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(num_tokens):
+        seq.append(sum((i + 1) * t for i, t in enumerate(seq)) % FAKE_VOCAB)
+    return seq[len(prompt) :]
+
+
+class _SumModel:
+    """Writes (position + 1) * token as each token's "key"; a query's hidden state is the sum of the keys it
+    may attend to (per the metadata's block tables and mask); the logits are one-hot at that sum mod vocab."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        keys = kv_caches[0][:, 0, :, 0, 0]  # [num_blocks, block_size]
+        block_size = meta.block_size
+        keys[meta.slot_mapping // block_size, meta.slot_mapping % block_size] = ((positions + 1) * input_ids).double()
+        hidden = torch.zeros(meta.num_tokens + 1, dtype=torch.float64)
+        for group in meta.groups:
+            seq_keys = keys[group.block_tables].flatten(1)[:, : group.max_seq_len]  # [num_seqs, max_seq_len]
+            hidden[group.query_index] = (group.attn_mask[:, 0] * seq_keys[:, None, :]).sum(-1)
+        return hidden[: meta.num_tokens, None]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        targets = (hidden[:, 0] % FAKE_VOCAB).long()
+        return torch.nn.functional.one_hot(targets, FAKE_VOCAB).float()
+
+
+class _SumModelExecutor(Executor):
+    def _init_executor(self) -> None:
+        self.runner = ModelRunner(_SumModel(), self.config.cache.block_size, FAKE_VOCAB)  # type: ignore[arg-type]
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None, unique_reply_rank=None):  # type: ignore[no-untyped-def]
+        return [getattr(self, "_" + method)(*args)]
+
+    def _determine_num_kv_blocks(self) -> int:
+        return self.config.cache.num_kv_blocks or 0
+
+    def _initialize_kv_cache(self, num_blocks: int) -> None:
+        block_size = self.config.cache.block_size
+        self.runner.kv_caches = [torch.zeros(num_blocks, 2, block_size, 1, 1, dtype=torch.float64)]
+
+    def _get_model_info(self) -> tuple[int, int]:
+        return 96, FAKE_VOCAB
+
+    def _execute_model(self, scheduler_output):  # type: ignore[no-untyped-def]
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("num_kv_blocks", "max_num_batched_tokens", "join_every"), [(64, 32, 0), (6, 20, 1)])
+def test_exact_oracle_through_paged_cache(num_kv_blocks: int, max_num_batched_tokens: int, join_every: int) -> None:
+    config = EngineConfig(
+        ModelConfig("fake", "fake", max_model_len=96),
+        CacheConfig(block_size=16, num_kv_blocks=num_kv_blocks),
+        SchedulerConfig(max_num_seqs=NUM_REQUESTS, max_num_batched_tokens=max_num_batched_tokens),
+        ParallelConfig(),
+    )
+    core = EngineCore(config, executor_class=_SumModelExecutor)
+    rng = random.Random(3)
+    requests = [
+        EngineCoreRequest(
+            f"r{i}",
+            [rng.randrange(FAKE_VOCAB) for _ in range(1 + 5 * i)],
+            SamplingParams(temperature=0.0, max_tokens=1 + (7 * i) % 19, ignore_eos=True),
+        )
+        for i in range(NUM_REQUESTS)
+    ]
+    tokens = _run(core, requests, join_every)
+    for request in requests:
+        expected = _oracle(request.prompt_token_ids, request.sampling_params.max_tokens or 0)
+        assert tokens[request.request_id] == expected, request.request_id
+    assert (core.scheduler.num_preemptions > 0) == (num_kv_blocks == 6)
+    stats = core.get_scheduler_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks == num_kv_blocks
+    assert core.executor.runner.requests == {}  # type: ignore[attr-defined]
