@@ -177,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] int64 -> [num_tokens, hidden_size] float32 token embeddings."""
         if self.embed_tokens is None:
-            return self.lm_head.index_select(1, input_ids).t()
+            return self.lm_head.index_select(1, input_ids).t().contiguous()
         return self.embed_tokens[input_ids]
 
     @torch.inference_mode()
