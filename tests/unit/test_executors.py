@@ -1,0 +1,44 @@
+"""get_executor_class: names, classes, "module:Class" targets, and precise errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.executors import get_executor_class
+from asyncllm.executors.base import Executor
+from asyncllm.executors.uniproc import UniProcExecutor
+
+
+def test_uni_is_the_uniproc_executor() -> None:
+    assert get_executor_class("uni") is UniProcExecutor
+
+
+def test_executor_subclass_and_import_path_are_accepted() -> None:
+    assert get_executor_class(UniProcExecutor) is UniProcExecutor
+    assert get_executor_class("asyncllm.executors.uniproc:UniProcExecutor") is UniProcExecutor
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_planned_backends_say_not_implemented(backend: str) -> None:
+    with pytest.raises(InvalidRequestError, match="not implemented yet"):
+        get_executor_class(backend)
+
+
+def test_unknown_name_lists_the_choices() -> None:
+    with pytest.raises(InvalidRequestError, match=r"unknown distributed_executor_backend 'gpu'.*'uni'"):
+        get_executor_class("gpu")
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("asyncllm.nope:X", "cannot import"),
+        ("asyncllm.executors.uniproc:Missing", "cannot import"),
+        ("asyncllm.errors:ExecutorError", "not a subclass"),
+        (int, "not a subclass"),
+    ],
+)
+def test_bad_targets_are_rejected(backend: str | type[Executor], message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        get_executor_class(backend)
