@@ -44,15 +44,14 @@ def gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tens
     """
     num_seqs, max_blocks = group.block_tables.shape
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    # One contiguous row gather of whole blocks (K and V together) is the fastest copy on CPU.
-    blocks = torch.index_select(kv_cache, 0, group.block_tables.flatten())
-    kv = blocks.view(num_seqs, max_blocks, 2, block_size, num_kv_heads, head_dim)
+    block_ids = group.block_tables.flatten()
 
-    def positions_first(index: int) -> torch.Tensor:
-        flat = kv[:, :, index].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    def gather(index: int) -> torch.Tensor:  # one row gather of whole blocks: the fastest copy on CPU
+        blocks = torch.index_select(kv_cache[:, index], 0, block_ids)
+        flat = blocks.view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
         return flat[:, : group.max_seq_len].transpose(1, 2)
 
-    return positions_first(0), positions_first(1)
+    return gather(0), gather(1)
 
 
 def paged_attention(
