@@ -43,7 +43,7 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
     """Architecture hyper-parameters from a `.gguf` file's metadata or an HF directory's config.json.
 
     Raises:
-        ValueError: the path is neither, or a required key is missing.
+        ValueError: the path is neither, a required key is missing, or the model uses RoPE scaling.
     """
     path = pathlib.Path(model_path)
     if path.is_file() and path.suffix.lower() == ".gguf":
@@ -88,6 +88,8 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     model_type = cfg.get("model_type", "llama")
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
+    if cfg.get("rope_scaling"):
+        raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not supported (plain RoPE only)")
     heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
