@@ -110,3 +110,24 @@ def test_temperature_matches_softmax_of_scaled_logits() -> None:
         freq = torch.bincount(tokens, minlength=4).float() / num_rows
         expected = (logits / temperature).softmax(dim=-1)
         assert torch.allclose(freq, expected, atol=0.015), (temperature, freq, expected)
+
+
+def test_partial_top_k_path_matches_full_sort() -> None:
+    from asyncllm.worker import sampler as sampler_module
+
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(9)) * 2
+    top_k = torch.tensor([1, 7, 40, 300, 1000, 5000])
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.3, 1.0, 0.8])
+    partial = apply_top_k_top_p(logits[:5], top_k[:5], top_p[:5])
+    full_limit, sampler_module._MAX_PARTIAL_TOP_K = sampler_module._MAX_PARTIAL_TOP_K, 0
+    try:
+        full = apply_top_k_top_p(logits[:5], top_k[:5], top_p[:5])
+        full_with_wide_row = apply_top_k_top_p(logits, top_k, top_p)
+    finally:
+        sampler_module._MAX_PARTIAL_TOP_K = full_limit
+    assert torch.equal(torch.isfinite(partial), torch.isfinite(full))
+    kept = torch.isfinite(partial).sum(dim=1).tolist()
+    assert kept[0] == 1
+    assert kept[4] == 1000  # top-k only
+    assert all(1 <= n < k for n, k in zip(kept[1:4], [7, 40, 300], strict=True))  # top-p cut inside top-k
+    assert torch.isfinite(full_with_wide_row[5]).sum() < 5000
