@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import weakref
 from types import TracebackType
@@ -64,7 +65,9 @@ class AsyncLLM:
 
         config = args.create_engine_config()
         tokenizer = Tokenizer.load(config.model.model_path)
-        return cls(config, tokenizer, make_client(config))
+        llm = cls(config, tokenizer, make_client(config))
+        _freeze_startup_heap()
+        return llm
 
     # ---- properties ---------------------------------------------------------------------------------
 
@@ -222,6 +225,18 @@ class AsyncLLM:
         task = loop.create_task(self._abort_in_engine(aborted))
         self._background_tasks.add(task)
         task.add_done_callback(self._background_tasks.discard)
+
+
+def _freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, the model, the tokenizer) out of the collector's reach.
+
+    With torch imported, a full (generation 2) collection scans ~170k objects and holds the GIL for 60-90 ms
+    on a 2-core CPU, stalling the event loop and the engine thread alike. Frozen objects are never scanned
+    again (they are still freed by reference counting). vLLM does the same after start-up; see `gc.freeze`
+    in the CPython documentation.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
