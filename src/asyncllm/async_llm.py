@@ -1,8 +1,8 @@
 """`AsyncLLM`: the asyncio front door. Submit prompts, stream `RequestOutput`s, abort, shut down.
 
 Data flow: `generate()` -> InputProcessor (tokenize + validate, synchronously) -> OutputProcessor state +
-EngineCoreClient.add_request -> engine core (a background thread) -> the output handler task (one per
-AsyncLLM, on the running loop) -> OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
+EngineCoreClient.add_request -> engine core (its own process by default, or a background thread) -> the output
+handler task (one per AsyncLLM, on the running loop) -> OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.client import EngineCoreClient, make_client
 from asyncllm.engine.protocol import EngineCoreOutputs, SchedulerStats
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
 from asyncllm.processing.input_processor import InputProcessor, PromptType
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.sampling_params import SamplingParams
@@ -58,8 +58,9 @@ class AsyncLLM:
         """Resolve the model, load its tokenizer, and start the engine core (blocks until it is ready).
 
         Raises:
-            InvalidRequestError: bad engine arguments (also engine_process=True, not supported yet).
+            InvalidRequestError: bad engine arguments.
             ModelNotFoundError: the model cannot be resolved.
+            EngineDeadError: the engine process failed to start (the message carries the engine's error).
         """
         from asyncllm.model.tokenizer import Tokenizer
 
@@ -204,6 +205,9 @@ class AsyncLLM:
             self._output_processor.propagate_error(error)
 
     async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.failed_requests:
+            failed = outputs.failed_requests.items()
+            self._output_processor.fail_requests({i: EngineGenerateError(f"request {i!r}: {e}") for i, e in failed})
         items = outputs.outputs
         for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
             result = self._output_processor.process_outputs(items[start : start + OUTPUT_CHUNK_SIZE])

@@ -75,7 +75,7 @@ class ParallelConfig:
         tensor_parallel_size: workers sharding the model.
     """
 
-    engine_process: bool = False
+    engine_process: bool = True
     num_threads: int | None = None
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1
@@ -107,7 +107,8 @@ class EngineArgs:
         max_num_batched_tokens: tokens per step at most.
         num_threads: torch threads per worker; None = torch's default.
         seed: global seed.
-        engine_process: engine core in its own process (True) or in a background thread (False).
+        engine_process: engine core in its own process (True, default: model work never competes with the
+            caller's event loop, and a crash there cannot take the caller down) or in a background thread (False).
         load_format: "auto" or "dummy" (random weights).
     Raises:
         InvalidRequestError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
@@ -122,7 +123,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     num_threads: int | None = None
     seed: int = 0
-    engine_process: bool = False
+    engine_process: bool = True
     load_format: LoadFormat = "auto"
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1

@@ -29,7 +29,7 @@ from asyncllm.engine.protocol import (
     EngineReadyInfo,
     UtilityResult,
 )
-from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
+from asyncllm.errors import EngineDeadError, EngineGenerateError
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
@@ -89,13 +89,16 @@ class EngineCoreClient(ABC):
 
 
 def make_client(config: EngineConfig) -> EngineCoreClient:
-    """Pick the client for `config.parallel.engine_process`.
+    """Pick the client for `config.parallel.engine_process`: `AsyncMPClient` (engine core in its own process,
+    `engine/mp_client.py`) or `InprocClient` (engine core in a background thread of this process).
 
     Raises:
-        InvalidRequestError: engine_process=True (the process client comes in a later issue).
+        EngineDeadError: the engine process failed to start (with the engine's error text).
     """
     if config.parallel.engine_process:
-        raise InvalidRequestError("engine_process=True is not supported yet; use EngineArgs(engine_process=False)")
+        from asyncllm.engine.mp_client import AsyncMPClient
+
+        return AsyncMPClient(config)
     return InprocClient(config)
 
 

@@ -1,6 +1,7 @@
 """Messages between the frontend and the engine core: msgspec Structs, the same in thread and process mode.
 
-Wire form (process mode, a later issue): one request-type byte + a msgpack payload. Structs use
+Wire form (process mode, `engine/core_proc.py`): requests are `[type byte, msgpack payload, *array frames]`;
+outputs are `[msgpack EngineCoreOutputs, *array frames]`, or the single frame `ENGINE_CORE_DEAD`. Structs use
 `array_like=True, omit_defaults=True, gc=False` as vLLM v1 does; enums are IntEnums.
 """
 
@@ -117,6 +118,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         timestamp: `time.monotonic()` in the engine when the outputs were made, seconds.
         utility_result: set when this message answers a utility call.
         finished_requests: ids the engine finished or aborted this step (for bookkeeping).
+        failed_requests: request id -> error text, for requests that failed inside a live engine (their
+            streams raise `EngineGenerateError`; the engine holds no state for them).
     """
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
@@ -124,6 +127,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     timestamp: float = msgspec.field(default_factory=time.monotonic)
     utility_result: UtilityResult | None = None
     finished_requests: list[str] | None = None
+    failed_requests: dict[str, str] | None = None
 
 
 class EngineReadyInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -138,3 +142,43 @@ class EngineReadyInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     num_kv_blocks: int
     max_model_len: int
     vocab_size: int
+
+
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+"""The one output frame an engine process sends when it dies of an exception (it exits right after)."""
+
+
+class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Payload of a UTILITY request: call `EngineCore.<method>(*args)` and answer with `UtilityResult(call_id)`.
+
+    Only methods named in `UTILITY_METHODS` are called; anything else is answered with an error.
+    """
+
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+
+
+UTILITY_METHODS: dict[str, Any] = {
+    "get_scheduler_stats": SchedulerStats,
+    "reset_prefix_cache": bool,
+    "collective_rpc": list[Any],
+    "echo": Any,
+}
+"""Utility methods an engine process accepts, with the type their result is decoded to on the client."""
+
+
+class EngineHandshake(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The engine process's first message: ready (with `ready_info`) or failed to start (with `error`).
+
+    Fields:
+        ready_info: KV block count, max model length, vocabulary size; None when start-up failed.
+        error: "ExceptionType: message" of the start-up failure.
+        error_type: the exception's class name (re-raised as that `asyncllm.errors` class when it is one).
+        pid: the engine process id.
+    """
+
+    ready_info: EngineReadyInfo | None = None
+    error: str | None = None
+    error_type: str | None = None
+    pid: int = 0

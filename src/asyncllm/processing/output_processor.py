@@ -140,6 +140,16 @@ class OutputProcessor:
                 self._emit(state)
         return aborted
 
+    def fail_requests(self, errors: dict[str, BaseException]) -> None:
+        """Deliver each error to its request's stream and drop that request's state (one request failed).
+
+        Unknown ids are skipped.
+        """
+        for request_id, error in errors.items():
+            state = self._states.pop(request_id, None)
+            if state is not None:
+                state.collector.put_error(error)
+
     def propagate_error(self, error: BaseException) -> None:
         """Deliver `error` to every in-flight request's stream and drop all state (engine death)."""
         for state in self._states.values():
