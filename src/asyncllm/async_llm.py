@@ -2,7 +2,8 @@
 
 Data flow: `generate()` -> InputProcessor (tokenize + validate, synchronously) -> OutputProcessor state +
 EngineCoreClient.add_request -> engine core (its own process by default, or a background thread) -> the output
-handler task (one per AsyncLLM, on the running loop) -> OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
+handler task (one per AsyncLLM, on the running loop) -> OutputProcessor -> each request's collector -> its
+`GenerateOutputStream`.
 """
 
 from __future__ import annotations

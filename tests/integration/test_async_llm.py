@@ -1,4 +1,4 @@
-"""AsyncLLM end to end on the real SmolLM2-135M-Instruct, engine core in a background thread."""
+"""AsyncLLM end to end on the real SmolLM2-135M-Instruct, engine core in its own process and in a thread."""
 
 from __future__ import annotations
 
@@ -15,14 +15,18 @@ from tests.reference import clear_prefix_len, greedy_margins
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+# Every test runs against both clients: the engine core in its own process (default) and in a thread.
+ENGINE_MODES = [pytest.param(True, id="process", marks=pytest.mark.mp), pytest.param(False, id="thread")]
+
 PARIS_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS_ANSWER = "The capital of France is Paris."
 MARGIN = 0.05  # logits; below this a greedy choice can flip with batch shape (fp32 summation order)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def llm(model_path: str):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=False, num_kv_blocks=512))
+@pytest_asyncio.fixture(loop_scope="module", scope="module", params=ENGINE_MODES)
+async def llm(model_path: str, request: pytest.FixtureRequest):
+    args = EngineArgs(model=model_path, engine_process=request.param, num_kv_blocks=512)
+    engine = AsyncLLM.from_engine_args(args)
     async with engine:
         yield engine
 

@@ -12,12 +12,16 @@ from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutput, R
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+# Every test runs against both clients: the engine core in its own process (default) and in a thread.
+ENGINE_MODES = [pytest.param(True, id="process", marks=pytest.mark.mp), pytest.param(False, id="thread")]
+
 PARIS_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def llm(model_path: str):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=False, num_kv_blocks=128))
+@pytest_asyncio.fixture(loop_scope="module", scope="module", params=ENGINE_MODES)
+async def llm(model_path: str, request: pytest.FixtureRequest):
+    args = EngineArgs(model=model_path, engine_process=request.param, num_kv_blocks=128)
+    engine = AsyncLLM.from_engine_args(args)
     async with engine:
         yield engine
 

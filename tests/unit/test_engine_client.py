@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from asyncllm import EngineDeadError, EngineGenerateError, InvalidRequestError, SamplingParams
+from asyncllm import EngineDeadError, EngineGenerateError, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from asyncllm.engine.client import InprocClient, make_client
+from asyncllm.engine.client import InprocClient
 from asyncllm.engine.protocol import EngineCoreRequest, SchedulerStats
 from tests.unit.fake_engine_core import NUM_BLOCKS, FakeEngineCore
 
@@ -127,12 +127,6 @@ def test_core_construction_error_is_raised_by_the_constructor() -> None:
 
     with pytest.raises(FileNotFoundError, match="no model"):
         InprocClient(CONFIG, core_factory=factory)
-
-
-def test_engine_process_mode_is_rejected_for_now() -> None:
-    config = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig(True))
-    with pytest.raises(InvalidRequestError, match="engine_process"):
-        make_client(config)
 
 
 async def test_shutdown_is_idempotent_and_ends_waiters() -> None:
