@@ -188,22 +188,14 @@ class AsyncLLM:
             return
         handler = self._output_handler
         if handler is None or handler.done() or handler.get_loop() is not loop:
-            self._output_handler = loop.create_task(self._run_output_handler(), name="asyncllm-output-handler")
+            coroutine = _run_output_handler(self._client, weakref.ref(self))
+            self._output_handler = loop.create_task(coroutine, name="asyncllm-output-handler")
 
-    async def _run_output_handler(self) -> None:
-        """The one loop: engine outputs -> output processor -> collectors; stop-string hits -> engine aborts."""
-        try:
-            while True:
-                outputs = await self._client.get_output_async()
-                await self._process_engine_outputs(outputs)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            if not self._shut_down:
-                logger.error("the output handler stopped: %r", e)
-                self._dead = e
-            error = e if isinstance(e, EngineDeadError) else EngineDeadError()
-            self._output_processor.propagate_error(error)
+    def _on_output_handler_error(self, error: BaseException) -> None:
+        if not self._shut_down:
+            logger.error("the output handler stopped: %r", error)
+            self._dead = error
+        self._output_processor.propagate_error(error if isinstance(error, EngineDeadError) else EngineDeadError())
 
     async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.failed_requests:
@@ -230,6 +222,28 @@ class AsyncLLM:
         task = loop.create_task(self._abort_in_engine(aborted))
         self._background_tasks.add(task)
         task.add_done_callback(self._background_tasks.discard)
+
+
+async def _run_output_handler(client: EngineCoreClient, llm_ref: weakref.ref[AsyncLLM]) -> None:
+    """The one loop: engine outputs -> output processor -> collectors; stop-string hits -> engine aborts.
+
+    It holds the `AsyncLLM` only weakly while it waits for outputs, so a dropped `AsyncLLM` is collected and its
+    finalizer stops the engine (then `get_output_async()` raises and this task ends).
+    """
+    try:
+        while True:
+            outputs = await client.get_output_async()
+            llm = llm_ref()
+            if llm is None:
+                return
+            await llm._process_engine_outputs(outputs)
+            del llm
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:
+        llm = llm_ref()
+        if llm is not None:
+            llm._on_output_handler_error(e)
 
 
 def _freeze_startup_heap() -> None:

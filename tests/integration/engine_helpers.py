@@ -1,0 +1,43 @@
+"""Engine cores the engine-process tests build inside the engine process (`AsyncMPClient(core_factory=...)`).
+
+They are module-level callables so the spawned engine process can import them by name. None imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+
+from asyncllm.config import EngineConfig
+from asyncllm.engine.protocol import EngineCoreRequest
+from tests.unit.fake_engine_core import FakeEngineCore
+
+FAKE_TOKENS = [7, 8, 9]
+
+
+def make_fake_core(config: EngineConfig) -> FakeEngineCore:
+    """Replays FAKE_TOKENS, a few milliseconds per step."""
+    return FakeEngineCore(lambda request: FAKE_TOKENS, step_delay=0.005)
+
+
+def make_failing_core(config: EngineConfig) -> FakeEngineCore:
+    """Raises RuntimeError in its third step."""
+    return FakeEngineCore(lambda request: FAKE_TOKENS, step_delay=0.005, fail_at_step=3)
+
+
+def make_sleepy_core(config: EngineConfig) -> FakeEngineCore:
+    """Never becomes ready (for the handshake timeout)."""
+    time.sleep(3600)
+    raise AssertionError("unreachable")
+
+
+class PickyCore(FakeEngineCore):
+    """Refuses requests whose id starts with "bad" (an exception inside one request's processing)."""
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id.startswith("bad"):
+            raise ValueError(f"cannot take {request.request_id}")
+        super().add_request(request)
+
+
+def make_picky_core(config: EngineConfig) -> FakeEngineCore:
+    return PickyCore(lambda request: FAKE_TOKENS, step_delay=0.005)
