@@ -150,6 +150,27 @@ class AsyncLLM:
         stats: SchedulerStats = await self._client.call_utility_async("get_scheduler_stats")
         return stats
 
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call `Worker.<method>(*args, **kwargs)` on every worker, inside the engine.
+
+        Arguments and results cross the process boundary as msgpack (plain values, numpy arrays, tensors).
+        Returns:
+            One result per worker, by rank.
+        Raises:
+            EngineGenerateError: the call failed in a worker (the engine keeps serving).
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        client = self._client
+        results: list[Any] = await client.call_utility_async("collective_rpc", method, list(args), kwargs, timeout)
+        return results
+
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     async def shutdown(self) -> None:

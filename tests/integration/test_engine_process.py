@@ -143,12 +143,12 @@ async def test_utility_calls_cross_the_process_boundary(llm: AsyncLLM) -> None:
     assert stats.num_total_blocks == 128
     assert await client.call_utility_async("echo", 1, "x", [2.5]) == [1, "x", [2.5]]
     assert await client.call_utility_async("reset_prefix_cache") in (True, False)
-    (model_info,) = await client.call_utility_async("collective_rpc", "get_model_info")  # one worker
+    (model_info,) = await llm.collective_rpc("get_model_info")  # one worker
     assert model_info[1] == 49152  # (max_model_len, vocab_size) from worker 0
     with pytest.raises(EngineGenerateError, match="unknown utility method"):
         await client.call_utility_async("shutdown")
     with pytest.raises(EngineGenerateError, match="no_such_method"):
-        await client.call_utility_async("collective_rpc", "no_such_method")
+        await llm.collective_rpc("no_such_method")
     llm.check_health()
 
 

@@ -53,9 +53,11 @@ async def test_utility_call_returns_the_core_result() -> None:
         stats = await asyncio.wait_for(client.call_utility_async("get_scheduler_stats"), 5)
         assert isinstance(stats, SchedulerStats)
         assert stats.num_total_blocks == NUM_BLOCKS
-        assert await client.call_utility_async("echo", 1, "x") == (1, "x")
-        with pytest.raises(EngineGenerateError, match="bad utility"):
+        assert await client.call_utility_async("echo", 1, "x") == [1, "x"]
+        with pytest.raises(EngineGenerateError, match="unknown utility method"):
             await client.call_utility_async("raise_value_error")
+        with pytest.raises(EngineGenerateError, match="AttributeError"):  # the fake core has no executor
+            await client.call_utility_async("collective_rpc", "get_model_info")
     finally:
         client.shutdown()
 

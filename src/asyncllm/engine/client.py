@@ -29,6 +29,7 @@ from asyncllm.engine.protocol import (
     EngineReadyInfo,
     UtilityResult,
 )
+from asyncllm.engine.utility import call_utility_method
 from asyncllm.errors import EngineDeadError, EngineGenerateError
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        """Call `EngineCore.<method>(*args)` inside the engine and return its result.
+        """Call a utility method (`asyncllm.engine.utility`) inside the engine and return its result.
 
         Raises:
             EngineDeadError: the engine died (also while waiting).
@@ -244,7 +245,7 @@ class InprocClient(EngineCoreClient):
         elif kind is EngineCoreRequestType.UTILITY:
             call_id, method, args = payload
             try:
-                result = UtilityResult(call_id, result=getattr(core, method)(*args))
+                result = UtilityResult(call_id, result=call_utility_method(core, method, args))
             except Exception as e:
                 result = UtilityResult(call_id, error=f"{type(e).__name__}: {e}")
             self._resolve_utility(EngineCoreOutputs(utility_result=result))

@@ -36,6 +36,7 @@ from asyncllm.engine.protocol import (
     UtilityResult,
 )
 from asyncllm.engine.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.engine.utility import call_utility_method
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_LINGER_MS = 2000
@@ -240,25 +241,6 @@ def encode_outputs(encoder: MsgpackEncoder, outputs: EngineCoreOutputs) -> list[
             raise
         error = UtilityResult(result.call_id, error=f"the result cannot be sent: {e}")
         return encoder.encode(EngineCoreOutputs(utility_result=error))
-
-
-def call_utility_method(core: Any, method: str, args: list[Any]) -> Any:
-    """Run a utility call on the core: `collective_rpc` goes to the executor, `echo` returns its args.
-
-    Raises:
-        ValueError: a method that is not a utility method.
-    """
-    from asyncllm.engine.protocol import UTILITY_METHODS
-
-    if method not in UTILITY_METHODS:
-        raise ValueError(f"unknown utility method {method!r}")
-    if method == "echo":
-        return args
-    if method == "collective_rpc":
-        return core.executor.collective_rpc(*args)
-    if method == "reset_prefix_cache" and not hasattr(core, "reset_prefix_cache"):
-        return False  # no prefix cache in this engine: nothing to reset
-    return getattr(core, method)(*args)
 
 
 def _build_core(config: EngineConfig, core_factory: str | None) -> Any:

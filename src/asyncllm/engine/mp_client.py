@@ -174,7 +174,10 @@ class AsyncMPClient(EngineCoreClient):
                 return identity
             if self.process.exitcode is not None:
                 code = self.process.exitcode
-                raise EngineDeadError(f"the engine process exited with code {code} before it was ready")
+                raise EngineDeadError(
+                    f"the engine process exited with code {code} before it was ready (its log is above; a script"
+                    " that starts an engine must guard its entry point with `if __name__ == '__main__':`)"
+                )
         raise EngineDeadError(f"the engine process was not ready within {timeout_s:.0f} s")
 
     # ---- requests ------------------------------------------------------------------------------------
