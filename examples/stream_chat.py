@@ -25,7 +25,7 @@ def parse_args() -> argparse.Namespace:
 
 
 async def main(args: argparse.Namespace) -> None:
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=args.model, engine_process=False))
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=args.model))  # the engine core runs in its own process
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, output_kind=RequestOutputKind.DELTA
     )
