@@ -252,6 +252,24 @@ async def test_exception_in_a_step_sends_engine_core_dead_and_the_process_exits(
     await llm.shutdown()
 
 
+@module_loop
+async def test_death_of_an_idle_engine_is_noticed_without_outputs(tokenizer: Tokenizer) -> None:
+    client = fake_client()
+    llm = AsyncLLM(FAKE_CONFIG, tokenizer, client)
+    stats = await llm.get_scheduler_stats()  # the output reader runs; nothing else flows
+    assert stats.num_running_reqs == 0
+    os.kill(client.process.pid, signal.SIGKILL)
+    assert await asyncio.to_thread(wait_until, lambda: llm.errored, 5.0), "death not noticed within 5 s"
+    with pytest.raises(EngineDeadError, match="died"):
+        llm.check_health()
+    with pytest.raises(EngineDeadError):
+        llm.generate({"prompt_token_ids": [1]}, greedy(2))
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(llm.get_scheduler_stats(), 5)
+    await llm.shutdown()
+    assert not await asyncio.to_thread(os.path.exists, client.ipc_dir)
+
+
 def test_handshake_timeout_stops_the_process_and_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     resource_tracker.ensure_running()

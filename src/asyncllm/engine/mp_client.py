@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from multiprocessing.connection import wait as wait_for_handles
 from typing import TYPE_CHECKING, Any
@@ -106,6 +107,8 @@ class AsyncMPClient(EngineCoreClient):
         self._stop_r, self._stop_w = os.pipe()
         self._watcher = threading.Thread(target=self._watch_process, name="asyncllm-engine-watch", daemon=True)
         self._watcher.start()
+        # Safety net for a client dropped without shutdown(): at interpreter exit, stop the process, remove the dir.
+        self._leftovers = weakref.finalize(self, _clean_up_leftovers, self.process, self.ipc_dir)
 
     # ---- EngineCoreClient ----------------------------------------------------------------------------
 
@@ -158,6 +161,7 @@ class AsyncMPClient(EngineCoreClient):
         self._watcher.join(SHUTDOWN_TIMEOUT_S)
         self._stop_reader_and_fail_waiters(EngineDeadError("the engine was shut down"))
         self._close_resources()
+        self._leftovers.detach()
 
     # ---- start-up ------------------------------------------------------------------------------------
 
@@ -206,13 +210,27 @@ class AsyncMPClient(EngineCoreClient):
         """Start the output reader task on the running loop unless it runs there; returns the output event."""
         loop = asyncio.get_running_loop()
         reader = self._reader
-        if reader is None or reader.done() or reader.get_loop() is not loop:
+        if (
+            self._dead is None
+            and not self._closed
+            and (reader is None or reader.done() or reader.get_loop() is not loop)
+        ):
             self._waiter = asyncio.Event()
             self._reader = loop.create_task(self._read_outputs(), name="asyncllm-engine-output-reader")
-        assert self._waiter is not None
+        if self._waiter is None:
+            self._waiter = asyncio.Event()
         return self._waiter
 
     async def _read_outputs(self) -> None:
+        try:
+            await self._read_outputs_until_death()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug here must not leave waiters hanging
+            logger.exception("the engine output reader failed")
+            self._on_death(EngineDeadError(f"the engine output reader failed: {e!r}"))
+
+    async def _read_outputs_until_death(self) -> None:
         while True:
             try:
                 frames = await self._output.recv_multipart(copy=False)
@@ -319,6 +337,12 @@ class AsyncMPClient(EngineCoreClient):
                 with contextlib.suppress(OSError):
                     os.close(fd)
         remove_ipc_dir(self.ipc_dir)
+
+
+def _clean_up_leftovers(process: Any, ipc_dir: str) -> None:
+    if process.exitcode is None:
+        stop_process(process, 0)
+    remove_ipc_dir(ipc_dir)
 
 
 def _startup_error(handshake: EngineHandshake) -> BaseException:
