@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -250,6 +251,19 @@ async def test_exception_in_a_step_sends_engine_core_dead_and_the_process_exits(
     with pytest.raises(EngineDeadError):
         llm.generate("Hello", greedy(2))
     await llm.shutdown()
+
+
+def test_sockets_live_in_a_private_directory_removed_at_shutdown() -> None:
+    client = fake_client()
+    try:
+        assert stat.S_IMODE(os.stat(client.ipc_dir).st_mode) == 0o700
+        assert sorted(os.listdir(client.ipc_dir)) == ["input", "output"]
+        assert client.ready_info.num_kv_blocks > 0
+    finally:
+        client.shutdown()
+    client.shutdown()  # idempotent
+    assert not os.path.exists(client.ipc_dir)
+    assert client.process.exitcode == 0, "the engine did not exit cleanly on SHUTDOWN"
 
 
 @module_loop

@@ -79,6 +79,7 @@ class AsyncMPClient(EngineCoreClient):
         self._input = self._sync_ctx.socket(zmq.ROUTER)
         self._input.setsockopt(zmq.LINGER, 0)
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished engine raises, never drops
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy engine: queue without limit
         self._input.bind(input_address)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
@@ -170,8 +171,13 @@ class AsyncMPClient(EngineCoreClient):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._input.poll(POLL_INTERVAL_MS):
-                identity, payload = self._input.recv_multipart()
-                handshake = msgspec.msgpack.decode(payload, type=EngineHandshake)
+                frames = self._input.recv_multipart()
+                try:
+                    identity, payload = frames
+                    handshake = msgspec.msgpack.decode(payload, type=EngineHandshake)
+                except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                    logger.error("dropped a malformed handshake (%d frames): %s", len(frames), e)
+                    continue
                 if handshake.ready_info is None:
                     raise _startup_error(handshake)
                 self.ready_info = handshake.ready_info
