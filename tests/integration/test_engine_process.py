@@ -296,7 +296,6 @@ def test_handshake_timeout_stops_the_process_and_cleans_up(tmp_path: Path, monke
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.slow
 @module_loop
 async def test_twenty_start_shutdown_cycles_leave_no_processes_or_files(
     tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
