@@ -322,34 +322,46 @@ async def test_twenty_start_shutdown_cycles_leave_no_processes_or_files(
 
 
 ORPHAN_SCRIPT = """
-import asyncio, json, os, sys, time
-from asyncllm import AsyncLLM, EngineArgs
+import asyncio, json, sys, threading
+from asyncllm import AsyncLLM, EngineArgs, SamplingParams
+
+def start(box):
+    box.append(AsyncLLM.from_engine_args(EngineArgs(model=sys.argv[1], num_kv_blocks=64)))
 
 async def main():
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=sys.argv[1], num_kv_blocks=64))
-    client = llm._client
-    print(json.dumps({"engine_pid": client.process.pid, "ipc_dir": client.ipc_dir}), flush=True)
-    await asyncio.sleep(3600)
+    box = []
+    if sys.argv[2] == "sigkill_started_from_a_thread":  # no PDEATHSIG then: the parent-pid watcher must act
+        thread = threading.Thread(target=start, args=(box,))
+        thread.start()
+        thread.join()  # the starting thread is gone; the engine must live on
+    else:
+        start(box)
+    llm = box[0]
+    outputs = [o async for o in llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0))]
+    client, num_tokens = llm._client, len(outputs[-1].outputs[0].token_ids)
+    info = {"engine_pid": client.process.pid, "ipc_dir": client.ipc_dir, "tokens": num_tokens}
+    print(json.dumps(info), flush=True)
+    if sys.argv[2] != "interpreter_exit":  # otherwise return without shutdown(): GC/atexit must end the engine
+        await asyncio.sleep(3600)
 
 if __name__ == "__main__":
     asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("exit_kind", ["sigkill", "interpreter_exit"])
+@pytest.mark.parametrize("exit_kind", ["sigkill", "sigkill_started_from_a_thread", "interpreter_exit"])
 def test_user_process_death_leaves_no_engine_behind(tmp_path: Path, model_path: str, exit_kind: str) -> None:
     script = ORPHAN_SCRIPT
-    if exit_kind == "interpreter_exit":  # returns without shutdown(): atexit/GC must end the engine
-        script = script.replace("await asyncio.sleep(3600)", "await asyncio.sleep(0)")
     path = tmp_path / "user_service.py"
     path.write_text(script)
     with subprocess.Popen(
-        [sys.executable, str(path), model_path], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        [sys.executable, str(path), model_path, exit_kind], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
     ) as proc:
         try:
             info = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
             engine_pid, ipc_dir = info["engine_pid"], info["ipc_dir"]
-            if exit_kind == "sigkill":
+            assert info["tokens"] == 2
+            if exit_kind != "interpreter_exit":
                 assert not is_gone(engine_pid)
                 proc.kill()
             proc.wait(30)
