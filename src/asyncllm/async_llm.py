@@ -21,6 +21,7 @@ from asyncllm.engine.protocol import EngineCoreOutputs, SchedulerStats
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.processing.input_processor import InputProcessor, PromptType
 from asyncllm.processing.output_processor import OutputProcessor
+from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 
@@ -102,7 +103,8 @@ class AsyncLLM:
 
         Args:
             prompt: text, `{"prompt_token_ids": [...]}`, or chat messages `[{"role", "content"}, ...]`.
-            sampling_params: None means `SamplingParams()`.
+            sampling_params: None means `SamplingParams()`; with `n > 1` the n completions share this stream
+                (see `asyncllm.processing.parallel_sampling`).
             request_id: unique among in-flight requests; None makes one.
             priority: lower runs first.
         Returns:
@@ -113,14 +115,19 @@ class AsyncLLM:
         """
         self._ensure_running()
         prompt_text, request = self._input_processor.process(prompt, sampling_params, request_id, priority)
-        if self._output_processor.has_request(request.request_id):
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
+        parent = ParentRequest(request) if request.sampling_params.n > 1 else None
+        engine_requests = parent.child_requests if parent is not None else [request]
+        for engine_id in [request.request_id, *(r.request_id for r in engine_requests)]:
+            if self._output_processor.has_request(engine_id):
+                raise InvalidRequestError(f"request_id {engine_id!r} is already in flight")
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self._output_processor.add_request(request, prompt_text, collector)
+        for index, engine_request in enumerate(engine_requests):
+            self._output_processor.add_request(engine_request, prompt_text, collector, parent, index)
         try:
-            self._client.add_request(request)
+            for engine_request in engine_requests:
+                self._client.add_request(engine_request)
         except BaseException:
-            self._output_processor.abort_requests([request.request_id], notify=False)
+            self._abort_closed_stream(request.request_id)  # children already sent are aborted in the engine
             raise
         loop = _running_loop()
         if loop is not None:

@@ -55,6 +55,33 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
 
 
+class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs of consecutive token positions, as plain lists (no tensors on the wire).
+
+    Fields:
+        token_ids: [num_positions][1 + k]: the scored token (sampled, or the prompt token) first, then the
+            k most likely token ids in decreasing order.
+        logprobs: [num_positions][1 + k] float log-probabilities of those tokens (natural log).
+        ranks: [num_positions] rank of the scored token in its distribution (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def concat(cls, parts: list[LogprobsLists]) -> LogprobsLists:
+        """One `LogprobsLists` of `parts` in order."""
+        return cls(
+            [ids for p in parts for ids in p.token_ids],
+            [lps for p in parts for lps in p.logprobs],
+            [r for p in parts for r in p.ranks],
+        )
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one request produced in one engine step.
 
@@ -64,6 +91,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         finish_reason: set on the request's last output from the engine.
         stop_reason: the stop token id that ended it (None for EOS or length).
         num_cached_tokens: prompt tokens served from the prefix cache.
+        new_logprobs: logprobs of `new_token_ids` (when the request asked for `logprobs`).
+        new_prompt_logprobs: logprobs of prompt tokens 1.. (when it asked for `prompt_logprobs`; sent once,
+            with the first sampled token).
     """
 
     request_id: str
@@ -71,6 +101,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

@@ -141,6 +141,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
             output_token_ids=list(req.output_token_ids),
+            eos_token_id=req.eos_token_id,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -171,7 +172,10 @@ class Scheduler:
             if req.check_stop(self.max_model_len):
                 finished.add(id(req))
                 self._free_request(req)
-            outputs.append(EngineCoreOutput(req_id, token_ids, req.finish_reason, req.stop_reason))
+            output = EngineCoreOutput(req_id, token_ids, req.finish_reason, req.stop_reason)
+            output.new_logprobs = model_runner_output.logprobs.get(req_id)
+            output.new_prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            outputs.append(output)
         if finished:
             self.running = [req for req in self.running if id(req) not in finished]
         return EngineCoreOutputs(
