@@ -145,5 +145,7 @@ def test_penalized_greedy_tokens_match_a_reference_on_dense_logits(core: EngineC
         second = sorted(edited)[-2]
         if edited[best] - second > 1e-3:  # skip near-ties (fp32 summation order)
             assert token == best, f"step {i}"
-    plain = run(core, [EngineCoreRequest("plain", prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))])
+    plain = run(
+        core, [EngineCoreRequest("plain", prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))]
+    )
     assert [t for o in plain["plain"] for t in o.new_token_ids] != ids, "the penalties should change this output"

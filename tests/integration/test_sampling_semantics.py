@@ -212,6 +212,19 @@ async def test_stop_token_ids_eos_ignore_eos_and_min_tokens(llm: AsyncLLM) -> No
     assert eos not in longer.token_ids[: n + 3], "EOS is masked before min_tokens"
 
 
+async def test_characters_split_across_tokens_never_show_as_replacement_chars(llm: AsyncLLM) -> None:
+    hf = llm.get_tokenizer().hf
+    prompt = [{"role": "user", "content": "Write a happy message full of emojis \U0001f600\U0001f389:"}]
+    outputs = await outputs_of(llm.generate(prompt, greedy(24, DELTA, ignore_eos=True)))
+    deltas = [o.outputs[0].text for o in outputs]
+    ids = [t for o in outputs for t in o.outputs[0].token_ids]
+    assert sum(hf.decode([t]) == "\ufffd" for t in ids) >= 2, "the model should emit characters split across tokens"
+    assert "".join(deltas) == hf.decode(ids)
+    # Only the final flush may hold U+FFFD, when max_tokens cuts a character in half.
+    assert all("\ufffd" not in delta for delta in deltas[:-1])
+    assert "\ufffd" not in deltas[-1].rstrip("\ufffd")
+
+
 # ---- logprobs -------------------------------------------------------------------------------------------
 
 
