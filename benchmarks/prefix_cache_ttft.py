@@ -6,7 +6,7 @@ with the same prefix and another question (the prefix's full blocks are reused; 
 TTFT is `RequestOutput.metrics.time_to_first_token` (frontend wall clock from `generate()` to the first
 token), one request at a time, `max_tokens=1`. Prints per-trial numbers and medians.
 
-    .venv/bin/python benchmarks/prefix_cache_ttft.py [--prefix-tokens 1000] [--trials 5]
+    .venv/bin/python benchmarks/prefix_cache_ttft.py [--prefix-tokens 1000] [--trials 5] [--num-threads N]
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ async def time_to_first_token(llm: AsyncLLM, token_ids: list[int]) -> tuple[floa
     return out.metrics.time_to_first_token, out.num_cached_tokens
 
 
-async def main(prefix_tokens: int, trials: int) -> None:
-    args = EngineArgs(model=str(resolve_model_path("smollm2-135m-instruct")), num_kv_blocks=512)
+async def main(prefix_tokens: int, trials: int, num_threads: int | None) -> None:
+    model = str(resolve_model_path("smollm2-135m-instruct"))
+    args = EngineArgs(model=model, num_kv_blocks=512, num_threads=num_threads)
     async with AsyncLLM.from_engine_args(args) as llm:
         tokenizer = llm.get_tokenizer()
         question_a = tokenizer.encode(" Question: what was decided about the bridge?", add_special_tokens=False)
@@ -74,5 +75,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-tokens", type=int, default=1000)
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ns = parser.parse_args()
-    asyncio.run(main(ns.prefix_tokens, ns.trials))
+    asyncio.run(main(ns.prefix_tokens, ns.trials, ns.num_threads))

@@ -126,7 +126,7 @@ class AsyncLLM:
             prompt: text, `{"prompt_token_ids": [...]}`, or chat messages `[{"role", "content"}, ...]`.
             sampling_params: None means `SamplingParams()`.
             request_id: unique among in-flight requests; None makes one.
-            priority: lower runs first.
+            priority: lower runs first with `scheduling_policy="priority"` (ignored by "fcfs").
         Returns:
             A `GenerateOutputStream` of `RequestOutput`s; the last has `finished=True`.
         Raises:

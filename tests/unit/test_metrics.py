@@ -6,15 +6,19 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import pytest
 from prometheus_client import generate_latest
 from tokenizers import Tokenizer as HFTokenizer
 
-from asyncllm import RequestOutputKind, SamplingParams
+from asyncllm import EngineArgs, InvalidRequestError, RequestOutputKind, SamplingParams
+from asyncllm.async_llm import make_default_stat_loggers
+from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     SchedulerStats,
@@ -132,3 +136,46 @@ def test_prometheus_logger_counts_from_totals_and_observes_latencies() -> None:
     assert _sample(one, "asyncllm:request_queue_time_seconds_count") == 1
     assert _sample(two, "asyncllm:prompt_tokens_total") == 0
     assert b"asyncllm:time_to_first_token_seconds_bucket" in generate_latest(one.registry)
+
+
+def _config(**kw: object) -> EngineConfig:
+    args = EngineArgs(model="m", **kw)  # type: ignore[arg-type]
+    args.validate()
+    return EngineConfig(
+        ModelConfig("m", "m"),
+        CacheConfig(),
+        SchedulerConfig(),
+        ParallelConfig(),
+        ObservabilityConfig(args.log_stats, args.stats_log_interval),
+    )
+
+
+def test_default_stat_loggers_follow_log_stats() -> None:
+    quiet = make_default_stat_loggers(_config())
+    assert [type(x) for x in quiet] == [PrometheusStatLogger]  # prometheus-client is installed in dev
+    chatty = make_default_stat_loggers(_config(log_stats=True, stats_log_interval=2.0))
+    assert [type(x) for x in chatty] == [LoggingStatLogger, PrometheusStatLogger]
+    assert isinstance(chatty[0], LoggingStatLogger)
+    assert chatty[0].interval == 2.0
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [("scheduling_policy", "lifo", "scheduling_policy"), ("stats_log_interval", 0, "stats_log_interval")],
+)
+def test_engine_args_reject_bad_scheduler_and_stats_options(key: str, value: object, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        EngineArgs(**{key: value}).validate()  # type: ignore[arg-type]
+
+
+def test_events_and_new_stats_fields_survive_the_msgpack_wire_form() -> None:
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput("r", [5], events=[EngineCoreEvent(Q, 1.5), EngineCoreEvent(S, 2.0)])],
+        scheduler_stats=SchedulerStats(1, 2, 3, 4, 0.25, 7, 40, 10),
+    )
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(outputs), type=EngineCoreOutputs)
+    assert decoded.outputs[0].events == [EngineCoreEvent(Q, 1.5), EngineCoreEvent(S, 2.0)]
+    assert decoded.scheduler_stats == SchedulerStats(1, 2, 3, 4, 0.25, 7, 40, 10)
+    # The older 4-field array form still decodes: new fields were added at the end with defaults.
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode([1, 2, 3, 4]), type=SchedulerStats)
+    assert (old.num_total_blocks, old.num_preemptions, old.prefix_cache_hit_rate) == (4, 0, 0.0)
