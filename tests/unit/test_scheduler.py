@@ -332,3 +332,27 @@ def test_chunked_prefill_sends_events_with_the_first_token() -> None:
     _, out = _step(scheduler)
     (output,) = out.outputs
     assert [e.type for e in output.events or []] == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]
+
+
+def test_priority_arrival_preempts_worse_running_request_for_blocks() -> None:
+    # 5 blocks of 4 tokens: "low" (15-token prompt) holds 4; "high" needs 2 for its 5-token prompt.
+    scheduler = _scheduler(num_blocks=5, block_size=4, max_model_len=20, policy="priority")
+    scheduler.add_request(_request("low", 15, priority=4, arrival_time=0.0, max_tokens=4))
+    _step(scheduler)
+    assert scheduler.kv_cache_manager.num_free_blocks == 1
+    scheduler.add_request(_request("high", 5, priority=0, arrival_time=1.0, max_tokens=2))
+    so, _ = _step(scheduler)
+    assert so.num_scheduled_tokens == {"high": 5}
+    assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
+    assert _finish_order(scheduler) == ["high", "low"]
+    assert scheduler.kv_cache_manager.num_free_blocks == 5
+
+
+def test_priority_arrival_does_not_preempt_when_there_is_room() -> None:
+    scheduler = _scheduler(max_seqs=2, policy="priority")
+    scheduler.add_request(_request("low", 3, priority=4, max_tokens=3))
+    _step(scheduler)
+    scheduler.add_request(_request("high", 3, priority=0, arrival_time=1.0, max_tokens=3))
+    so, _ = _step(scheduler)
+    assert so.num_scheduled_tokens == {"low": 1, "high": 3}
+    assert scheduler.num_preemptions == 0
