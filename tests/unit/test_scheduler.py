@@ -10,7 +10,8 @@ from asyncllm.engine.protocol import EngineCoreEventType, EngineCoreOutputs, Eng
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
-from asyncllm.sched.request import RequestStatus
+from asyncllm.sched.request import Request, RequestStatus
+from asyncllm.sched.request_queue import create_request_queue
 from asyncllm.sched.scheduler import Scheduler
 
 EOS = 2
@@ -356,3 +357,24 @@ def test_priority_arrival_does_not_preempt_when_there_is_room() -> None:
     so, _ = _step(scheduler)
     assert so.num_scheduled_tokens == {"low": 1, "high": 3}
     assert scheduler.num_preemptions == 0
+
+
+def test_priority_queue_orders_by_priority_then_arrival_and_removes() -> None:
+    queue = create_request_queue("priority")
+    reqs = {
+        name: Request.from_engine_core_request(_request(name, 2, priority=prio, arrival_time=arrival))
+        for name, prio, arrival in [("a", 2, 0.0), ("b", 1, 3.0), ("c", 1, 1.0), ("d", 0, 9.0)]
+    }
+    for req in reqs.values():
+        queue.add_request(req)
+    assert [r.request_id for r in queue] == ["d", "c", "b", "a"]
+    assert queue.peek_request() is reqs["d"]
+    queue.remove_requests([reqs["c"], reqs["d"]])
+    assert queue.pop_request() is reqs["b"]
+    queue.prepend_request(reqs["b"])  # a preempted request keeps its place by key
+    assert [r.request_id for r in queue] == ["b", "a"]
+    assert len(queue) == 2
+    queue.remove_requests(list(reqs.values()))
+    assert not queue
+    with pytest.raises(IndexError):
+        queue.peek_request()

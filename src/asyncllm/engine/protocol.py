@@ -114,7 +114,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         num_waiting_reqs: requests waiting to be scheduled.
         num_free_blocks: KV cache blocks not held by any request.
         num_total_blocks: KV cache blocks in all.
-        prefix_cache_hit_rate: prompt tokens found in the prefix cache / tokens looked up, since start.
+        prefix_cache_hit_rate: tokens found in the prefix cache / tokens looked up, since start (each admission
+            looks up its tokens: the prompt, plus the outputs of a request resuming after preemption).
         num_preemptions: preemptions since start.
         num_prefix_cache_queries: tokens looked up in the prefix cache since start.
         num_prefix_cache_hits: of those, tokens found cached, since start.
