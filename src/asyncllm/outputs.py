@@ -88,6 +88,7 @@ class RequestOutput:
         prompt_logprobs: with `SamplingParams.prompt_logprobs=k`, one entry per prompt token (None first);
             in DELTA streams only in the first output that has them.
         usage: token counts; set by `GenerateOutputStream.collect()`.
+        metrics: the request's timing so far (see `RequestMetrics` for clocks); None if not tracked.
     """
 
     request_id: str
@@ -98,3 +99,24 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None
     usage: Usage | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timing of one request, in seconds; each field is None until known.
+
+    Clocks: `arrival_time` is the frontend's `time.time()` (wall clock); `first_scheduled_time`,
+    `first_token_time` and `last_token_time` are the engine core's `time.monotonic()` (compare them only
+    with each other). Intervals: `time_to_first_token` is frontend wall-clock time from arrival to the first
+    token's processing; `queue_time` (first scheduled minus queued) and `mean_inter_token_latency` ((last -
+    first token time) / (tokens - 1)) are engine-clock intervals.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    time_to_first_token: float | None = None
+    mean_inter_token_latency: float | None = None
+    queue_time: float | None = None

@@ -96,6 +96,8 @@ def merge_outputs(into: RequestOutput, new: RequestOutput, aggregate: bool) -> N
     into.num_cached_tokens = new.num_cached_tokens
     if new.prompt_logprobs is not None:
         into.prompt_logprobs = new.prompt_logprobs
+    if new.metrics is not None:
+        into.metrics = new.metrics
 
 
 def _copy_completion(completion: CompletionOutput) -> CompletionOutput:

@@ -96,6 +96,18 @@ def test_logprobs_through_chunked_prefill_match_the_dense_reference(core: Engine
             assert len(prompt_parts[0].token_ids[j - 1]) == 4
 
 
+def test_prompt_logprobs_requests_skip_the_prefix_cache(core: EngineCore) -> None:
+    prompt = list(range(100, 150))  # 3 full blocks of 16
+    run(core, [EngineCoreRequest("warm", prompt, SamplingParams(max_tokens=1, temperature=0.0))])
+    again = run(core, [EngineCoreRequest("hit", prompt, SamplingParams(max_tokens=1, temperature=0.0))])["hit"]
+    assert again[-1].num_cached_tokens == 48, "the prompt's full blocks should be cached"
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = run(core, [EngineCoreRequest("plp", prompt, params)])["plp"]
+    prompt_logprobs = [o.new_prompt_logprobs for o in outs if o.new_prompt_logprobs is not None]
+    assert len(prompt_logprobs[0]) == len(prompt) - 1
+    assert outs[-1].num_cached_tokens == 0
+
+
 def test_requests_without_logprobs_carry_none(core: EngineCore) -> None:
     outputs = run(core, [EngineCoreRequest("plain", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))])
     assert all(o.new_logprobs is None and o.new_prompt_logprobs is None for o in outputs["plain"])

@@ -7,12 +7,14 @@ request finishes or is aborted, so nothing per request outlives it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from asyncllm.errors import InvalidRequestError
+from asyncllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 from asyncllm.outputs import CompletionOutput, FinishReasonStr, RequestOutput
 from asyncllm.processing.detokenizer import IncrementalDetokenizer
 from asyncllm.processing.logprobs import LogprobsProcessor
@@ -41,6 +43,7 @@ class RequestState:
         prompt_logprobs_sent: prompt logprobs were put into the collector (DELTA sends them once).
         num_cached_tokens: prompt tokens served from the prefix cache.
         finish_reason, stop_reason: set when the request finished.
+        stats: timing and token counts, for `RequestOutput.metrics` and the stat loggers.
     """
 
     request_id: str
@@ -59,6 +62,7 @@ class RequestState:
     num_cached_tokens: int = 0
     finish_reason: FinishReasonStr | None = None
     stop_reason: int | str | None = None
+    stats: RequestStateStats | None = None
 
     @property
     def user_request_id(self) -> str:
@@ -129,27 +133,43 @@ class OutputProcessor:
             collector=collector,
             parent=parent,
             index=index,
+            stats=RequestStateStats(arrival_time=request.arrival_time),
         )
         if parent is not None:
             self._parents[parent.request_id] = parent
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorResult:
+    def process_outputs(
+        self,
+        outputs: list[EngineCoreOutput],
+        engine_core_timestamp: float | None = None,
+        iteration_stats: IterationStats | None = None,
+    ) -> OutputProcessorResult:
         """Apply one batch of engine outputs. Outputs for unknown (aborted) requests are ignored.
 
+        Args:
+            outputs: one engine step's outputs (or a chunk of them).
+            engine_core_timestamp: `EngineCoreOutputs.timestamp` (engine `time.monotonic()`, seconds); None
+                uses this process's `time.monotonic()`.
+            iteration_stats: if given, token counts, latencies and finished engine requests (each child of an
+                n > 1 request counts) are added to it.
         Returns:
             The engine requests to abort (stop-string hits) and how many finished.
         """
         result = OutputProcessorResult()
+        timestamp = time.monotonic() if engine_core_timestamp is None else engine_core_timestamp
         for engine_output in outputs:
             state = self._states.get(engine_output.request_id)
             if state is None:
                 continue
             state.num_cached_tokens = engine_output.num_cached_tokens or state.num_cached_tokens
+            _update_stats(state, engine_output, timestamp, iteration_stats)
             if self._update_state(state, engine_output):
                 result.num_finished += 1
                 self._drop(state)
                 if not engine_output.finished:
                     result.reqs_to_abort.append(state.request_id)
+                if iteration_stats is not None:
+                    iteration_stats.finished_requests.append(_finished_stats(state))
             self._emit(state)
         return result
 
@@ -266,6 +286,40 @@ def _make_request_output(state: RequestState, completions: list[CompletionOutput
         finished=finished,
         num_cached_tokens=state.num_cached_tokens,
         prompt_logprobs=prompt_logprobs,
+        metrics=state.stats.to_metrics() if state.stats is not None else None,
+    )
+
+
+def _update_stats(
+    state: RequestState, engine_output: EngineCoreOutput, timestamp: float, iteration_stats: IterationStats | None
+) -> None:
+    """Apply an output's engine events and new tokens to the request's stats (and the step's)."""
+    stats = state.stats
+    if stats is None:
+        return
+    if engine_output.events:
+        stats.update_from_events(engine_output.events)
+    num_new_tokens = len(engine_output.new_token_ids)
+    ttft, itl = stats.update_from_tokens(num_new_tokens, timestamp)
+    if iteration_stats is None:
+        return
+    iteration_stats.num_generation_tokens += num_new_tokens
+    if ttft is not None:
+        iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
+        iteration_stats.time_to_first_tokens.append(ttft)
+    if itl is not None:
+        iteration_stats.inter_token_latencies.append(itl)
+
+
+def _finished_stats(state: RequestState) -> FinishedRequestStats:
+    stats = state.stats or RequestStateStats(arrival_time=time.time())
+    return FinishedRequestStats(
+        finish_reason=state.finish_reason or "abort",
+        e2e_latency=max(time.time() - stats.arrival_time, 0.0),
+        num_prompt_tokens=len(state.prompt_token_ids),
+        num_generation_tokens=stats.num_generation_tokens,
+        queue_time=stats.queue_time,
+        mean_inter_token_latency=stats.mean_inter_token_latency,
     )
 
 
