@@ -265,6 +265,10 @@ async def test_logprobs_per_token_match_the_reference_forward(llm: AsyncLLM, ref
 
 
 async def test_greedy_logprobs_rank_one_and_sampled_token_outside_top_k_is_included(llm: AsyncLLM) -> None:
+    cumulative = await outputs_of(llm.generate(STORY, greedy(6, logprobs=0, ignore_eos=True)))
+    for out in cumulative:
+        assert out.outputs[0].logprobs is not None
+        assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids)
     result = await llm.generate(STORY, greedy(6, logprobs=0, ignore_eos=True)).collect()
     completion = result.outputs[0]
     assert completion.logprobs is not None
@@ -346,6 +350,12 @@ async def test_collect_returns_the_final_output_with_usage(llm: AsyncLLM) -> Non
     assert result.usage is not None
     assert (result.usage.num_prompt_tokens, result.usage.num_generated_tokens) == (len(prompt_ids), 10)
     assert result.usage.num_cached_tokens == result.num_cached_tokens
+    long_prompt = {"prompt_token_ids": list(range(1000, 1040))}  # 2 full blocks of 16 cached after the first run
+    first = await llm.generate(long_prompt, greedy(1)).collect()
+    second = await llm.generate(long_prompt, greedy(1)).collect()
+    assert first.usage is not None
+    assert second.usage is not None
+    assert (first.usage.num_prompt_tokens, second.usage.num_cached_tokens) == (40, 32)
 
 
 async def test_logit_bias_and_allowed_token_ids_steer_the_real_model(llm: AsyncLLM) -> None:
