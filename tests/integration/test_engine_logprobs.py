@@ -14,6 +14,7 @@ from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, LogprobsLists
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker import model_runner
 from tests.reference import next_token_logits
 
 VOCAB = 512
@@ -60,7 +61,11 @@ def run(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, list[E
     return outputs
 
 
-def test_logprobs_through_chunked_prefill_match_the_dense_reference(core: EngineCore) -> None:
+@pytest.mark.parametrize("rows_per_piece", [256, 3])
+def test_logprobs_through_chunked_prefill_match_the_dense_reference(
+    core: EngineCore, monkeypatch: pytest.MonkeyPatch, rows_per_piece: int
+) -> None:
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", rows_per_piece)
     rng = random.Random(1)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 5, 40, 23)]
     requests = [

@@ -24,6 +24,8 @@ from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
 
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds the memory of prompt_logprobs)
+
 
 class CausalLM(Protocol):
     """What the runner needs of a model (`asyncllm.model.llama.LlamaForCausalLM` is one)."""
@@ -144,7 +146,8 @@ class ModelRunner:
         """For requests that asked for prompt logprobs, score the prompt tokens this chunk predicts.
 
         The hidden state at prompt position p predicts prompt token p + 1, so a chunk over positions
-        [start, end) scores prompt tokens start + 1 .. min(end, num_prompt_tokens - 1).
+        [start, end) scores prompt tokens start + 1 .. min(end, num_prompt_tokens - 1). Logits are computed
+        `PROMPT_LOGPROBS_ROWS` rows at a time ([rows, vocab_size] float32 each; ~50 MB for a 49k vocabulary).
         """
         row_starts = (np.cumsum(query_lens) - query_lens).tolist()
         for state, row_start, num_tokens in zip(states, row_starts, query_lens.tolist(), strict=True):
@@ -153,9 +156,12 @@ class ModelRunner:
             end = min(start + num_tokens, state.num_prompt_tokens - 1)
             if k is None or not state.needs_prompt_logprobs or end <= start:
                 continue
-            logits = self.model.compute_logits(hidden[row_start : row_start + end - start])
-            targets = torch.tensor(state.token_ids[start + 1 : end + 1], dtype=torch.int64)
-            state.prompt_logprobs_parts.append(compute_logprobs(logits, targets, [k] * (end - start)))
+            for piece in range(start, end, PROMPT_LOGPROBS_ROWS):
+                piece_end = min(piece + PROMPT_LOGPROBS_ROWS, end)
+                rows = hidden[row_start + piece - start : row_start + piece_end - start]
+                targets = torch.tensor(state.token_ids[piece + 1 : piece_end + 1], dtype=torch.int64)
+                lists = compute_logprobs(self.model.compute_logits(rows), targets, [k] * (piece_end - piece))
+                state.prompt_logprobs_parts.append(lists)
 
     @staticmethod
     def _add_logprobs(
