@@ -7,8 +7,9 @@ from asyncllm.errors import (
     EngineGenerateError,
     InvalidRequestError,
     StreamClosedError,
+    StreamIncompleteError,
 )
-from asyncllm.outputs import CompletionOutput, RequestOutput
+from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
@@ -20,10 +21,13 @@ __all__ = [
     "EngineGenerateError",
     "GenerateOutputStream",
     "InvalidRequestError",
+    "Logprob",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
     "StreamClosedError",
+    "StreamIncompleteError",
+    "Usage",
 ]
 
 

@@ -20,8 +20,12 @@ from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.client import EngineCoreClient, make_client
 from asyncllm.engine.protocol import EngineCoreOutputs, SchedulerStats
 from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
+from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
+from asyncllm.metrics.prometheus import PrometheusStatLogger, is_prometheus_available
+from asyncllm.metrics.stats import IterationStats
 from asyncllm.processing.input_processor import InputProcessor, PromptType
 from asyncllm.processing.output_processor import OutputProcessor
+from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 
@@ -38,10 +42,18 @@ class AsyncLLM:
         config: the engine configuration (for reference).
         tokenizer: `asyncllm.model.tokenizer.Tokenizer` of the model.
         client: a ready engine-core client.
+        stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`).
     """
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, client: EngineCoreClient) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        client: EngineCoreClient,
+        stat_loggers: list[StatLoggerBase] | None = None,
+    ) -> None:
         self.config = config
+        self.stat_loggers = make_default_stat_loggers(config) if stat_loggers is None else list(stat_loggers)
         self._tokenizer = tokenizer
         self._client = client
         info = client.ready_info
@@ -55,9 +67,12 @@ class AsyncLLM:
         self._finalizer = weakref.finalize(self, client.shutdown)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> AsyncLLM:
         """Resolve the model, load its tokenizer, and start the engine core (blocks until it is ready).
 
+        Args:
+            args: the engine arguments.
+            stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`).
         Raises:
             InvalidRequestError: bad engine arguments.
             ModelNotFoundError: the model cannot be resolved.
@@ -67,7 +82,7 @@ class AsyncLLM:
 
         config = args.create_engine_config()
         tokenizer = Tokenizer.load(config.model.model_path)
-        llm = cls(config, tokenizer, make_client(config))
+        llm = cls(config, tokenizer, make_client(config), stat_loggers)
         _freeze_startup_heap()
         return llm
 
@@ -82,6 +97,14 @@ class AsyncLLM:
     def is_running(self) -> bool:
         """True while the engine serves requests (not shut down, not dead)."""
         return not self._shut_down and not self.errored
+
+    @property
+    def prometheus_registry(self) -> Any:
+        """The `CollectorRegistry` of the first `PrometheusStatLogger` in `stat_loggers`, or None."""
+        for stat_logger in self.stat_loggers:
+            if isinstance(stat_logger, PrometheusStatLogger):
+                return stat_logger.registry
+        return None
 
     def get_tokenizer(self) -> Any:
         """The model's `asyncllm.model.tokenizer.Tokenizer`."""
@@ -104,9 +127,10 @@ class AsyncLLM:
 
         Args:
             prompt: text, `{"prompt_token_ids": [...]}`, or chat messages `[{"role", "content"}, ...]`.
-            sampling_params: None means `SamplingParams()`.
+            sampling_params: None means `SamplingParams()`; with `n > 1` the n completions share this stream
+                (see `asyncllm.processing.parallel_sampling`).
             request_id: unique among in-flight requests; None makes one.
-            priority: lower runs first.
+            priority: lower runs first with `scheduling_policy="priority"` (ignored by "fcfs").
         Returns:
             A `GenerateOutputStream` of `RequestOutput`s; the last has `finished=True`.
         Raises:
@@ -115,14 +139,19 @@ class AsyncLLM:
         """
         self._ensure_running()
         prompt_text, request = self._input_processor.process(prompt, sampling_params, request_id, priority)
-        if self._output_processor.has_request(request.request_id):
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
+        parent = ParentRequest(request) if request.sampling_params.n > 1 else None
+        engine_requests = parent.child_requests if parent is not None else [request]
+        for engine_id in [request.request_id, *(r.request_id for r in engine_requests)]:
+            if self._output_processor.has_request(engine_id):
+                raise InvalidRequestError(f"request_id {engine_id!r} is already in flight")
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self._output_processor.add_request(request, prompt_text, collector)
+        for index, engine_request in enumerate(engine_requests):
+            self._output_processor.add_request(engine_request, prompt_text, collector, parent, index)
         try:
-            self._client.add_request(request)
+            for engine_request in engine_requests:
+                self._client.add_request(engine_request)
         except BaseException:
-            self._output_processor.abort_requests([request.request_id], notify=False)
+            self._abort_closed_stream(request.request_id)  # children already sent are aborted in the engine
             raise
         loop = _running_loop()
         if loop is not None:
@@ -223,10 +252,22 @@ class AsyncLLM:
             failed = outputs.failed_requests.items()
             self._output_processor.fail_requests({i: EngineGenerateError(f"request {i!r}: {e}") for i, e in failed})
         items = outputs.outputs
+        iteration_stats = IterationStats() if self.stat_loggers else None
         for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
-            result = self._output_processor.process_outputs(items[start : start + OUTPUT_CHUNK_SIZE])
+            chunk = items[start : start + OUTPUT_CHUNK_SIZE]
+            result = self._output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
             await self._abort_in_engine(result.reqs_to_abort)
             await asyncio.sleep(0)  # let other coroutines run between chunks (and between engine steps)
+        self._record_stats(outputs, iteration_stats)
+
+    def _record_stats(self, outputs: EngineCoreOutputs, iteration_stats: IterationStats | None) -> None:
+        if outputs.utility_result is not None and not outputs.outputs:
+            return
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(outputs.scheduler_stats, iteration_stats)
+            except Exception:  # a broken logger must not stop the output handler
+                logger.exception("stat logger %r failed", stat_logger)
 
     async def _abort_in_engine(self, request_ids: list[str]) -> None:
         if request_ids and not self.errored and not self._shut_down:
@@ -265,6 +306,17 @@ async def _run_output_handler(client: EngineCoreClient, llm_ref: weakref.ref[Asy
         llm = llm_ref()
         if llm is not None:
             llm._on_output_handler_error(e)
+
+
+def make_default_stat_loggers(config: EngineConfig) -> list[StatLoggerBase]:
+    """A `LoggingStatLogger` when `log_stats` is on, and a `PrometheusStatLogger` (own registry, label
+    model_name = the model) when prometheus-client is installed."""
+    loggers: list[StatLoggerBase] = []
+    if config.observability.log_stats:
+        loggers.append(LoggingStatLogger(config.observability.stats_log_interval))
+    if is_prometheus_available():
+        loggers.append(PrometheusStatLogger(model_name=config.model.model))
+    return loggers
 
 
 def _freeze_startup_heap() -> None:

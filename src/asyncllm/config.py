@@ -14,6 +14,7 @@ from typing import Any, Literal
 from asyncllm.errors import InvalidRequestError
 
 LoadFormat = Literal["auto", "dummy"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -44,11 +45,13 @@ class CacheConfig:
         block_size: tokens per KV cache block.
         num_kv_blocks: force this many blocks; None = size from `kv_cache_memory_bytes`.
         kv_cache_memory_bytes: memory budget of the KV cache over all layers, in bytes.
+        enable_prefix_caching: reuse the KV blocks of a prompt prefix another request computed.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,12 @@ class SchedulerConfig:
     Fields:
         max_num_seqs: requests running in one step at most.
         max_num_batched_tokens: tokens (prefill + decode) in one step at most; long prompts are chunked.
+        scheduling_policy: "fcfs" (arrival order) or "priority" (lower `priority` first, may preempt).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -82,13 +87,27 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """Stats the frontend logs.
+
+    Fields:
+        log_stats: log engine stats periodically (`asyncllm.metrics.loggers.LoggingStatLogger`).
+        stats_log_interval: seconds between two stats log lines.
+    """
+
+    log_stats: bool = False
+    stats_log_interval: float = 5.0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine core needs, as four small frozen parts."""
+    """Everything the engine core needs, as small frozen parts (observability is the frontend's)."""
 
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +129,10 @@ class EngineArgs:
         engine_process: engine core in its own process (True, default: model work never competes with the
             caller's event loop, and a crash there cannot take the caller down) or in a background thread (False).
         load_format: "auto" or "dummy" (random weights).
+        enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
+        scheduling_policy: "fcfs" (default) or "priority" (`generate(..., priority=)`, lower first).
+        log_stats: log engine stats (throughput, queue, KV cache, prefix cache hits) periodically.
+        stats_log_interval: seconds between two stats log lines (with `log_stats`).
     Raises:
         InvalidRequestError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -127,6 +150,10 @@ class EngineArgs:
     load_format: LoadFormat = "auto"
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    log_stats: bool = False
+    stats_log_interval: float = 5.0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineArgs:
@@ -164,6 +191,12 @@ class EngineArgs:
                 raise InvalidRequestError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 1")
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidRequestError(
+                f"EngineArgs.scheduling_policy={self.scheduling_policy!r}: must be 'fcfs' or 'priority'"
+            )
+        if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
+            raise InvalidRequestError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model to a local path (fetching the default model once), and split.
@@ -182,12 +215,15 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
         )
-        cache = CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes)
-        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        cache = CacheConfig(
+            self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes, bool(self.enable_prefix_caching)
+        )
+        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy)
         parallel = ParallelConfig(
             self.engine_process,
             self.num_threads,
             self.distributed_executor_backend,
             self.tensor_parallel_size,
         )
-        return EngineConfig(model, cache, scheduler, parallel)
+        observability = ObservabilityConfig(bool(self.log_stats), float(self.stats_log_interval))
+        return EngineConfig(model, cache, scheduler, parallel, observability)

@@ -40,3 +40,7 @@ class ExecutorError(AsyncLLMError):
 
 class StreamClosedError(AsyncLLMError):
     """A `GenerateOutputStream` was used after `aclose()`."""
+
+
+class StreamIncompleteError(AsyncLLMError):
+    """`GenerateOutputStream.collect()` found no finished output (the stream was consumed or closed first)."""

@@ -7,6 +7,7 @@ Semantics follow vLLM's `SamplingParams` (https://docs.vllm.ai) for the fields p
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -27,35 +28,60 @@ class RequestOutputKind(enum.IntEnum):
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """How to sample one request.
+    """How to sample one request. Same names and meanings as vLLM's `SamplingParams`.
 
     Fields:
-        max_tokens: generated tokens at most (>= 1); None means up to `max_model_len`.
+        n: completions per prompt (>= 1); they share one stream, tagged by `CompletionOutput.index`.
+        max_tokens: generated tokens at most (>= 1); None means up to `max_model_len`. A prompt with
+            `num_prompt_tokens + max_tokens > max_model_len` is rejected at submission.
         temperature: >= 0; 0 means greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
-        seed: per-request seed; a seeded request gives the same tokens alone or in any batch.
+        min_p: in [0, 1]; drop tokens whose probability is below `min_p` times the top token's.
+        seed: per-request seed; a seeded request gives the same tokens alone or in any batch. With n > 1,
+            completion i uses `seed + i`.
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token already generated.
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit per time it was generated.
+        repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it when
+            positive and multiplied by it when negative (1 disables it; CTRL, Keskar et al., 2019).
+        logit_bias: token id -> bias added to its logit; bias clamped to [-100, 100] (as OpenAI/vLLM).
+        allowed_token_ids: when set (non-empty), only these tokens can be sampled.
         stop: strings that end generation when they appear in the output text (not included by default).
         stop_token_ids: token ids that end generation (included in `token_ids`, not in text).
         ignore_eos: keep generating past the model's EOS token.
-        min_tokens: EOS and stop tokens are not honoured before this many tokens.
+        min_tokens: EOS and stop tokens cannot be sampled (masked) before this many tokens.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: leave special tokens out of the detokenized text.
+        logprobs: None, or k >= 0: return per generated token the k most likely tokens' logprobs plus the
+            sampled token's (k = 0: only the sampled token's). Logprobs are of the raw model distribution
+            (log_softmax of the logits before temperature, penalties and masks), as vLLM v1's default.
+        prompt_logprobs: None, or k >= 0: the same for each prompt token (the first entry is None).
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY.
+        stream_interval: emit an output every this many generated tokens (and at the end); >= 1.
     """
 
+    n: int = 1
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,34 +89,99 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self.validate()
 
     def validate(self) -> None:
-        """Check every field's range.
+        """Check every field's type and range.
 
         Raises:
             InvalidRequestError: naming the field and its allowed range.
         """
-        if self.max_tokens is not None and self.max_tokens < 1:
-            _bad("max_tokens", self.max_tokens, "an integer >= 1 or None")
-        if not self.temperature >= 0.0:
-            _bad("temperature", self.temperature, ">= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            _bad("top_p", self.top_p, "in (0, 1]")
-        if self.top_k < -1:
-            _bad("top_k", self.top_k, "-1, 0 (disabled) or >= 1")
-        if self.min_tokens < 0:
-            _bad("min_tokens", self.min_tokens, ">= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.stop is not None and any(not s for s in self.stop):
-            _bad("stop", self.stop, "non-empty strings")
-        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            _bad("stop_token_ids", self.stop_token_ids, "token ids >= 0")
+        self._validate_counts()
+        self._validate_sampling()
+        self._validate_penalties()
+        self._validate_token_lists()
         if not isinstance(self.output_kind, RequestOutputKind):
             _bad("output_kind", self.output_kind, "a RequestOutputKind")
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Check the token ids in `stop_token_ids`, `logit_bias` and `allowed_token_ids` against the model.
+
+        Raises:
+            InvalidRequestError: a token id is outside [0, vocab_size).
+        """
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            ids = getattr(self, name) or ()
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                _bad(name, bad, f"token ids in [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
         """True when sampling is argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when presence, frequency or repetition penalties change the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def _validate_counts(self) -> None:
+        _check_int("n", self.n, 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, "an integer >= 1 or None")
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        _check_int("stream_interval", self.stream_interval, 1)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, f"None or an integer in [0, {MAX_LOGPROBS}]")
+                if value > MAX_LOGPROBS:
+                    _bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(1 << 63), "an integer or None")
+
+    def _validate_sampling(self) -> None:
+        if not _is_number(self.temperature) or not self.temperature >= 0.0:
+            _bad("temperature", self.temperature, ">= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            _bad("top_p", self.top_p, "in (0, 1]")
+        _check_int("top_k", self.top_k, -1, "-1, 0 (disabled) or >= 1")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            _bad("min_p", self.min_p, "in [0, 1]")
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                _bad(name, value, "in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+            _bad("repetition_penalty", self.repetition_penalty, "> 0 (1 disables it)")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not _is_number(bias) or math.isnan(bias):
+                    _bad("logit_bias", {token_id: bias}, "token id -> a number")
+
+    def _validate_token_lists(self) -> None:
+        if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
+            _bad("stop", self.stop, "non-empty strings")
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            ids = getattr(self, name)
+            if ids is not None and any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                _bad(name, ids, "token ids >= 0")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            _bad("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids")
+
+
+MAX_LOGPROBS = 20  # top logprobs per token at most (as OpenAI's top_logprobs)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, minimum: int, allowed: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _bad(field, value, allowed or f"an integer >= {minimum}")
 
 
 def _bad(field: str, value: object, allowed: str) -> None:

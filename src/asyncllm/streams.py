@@ -1,20 +1,22 @@
 """What `AsyncLLM.generate()` returns: an async stream of `RequestOutput`, backed by a one-slot collector.
 
 The output handler puts outputs into a request's `RequestOutputCollector`; the consumer takes them out.
-The collector has a single slot, so a slow consumer never makes memory grow: DELTA outputs waiting in the
-slot are merged (text concatenated, token ids extended) and CUMULATIVE / FINAL_ONLY outputs replace the
-waiting one. Either way the consumer sees the same final text, and the finished output is never lost.
+The collector has a single slot, so a slow consumer never makes memory grow: a new output is merged into
+the waiting one completion by completion (by `index`): DELTA completions are appended (text concatenated,
+token ids and logprobs extended), CUMULATIVE / FINAL_ONLY completions replace the waiting completion of the
+same index. Either way the consumer sees the same final text, and the finished output is never lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from types import TracebackType
 
-from asyncllm.errors import StreamClosedError
-from asyncllm.outputs import RequestOutput
+from asyncllm.errors import StreamClosedError, StreamIncompleteError
+from asyncllm.outputs import CompletionOutput, RequestOutput, Usage
 from asyncllm.sampling_params import RequestOutputKind
 
 
@@ -28,17 +30,18 @@ class RequestOutputCollector:
     """
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.output_kind = output_kind
         self._aggregate = output_kind == RequestOutputKind.DELTA
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
-        """Offer an output; merges into (DELTA) or replaces (other kinds) an output still waiting."""
-        if self._output is None or not self._aggregate:
+        """Offer an output; merges into an output still waiting (appending DELTA completions, replacing others)."""
+        if self._output is None:
             self._output = output
         else:
-            _merge_delta(self._output, output)
+            merge_outputs(self._output, output, self._aggregate)
         self._ready.set()
 
     def put_error(self, error: BaseException) -> None:
@@ -72,20 +75,44 @@ class RequestOutputCollector:
         return output
 
 
-def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
-    """Append `new` (a later DELTA output of the same request) to `into`, which nobody has seen yet."""
-    by_index = {c.index: c for c in into.outputs}
+def merge_outputs(into: RequestOutput, new: RequestOutput, aggregate: bool) -> None:
+    """Fold `new` (a later output of the same request) into `into`, completion by completion (by index).
+
+    Args:
+        aggregate: True for DELTA (append text, token ids and logprobs); False replaces a completion.
+    """
+    by_index = {c.index: i for i, c in enumerate(into.outputs)}
     for completion in new.outputs:
-        old = by_index.get(completion.index)
-        if old is None:
-            into.outputs.append(completion)
-            continue
-        old.text += completion.text
-        old.token_ids.extend(completion.token_ids)
-        old.finish_reason = completion.finish_reason
-        old.stop_reason = completion.stop_reason
+        i = by_index.get(completion.index)
+        if i is None:
+            by_index[completion.index] = len(into.outputs)
+            into.outputs.append(_copy_completion(completion))
+        elif aggregate:
+            _append_completion(into.outputs[i], completion)
+        else:
+            into.outputs[i] = completion
+    into.outputs.sort(key=lambda c: c.index)
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
+    if new.prompt_logprobs is not None:
+        into.prompt_logprobs = new.prompt_logprobs
+    if new.metrics is not None:
+        into.metrics = new.metrics
+
+
+def _copy_completion(completion: CompletionOutput) -> CompletionOutput:
+    logprobs = list(completion.logprobs) if completion.logprobs is not None else None
+    return dataclasses.replace(completion, token_ids=list(completion.token_ids), logprobs=logprobs)
+
+
+def _append_completion(old: CompletionOutput, new: CompletionOutput) -> None:
+    old.text += new.text
+    old.token_ids.extend(new.token_ids)
+    if old.logprobs is not None and new.logprobs is not None:
+        old.logprobs.extend(new.logprobs)
+    old.cumulative_logprob = new.cumulative_logprob
+    old.finish_reason = new.finish_reason
+    old.stop_reason = new.stop_reason
 
 
 class GenerateOutputStream:
@@ -120,6 +147,7 @@ class GenerateOutputStream:
         self._ensure_running = ensure_running
         self._loop = loop
         self._finished = False  # the finished output was handed out, or an error was raised
+        self._num_yielded = 0  # outputs handed to the consumer
         self._closed = False
 
     @property
@@ -151,7 +179,38 @@ class GenerateOutputStream:
             raise
         if output.finished:
             self._finished = True
+        self._num_yielded += 1
         return output
+
+    async def collect(self) -> RequestOutput:
+        """Drain the stream into the request's final output.
+
+        Works for every output kind: DELTA completions are concatenated, others replace by index. The result
+        holds every completion (index order) with full text, token ids, logprobs and finish reasons, the prompt
+        logprobs, and `usage`.
+
+        Raises:
+            StreamIncompleteError: the stream was partly consumed or closed before, or ended without a
+                finished output, so only a partial result exists.
+            EngineDeadError, EngineGenerateError: as iteration does.
+        """
+        if self._num_yielded:
+            raise StreamIncompleteError(f"the output stream of request {self.request_id!r} was partly consumed")
+        result: RequestOutput | None = None
+        aggregate = self._collector.output_kind == RequestOutputKind.DELTA
+        if not self._closed:
+            async for output in self:
+                if result is None:
+                    result = dataclasses.replace(output, outputs=[])
+                merge_outputs(result, output, aggregate)
+        if result is None or not result.finished:
+            raise StreamIncompleteError(f"the output stream of request {self.request_id!r} ended unfinished")
+        result.usage = Usage(
+            num_prompt_tokens=len(result.prompt_token_ids),
+            num_generated_tokens=sum(len(c.token_ids) for c in result.outputs),
+            num_cached_tokens=result.num_cached_tokens,
+        )
+        return result
 
     async def aclose(self) -> None:
         """Close the stream; aborts the request in the engine if it is not finished. Idempotent."""

@@ -55,7 +55,7 @@ async def llm(tokenizer) -> AsyncIterator[AsyncLLM]:
         yield engine
 
 
-def greedy(max_tokens: int = 64, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **kw) -> SamplingParams:
+def greedy(max_tokens: int | None = 32, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=kind, **kw)
 
 
@@ -137,7 +137,7 @@ async def test_abort_ends_the_stream_with_a_final_abort_output(tokenizer) -> Non
     engine, cores = make_llm(tokenizer, step_delay=0.005)
     async with engine:
         outputs = []
-        async for out in engine.generate("Hi", greedy(1000, ignore_eos=True), request_id="a"):
+        async for out in engine.generate("Hi", greedy(None, ignore_eos=True), request_id="a"):
             outputs.append(out)
             if len(outputs) == 2:
                 await engine.abort("a")
@@ -149,13 +149,13 @@ async def test_abort_ends_the_stream_with_a_final_abort_output(tokenizer) -> Non
 async def test_aclose_and_breaking_out_abort_in_the_engine(tokenizer) -> None:
     engine, cores = make_llm(tokenizer, step_delay=0.005)
     async with engine:
-        stream = engine.generate("Hi", greedy(1000, ignore_eos=True), request_id="closed")
+        stream = engine.generate("Hi", greedy(None, ignore_eos=True), request_id="closed")
         await stream.__anext__()
         await stream.aclose()
         await stream.aclose()
         with pytest.raises(StreamClosedError):
             await stream.__anext__()
-        async for _ in engine.generate("Hi", greedy(1000, ignore_eos=True), request_id="broken"):
+        async for _ in engine.generate("Hi", greedy(None, ignore_eos=True), request_id="broken"):
             break
         gc.collect()
         await wait_for(lambda: sorted(cores[0].aborted) == ["broken", "closed"])
@@ -178,7 +178,7 @@ async def test_slow_consumer_delta_merges_to_the_same_text(tokenizer) -> None:
 
 async def test_engine_death_reaches_every_stream_and_is_sticky(tokenizer) -> None:
     engine, _ = make_llm(tokenizer, step_delay=0.005, fail_at_step=5)
-    streams = [engine.generate("Hi", greedy(100, ignore_eos=True)) for _ in range(3)]
+    streams = [engine.generate("Hi", greedy(None, ignore_eos=True)) for _ in range(3)]
     for stream in streams:
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(collect(stream), 5)
@@ -193,7 +193,7 @@ async def test_engine_death_reaches_every_stream_and_is_sticky(tokenizer) -> Non
 
 async def test_shutdown_ends_open_streams_and_is_idempotent(tokenizer) -> None:
     engine, cores = make_llm(tokenizer, step_delay=0.005)
-    stream = engine.generate("Hi", greedy(1000, ignore_eos=True))
+    stream = engine.generate("Hi", greedy(None, ignore_eos=True))
     await stream.__anext__()
     await engine.shutdown()
     await engine.shutdown()

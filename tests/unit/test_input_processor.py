@@ -1,4 +1,4 @@
-"""InputProcessor: the three prompt forms, validation at submission, max_tokens clamping, request ids."""
+"""InputProcessor: the three prompt forms, validation at submission, the length rule, request ids."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_token_prompt(processor: InputProcessor) -> None:
 
 def test_chat_prompt_is_rendered_then_encoded_without_special_tokens(processor: InputProcessor) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    text, request = processor.process(messages)
+    text, request = processor.process(messages, SamplingParams(max_tokens=1))
     tokenizer = processor._tokenizer
     assert text == tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert text is not None
@@ -77,13 +77,29 @@ def test_bad_params_and_ids_raise(processor: InputProcessor) -> None:
         processor.process("Hi", {"max_tokens": 3})  # type: ignore[arg-type]
 
 
-def test_max_tokens_is_clamped_to_what_fits_without_mutating_params(processor: InputProcessor) -> None:
-    params = SamplingParams(max_tokens=100, min_tokens=40)
-    _, request = processor.process({"prompt_token_ids": [1] * 30}, params)
-    assert (request.sampling_params.max_tokens, request.sampling_params.min_tokens) == (2, 2)
-    assert params.max_tokens == 100
-    _, unbounded = processor.process({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=None))
+def test_prompt_plus_max_tokens_over_max_model_len_is_rejected(processor: InputProcessor) -> None:
+    params = SamplingParams(max_tokens=3, min_tokens=2)
+    _, fits = processor.process({"prompt_token_ids": [1] * (MAX_MODEL_LEN - 3)}, params)
+    assert fits.sampling_params is params
+    with pytest.raises(InvalidRequestError, match=r"max_tokens=3 is invalid: prompt \(30 tokens\).*at most 2"):
+        processor.process({"prompt_token_ids": [1] * (MAX_MODEL_LEN - 2)}, params)
+
+
+def test_max_tokens_none_means_up_to_max_model_len_without_mutating_params(processor: InputProcessor) -> None:
+    params = SamplingParams(max_tokens=None)
+    _, unbounded = processor.process({"prompt_token_ids": [1] * 10}, params)
     assert unbounded.sampling_params.max_tokens == MAX_MODEL_LEN - 10
+    assert params.max_tokens is None
+    with pytest.raises(InvalidRequestError, match="min_tokens=30 is invalid"):
+        processor.process({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=None, min_tokens=30))
+
+
+@pytest.mark.parametrize("field", ["stop_token_ids", "allowed_token_ids"])
+def test_out_of_vocabulary_ids_in_params_are_rejected(processor: InputProcessor, field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=field):
+        processor.process("Hi", SamplingParams(max_tokens=1, **{field: [1, VOCAB]}))
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        processor.process("Hi", SamplingParams(max_tokens=1, logit_bias={VOCAB + 5: 1.0}))
 
 
 def test_generated_request_ids_are_unique(processor: InputProcessor) -> None:

@@ -1,4 +1,5 @@
-"""OutputProcessor: scripted engine outputs -> RequestOutputs per kind, stop strings, aborts, errors."""
+"""OutputProcessor: scripted engine outputs -> RequestOutputs per kind, stop strings, aborts, errors, logprobs,
+stream_interval and n > 1 (ParentRequest)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm import EngineDeadError, InvalidRequestError, RequestOutput, RequestOutputKind, SamplingParams
-from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from asyncllm.processing.output_processor import OutputProcessor
+from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.streams import RequestOutputCollector
 
 TEXT = "The capital of France is Paris. 😀 Ünïcödé!"
@@ -206,3 +208,125 @@ def test_propagate_error_reaches_every_request(hf: HFTokenizer) -> None:
         with pytest.raises(EngineDeadError):
             collector.get_nowait()
     assert processor.num_unfinished_requests == 0
+
+
+# ---- logprobs, stream_interval and n > 1 on scripted token sequences ----------------------------------
+
+
+def fake_logprobs(token: int) -> LogprobsLists:
+    """One position: the token, then two fixed alternatives; logprob -0.01 * token (so sums are checkable)."""
+    return LogprobsLists([[token, 1000, 1001]], [[-0.01 * token, -0.1, -0.2]], [3])
+
+
+def test_logprobs_align_with_token_ids_in_every_delta_and_after_a_stop_string(hf: HFTokenizer) -> None:
+    processor = OutputProcessor(hf)
+    collector = add(processor, kind=RequestOutputKind.DELTA, logprobs=2, stop=["Paris"])
+    ids = hf.encode(TEXT).ids
+    outputs = []
+    for token in ids:
+        result = processor.process_outputs([EngineCoreOutput("r", [token], new_logprobs=fake_logprobs(token))])
+        if (out := collector.get_nowait()) is not None:
+            outputs.append(out)
+        if result.reqs_to_abort:
+            break
+    token_ids, logprobs = [], []
+    for out in outputs:
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        assert len(completion.logprobs) == len(completion.token_ids)
+        token_ids += completion.token_ids
+        logprobs += completion.logprobs
+    final = outputs[-1].outputs[0]
+    assert final.stop_reason == "Paris"
+    assert "".join(o.outputs[0].text for o in outputs) == "The capital of France is "
+    assert [next(iter(d)) for d in logprobs] == [1000] * len(token_ids)  # top-1 first, then the sampled one
+    assert [d[t].logprob for d, t in zip(logprobs, token_ids, strict=True)] == pytest.approx(
+        [-0.01 * t for t in token_ids]
+    )
+    assert final.cumulative_logprob == pytest.approx(sum(-0.01 * t for t in token_ids))
+
+
+@pytest.mark.parametrize("interval", [1, 3, 4, 100])
+def test_stream_interval_emits_every_k_tokens_and_at_the_end(hf: HFTokenizer, interval: int) -> None:
+    processor = OutputProcessor(hf)
+    collector = add(processor, kind=RequestOutputKind.DELTA, stream_interval=interval)
+    ids = hf.encode("one two three four five six seven eight nine ten eleven").ids
+    outputs, _ = run_steps(processor, collector, ids)
+    sizes = [len(o.outputs[0].token_ids) for o in outputs]
+    assert sum(sizes) == len(ids)
+    assert all(size == interval for size in sizes[:-1])
+    assert 1 <= sizes[-1] <= interval
+    assert "".join(o.outputs[0].text for o in outputs) == hf.decode(ids)
+
+
+def add_parent(
+    processor: OutputProcessor, kind: RequestOutputKind, n: int = 3, **kw
+) -> tuple[ParentRequest, RequestOutputCollector]:
+    parent = ParentRequest(EngineCoreRequest("p", [1, 2, 3], SamplingParams(n=n, output_kind=kind, seed=10, **kw)))
+    collector = RequestOutputCollector(kind)
+    for index, child in enumerate(parent.child_requests):
+        processor.add_request(child, "prompt", collector, parent, index)
+    return parent, collector
+
+
+def test_children_get_derived_seeds_and_n_one() -> None:
+    parent = ParentRequest(EngineCoreRequest("p", [1], SamplingParams(n=3, seed=10)))
+    assert parent.child_ids == ["0_p", "1_p", "2_p"]
+    assert [c.sampling_params.seed for c in parent.child_requests] == [10, 11, 12]
+    assert {c.sampling_params.n for c in parent.child_requests} == {1}
+    unseeded = ParentRequest(EngineCoreRequest("q", [1], SamplingParams(n=2)))
+    assert [c.sampling_params.seed for c in unseeded.child_requests] == [None, None]
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_n_children_interleaved_finish_each_index_once(hf: HFTokenizer, kind: RequestOutputKind) -> None:
+    processor = OutputProcessor(hf)
+    parent, collector = add_parent(processor, kind)
+    texts = ["Alpha beta gamma.", "Un deux trois quatre cinq six.", "😀 ünï"]
+    scripts = [hf.encode(t).ids for t in texts]
+    outputs = []
+    for step in range(max(len(s) for s in scripts)):
+        batch = []
+        for i, script in enumerate(scripts):
+            if step < len(script):
+                last = step == len(script) - 1
+                batch.append(
+                    EngineCoreOutput(parent.child_ids[i], [script[step]], FinishReason.LENGTH if last else None)
+                )
+        processor.process_outputs(batch)
+        if (out := collector.get_nowait()) is not None:
+            outputs.append(out)
+    assert [o.finished for o in outputs].count(True) == 1
+    assert outputs[-1].finished
+    assert {o.request_id for o in outputs} == {"p"}
+    finishes = [c.index for o in outputs for c in o.outputs if c.finished]
+    assert sorted(finishes) == [0, 1, 2]
+    by_index: dict[int, tuple[str, list[int]]] = {}
+    for out in outputs:
+        for c in out.outputs:
+            if kind == RequestOutputKind.DELTA:
+                text, ids = by_index.get(c.index, ("", []))
+                by_index[c.index] = (text + c.text, ids + c.token_ids)
+            else:
+                by_index[c.index] = (c.text, c.token_ids)
+    assert by_index == {i: (texts[i], scripts[i]) for i in range(3)}
+    if kind == RequestOutputKind.FINAL_ONLY:
+        assert len(outputs) == 1
+        assert [c.index for c in outputs[0].outputs] == [0, 1, 2]
+    assert processor.num_unfinished_requests == 0
+    assert not processor.has_request("p")
+
+
+def test_aborting_the_parent_aborts_every_unfinished_child(hf: HFTokenizer) -> None:
+    processor = OutputProcessor(hf)
+    parent, collector = add_parent(processor, RequestOutputKind.DELTA)
+    processor.process_outputs([EngineCoreOutput(parent.child_ids[1], [504], FinishReason.STOP)])
+    processor.process_outputs([EngineCoreOutput(cid, [504]) for cid in (parent.child_ids[0], parent.child_ids[2])])
+    assert processor.abort_requests(["p"]) == ["0_p", "2_p"]
+    merged = collector.get_nowait()
+    assert merged is not None
+    assert merged.finished
+    assert {c.index: c.finish_reason for c in merged.outputs} == {0: "abort", 1: "stop", 2: "abort"}
+    assert processor.num_unfinished_requests == 0
+    assert not processor.has_request("p")
+    assert processor.abort_requests(["p"]) == []

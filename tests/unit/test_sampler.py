@@ -1,11 +1,13 @@
 """Sampler: greedy = argmax; top-k/top-p pick only allowed tokens; seeded rows are batch-independent;
-temperature reshapes the distribution as softmax(logits / T)."""
+temperature reshapes the distribution as softmax(logits / T); penalties, logit_bias, allowed_token_ids,
+min_tokens and min_p match a plain per-element reference."""
 
 from __future__ import annotations
 
 import torch
 
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.logits_processing import LogitsEdits, RowTokens, apply_min_p
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, seed_generator
 
 VOCAB = 50
@@ -131,3 +133,111 @@ def test_partial_top_k_path_matches_full_sort() -> None:
     assert kept[4] == 1000  # top-k only
     assert all(1 <= n < k for n, k in zip(kept[1:4], [7, 40, 300], strict=True))  # top-p cut inside top-k
     assert torch.isfinite(full_with_wide_row[5]).sum() < 5000
+
+
+# ---- logit edits vs a plain per-element reference ------------------------------------------------------
+
+
+def _reference_edit(logits: list[float], params: SamplingParams, row: RowTokens) -> list[float]:
+    """Plain Python: allowed ids, min_tokens, logit bias (clamped to +-100), then CTRL repetition penalty on
+    prompt+output tokens, then OpenAI frequency/presence penalties on output tokens."""
+    out = []
+    for token, value in enumerate(logits):
+        if params.allowed_token_ids and token not in params.allowed_token_ids:
+            value = float("-inf")
+        eos_masked = row.eos_token_id == token and not params.ignore_eos
+        stop_masked = token in (params.stop_token_ids or ())
+        if len(row.output_token_ids) < params.min_tokens and (eos_masked or stop_masked):
+            value = float("-inf")
+        value += max(-100.0, min(100.0, (params.logit_bias or {}).get(token, 0.0)))
+        count = row.output_token_ids.count(token)
+        if token in row.prompt_token_ids or count:
+            r = params.repetition_penalty
+            value = value / r if value > 0 else value * r
+        value -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
+        out.append(value)
+    return out
+
+
+PENALTY_CASES = [
+    (SamplingParams(repetition_penalty=1.7), RowTokens([1, 2, 3, 3], [4, 4, 9])),
+    (SamplingParams(repetition_penalty=0.6), RowTokens([0, 5], [7])),
+    (SamplingParams(frequency_penalty=0.8), RowTokens([1], [4, 4, 4, 9, 11])),
+    (SamplingParams(presence_penalty=-1.5), RowTokens([1], [4, 4, 4, 9, 11])),
+    (
+        SamplingParams(presence_penalty=0.5, frequency_penalty=-0.3, repetition_penalty=1.3, logit_bias={4: 3.0}),
+        RowTokens([2, 4, 6], [6, 6, 8, 49]),
+    ),
+    (SamplingParams(logit_bias={0: 250.0, 3: -7.5, 49: -1000.0}), RowTokens([1], [])),
+    (SamplingParams(allowed_token_ids=[3, 17, 40], logit_bias={17: 2.0}), RowTokens([1], [2])),
+    (SamplingParams(min_tokens=3, stop_token_ids=[8, 9]), RowTokens([1], [5, 6], eos_token_id=2)),
+    (SamplingParams(min_tokens=3, stop_token_ids=[8]), RowTokens([1], [5, 6, 7], eos_token_id=2)),
+    (SamplingParams(min_tokens=3, ignore_eos=True), RowTokens([1], [], eos_token_id=2)),
+    (SamplingParams(), RowTokens([1], [2])),
+]
+
+
+def test_logit_edits_match_the_plain_reference_in_one_batch() -> None:
+    params = [p for p, _ in PENALTY_CASES]
+    rows = [r for _, r in PENALTY_CASES]
+    logits = _logits(len(params), seed=3)
+    edited = LogitsEdits.from_rows(params, rows, VOCAB).apply_before_temperature(logits)
+    expected = torch.tensor([_reference_edit(logits[i].tolist(), p, r) for i, (p, r) in enumerate(PENALTY_CASES)])
+    assert torch.equal(torch.isinf(edited), torch.isinf(expected))
+    finite = ~torch.isinf(expected)
+    torch.testing.assert_close(edited[finite], expected[finite], rtol=1e-6, atol=1e-5)
+
+
+def test_batch_without_edits_builds_no_tensors() -> None:
+    edits = LogitsEdits.from_rows([SamplingParams(), SamplingParams(min_tokens=2)], [RowTokens([1], [2, 3])] * 2, VOCAB)
+    assert (edits.additive, edits.penalties, edits.min_p) == (None, None, None)
+
+
+def test_greedy_takes_the_argmax_after_logit_bias_and_masks() -> None:
+    logits = _logits(3, seed=5)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={7: 100.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[10, 11, 12]),
+        SamplingParams(temperature=0.0, min_tokens=1),
+    ]
+    eos = int(logits[2].argmax())
+    rows = [RowTokens([1], []), RowTokens([1], []), RowTokens([1], [], eos_token_id=eos)]
+    tokens = Sampler()(logits, SamplingMetadata.from_params(params, VOCAB, {}, rows)).tolist()
+    assert tokens[0] == 7
+    assert tokens[1] == 10 + int(logits[1, 10:13].argmax())
+    assert tokens[2] == int(logits[2].topk(2).indices[1])
+
+
+def test_sampling_never_leaves_allowed_token_ids() -> None:
+    logits = _logits(1, seed=6).repeat(400, 1)
+    params = [SamplingParams(temperature=2.0, allowed_token_ids=[3, 9, 27])] * 400
+    tokens = Sampler(seed=1)(logits, _meta(params))
+    assert set(tokens.tolist()) == {3, 9, 27}
+
+
+def test_min_p_matches_the_plain_reference_and_only_samples_kept_tokens() -> None:
+    logits = _logits(4, seed=7)
+    min_p = torch.tensor([0.0, 0.05, 0.3, 1.0])
+    masked = apply_min_p(logits, min_p)
+    for i in range(4):
+        probs = logits[i].softmax(dim=-1).tolist()
+        kept = [p >= min_p[i].item() * max(probs) for p in probs]
+        assert (~torch.isinf(masked[i])).tolist() == kept
+    rows = logits[2:3].repeat(300, 1)
+    tokens = Sampler(seed=2)(rows, _meta([SamplingParams(min_p=0.3)] * 300))
+    kept_ids = set(torch.nonzero(~torch.isinf(masked[2])).flatten().tolist())
+    assert set(tokens.tolist()) <= kept_ids
+    assert len(set(tokens.tolist())) > 1 or len(kept_ids) == 1
+
+
+def test_sampling_with_penalties_follows_the_edited_distribution() -> None:
+    """A token pushed to -inf by a huge frequency penalty (with repetition) is never drawn; chi-square-free
+    check: the edited softmax puts > 0 mass only on the other tokens."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5] = 10.0  # would win almost always
+    row = RowTokens([1], [5] * 50)
+    params = SamplingParams(frequency_penalty=2.0)
+    tokens = Sampler(seed=3)(
+        logits.repeat(200, 1), SamplingMetadata.from_params([params] * 200, VOCAB, {}, [row] * 200)
+    )
+    assert 5 not in tokens.tolist()

@@ -1,29 +1,41 @@
-"""Scheduler: token budget, max_num_seqs, chunked prefill, preemption and resumption, stop rules, abort."""
+"""Scheduler: token budget, max_num_seqs, chunked prefill, preemption and resumption, stop rules, abort,
+priority scheduling, engine events and stats."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncllm.config import SchedulerConfig
-from asyncllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from asyncllm.engine.protocol import EngineCoreEventType, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
-from asyncllm.sched.request import RequestStatus
+from asyncllm.sched.request import Request, RequestStatus
+from asyncllm.sched.request_queue import create_request_queue
 from asyncllm.sched.scheduler import Scheduler
 
 EOS = 2
 
 
 def _scheduler(
-    num_blocks: int = 100, block_size: int = 4, max_seqs: int = 8, max_tokens: int = 64, max_model_len: int = 64
+    num_blocks: int = 100,
+    block_size: int = 4,
+    max_seqs: int = 8,
+    max_tokens: int = 64,
+    max_model_len: int = 64,
+    policy: str = "fcfs",
 ) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_seqs, max_tokens), num_blocks, block_size, max_model_len)
+    config = SchedulerConfig(max_seqs, max_tokens, policy)  # type: ignore[arg-type]
+    return Scheduler(config, num_blocks, block_size, max_model_len)
 
 
-def _request(request_id: str, num_prompt_tokens: int, **params: object) -> EngineCoreRequest:
+def _request(
+    request_id: str, num_prompt_tokens: int, priority: int = 0, arrival_time: float = 0.0, **params: object
+) -> EngineCoreRequest:
     params.setdefault("max_tokens", 4)
+    token_ids = [10 + i for i in range(num_prompt_tokens)]
     return EngineCoreRequest(
-        request_id, [10 + i for i in range(num_prompt_tokens)], SamplingParams(**params), eos_token_id=EOS
+        request_id, token_ids, SamplingParams(**params), EOS, arrival_time=arrival_time, priority=priority
     )
 
 
@@ -232,3 +244,137 @@ def test_abort_during_step_drops_sampled_token() -> None:
 def test_max_model_len_must_fit_in_cache() -> None:
     with pytest.raises(ValueError, match="cannot hold"):
         _scheduler(num_blocks=3, block_size=4, max_model_len=13)
+
+
+def _finish_order(scheduler: Scheduler) -> list[str]:
+    order = []
+    for step in range(1000):
+        if not scheduler.has_unfinished_requests():
+            return order
+        _, out = _step(scheduler, token=100 + step)
+        order += [o.request_id for o in out.outputs if o.finished]
+    raise AssertionError("did not finish")
+
+
+def test_priority_late_better_request_runs_before_waiting_worse_ones() -> None:
+    scheduler = _scheduler(max_seqs=1, policy="priority")
+    for i, name in enumerate(["w0", "w1", "w2"]):
+        scheduler.add_request(_request(name, 3, priority=5, arrival_time=float(i), max_tokens=3))
+    _step(scheduler)  # w0 runs
+    scheduler.add_request(_request("late", 3, priority=1, arrival_time=10.0, max_tokens=3))
+    order = _finish_order(scheduler)
+    assert order.index("late") < order.index("w1") < order.index("w2")
+    assert order[0] == "late"  # it preempted w0 (max_num_seqs=1)
+    assert scheduler.num_preemptions == 1
+    assert scheduler.kv_cache_manager.num_free_blocks == 100
+
+
+def test_priority_equal_priorities_are_fcfs_and_never_preempt_each_other() -> None:
+    scheduler = _scheduler(max_seqs=1, policy="priority")
+    for i, name in enumerate(["a", "b", "c"]):
+        scheduler.add_request(_request(name, 3, priority=2, arrival_time=float(i), max_tokens=3))
+    assert _finish_order(scheduler) == ["a", "b", "c"]
+    assert scheduler.num_preemptions == 0
+
+
+def test_priority_preempts_worst_running_request_when_blocks_run_out() -> None:
+    # 6 blocks of 4 tokens: two 7-token prompts fill 4; the better one keeps running when blocks run out.
+    scheduler = _scheduler(num_blocks=6, block_size=4, max_model_len=24, policy="priority")
+    scheduler.add_request(_request("worse", 7, priority=3, arrival_time=0.0, max_tokens=12))
+    scheduler.add_request(_request("better", 7, priority=1, arrival_time=1.0, max_tokens=12))
+    _step(scheduler)
+    assert [req.request_id for req in scheduler.running] == ["better", "worse"]
+    while scheduler.num_preemptions == 0:
+        _step(scheduler)
+    assert scheduler.requests["worse"].status == RequestStatus.PREEMPTED
+    assert scheduler.requests["better"].status == RequestStatus.RUNNING
+    assert _finish_order(scheduler) == ["better", "worse"]
+
+
+def test_fcfs_ignores_priority() -> None:
+    scheduler = _scheduler(max_seqs=1)
+    scheduler.add_request(_request("first", 3, priority=9, max_tokens=2))
+    scheduler.add_request(_request("second", 3, priority=0, max_tokens=2))
+    assert _finish_order(scheduler) == ["first", "second"]
+
+
+def test_unknown_policy_rejected() -> None:
+    with pytest.raises(InvalidRequestError, match="scheduling policy"):
+        _scheduler(policy="lifo")
+
+
+def test_events_queued_scheduled_preempted_travel_with_the_next_output() -> None:
+    scheduler = _scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    scheduler.add_request(_request("a", 7, max_tokens=5))
+    scheduler.add_request(_request("b", 7, max_tokens=5))
+    _, out = _step(scheduler, token=1)
+    events = {o.request_id: [e.type for e in o.events or []] for o in out.outputs}
+    assert events == {"a": [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]} | {
+        "b": [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]
+    }
+    first = next(o for o in out.outputs if o.request_id == "a").events or []
+    assert first[0].timestamp <= first[1].timestamp
+    _, out = _step(scheduler, token=3)
+    assert all(o.events is None for o in out.outputs)
+    b_events = []
+    while "b" in scheduler.requests:
+        _, out = _step(scheduler, token=4)
+        b_events += [e.type for o in out.outputs if o.request_id == "b" for e in o.events or []]
+    assert b_events == [EngineCoreEventType.PREEMPTED, EngineCoreEventType.SCHEDULED]
+    assert scheduler.get_stats().num_preemptions == 1
+
+
+def test_chunked_prefill_sends_events_with_the_first_token() -> None:
+    scheduler = _scheduler(max_tokens=4)
+    scheduler.add_request(_request("a", 10, max_tokens=2))
+    _, out = _step(scheduler)
+    assert out.outputs == []
+    _, out = _step(scheduler)
+    _, out = _step(scheduler)
+    (output,) = out.outputs
+    assert [e.type for e in output.events or []] == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED]
+
+
+def test_priority_arrival_preempts_worse_running_request_for_blocks() -> None:
+    # 5 blocks of 4 tokens: "low" (15-token prompt) holds 4; "high" needs 2 for its 5-token prompt.
+    scheduler = _scheduler(num_blocks=5, block_size=4, max_model_len=20, policy="priority")
+    scheduler.add_request(_request("low", 15, priority=4, arrival_time=0.0, max_tokens=4))
+    _step(scheduler)
+    assert scheduler.kv_cache_manager.num_free_blocks == 1
+    scheduler.add_request(_request("high", 5, priority=0, arrival_time=1.0, max_tokens=2))
+    so, _ = _step(scheduler)
+    assert so.num_scheduled_tokens == {"high": 5}
+    assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
+    assert _finish_order(scheduler) == ["high", "low"]
+    assert scheduler.kv_cache_manager.num_free_blocks == 5
+
+
+def test_priority_arrival_does_not_preempt_when_there_is_room() -> None:
+    scheduler = _scheduler(max_seqs=2, policy="priority")
+    scheduler.add_request(_request("low", 3, priority=4, max_tokens=3))
+    _step(scheduler)
+    scheduler.add_request(_request("high", 3, priority=0, arrival_time=1.0, max_tokens=3))
+    so, _ = _step(scheduler)
+    assert so.num_scheduled_tokens == {"low": 1, "high": 3}
+    assert scheduler.num_preemptions == 0
+
+
+def test_priority_queue_orders_by_priority_then_arrival_and_removes() -> None:
+    queue = create_request_queue("priority")
+    reqs = {
+        name: Request.from_engine_core_request(_request(name, 2, priority=prio, arrival_time=arrival))
+        for name, prio, arrival in [("a", 2, 0.0), ("b", 1, 3.0), ("c", 1, 1.0), ("d", 0, 9.0)]
+    }
+    for req in reqs.values():
+        queue.add_request(req)
+    assert [r.request_id for r in queue] == ["d", "c", "b", "a"]
+    assert queue.peek_request() is reqs["d"]
+    queue.remove_requests([reqs["c"], reqs["d"]])
+    assert queue.pop_request() is reqs["b"]
+    queue.prepend_request(reqs["b"])  # a preempted request keeps its place by key
+    assert [r.request_id for r in queue] == ["b", "a"]
+    assert len(queue) == 2
+    queue.remove_requests(list(reqs.values()))
+    assert not queue
+    with pytest.raises(IndexError):
+        queue.peek_request()

@@ -16,8 +16,9 @@ from asyncllm import (
     SamplingParams,
     StreamClosedError,
 )
-from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from asyncllm.outputs import CompletionOutput
+from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from asyncllm.errors import StreamIncompleteError
+from asyncllm.outputs import CompletionOutput, Usage
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 
@@ -195,3 +196,73 @@ def test_dropping_a_stream_of_a_closed_loop_is_silent() -> None:
     del stream
     gc.collect()
     assert aborts.ids == []
+
+
+# ---- collect() ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+async def test_collect_gives_the_full_final_output_with_usage_for_every_kind(
+    hf: HFTokenizer, kind: RequestOutputKind
+) -> None:
+    processor = OutputProcessor(hf)
+    collector = RequestOutputCollector(kind)
+    params = SamplingParams(output_kind=kind, logprobs=1)
+    processor.add_request(EngineCoreRequest("r", [1, 2], params), None, collector)
+    stream = GenerateOutputStream("r", collector, Aborts(), loop=asyncio.get_running_loop())
+    ids = hf.encode(TEXT).ids
+
+    async def produce() -> None:
+        for i, token in enumerate(ids):
+            reason = FinishReason.LENGTH if i == len(ids) - 1 else None
+            lists = LogprobsLists([[token]], [[-1.0]], [1])
+            processor.process_outputs([EngineCoreOutput("r", [token], reason, num_cached_tokens=1, new_logprobs=lists)])
+            if i % 4 == 0:
+                await asyncio.sleep(0)
+
+    producer = asyncio.create_task(produce())
+    result = await stream.collect()
+    await producer
+    completion = result.outputs[0]
+    assert (completion.text, completion.token_ids, completion.finish_reason) == (TEXT, ids, "length")
+    assert completion.logprobs is not None
+    assert len(completion.logprobs) == len(ids)
+    assert completion.cumulative_logprob == pytest.approx(-len(ids))
+    assert result.finished
+    assert result.usage == Usage(num_prompt_tokens=2, num_generated_tokens=len(ids), num_cached_tokens=1)
+
+
+async def test_collect_raises_instead_of_returning_a_partial_result() -> None:
+    stream, _ = make_stream()
+    stream._collector.put(output("a", [1]))
+    assert (await stream.__anext__()).outputs[0].text == "a"
+    stream._collector.put(output("b", [2], finished=True))
+    with pytest.raises(StreamIncompleteError, match="partly consumed"):
+        await stream.collect()
+    closed, _ = make_stream()
+    await closed.aclose()
+    with pytest.raises(StreamIncompleteError, match="ended unfinished"):
+        await closed.collect()
+
+
+@pytest.mark.parametrize("lag", [False, True])
+async def test_collect_merges_n_completions_by_index(lag: bool) -> None:
+    """DELTA pieces of two completions arrive interleaved, one per loop turn (or all at once, merging in the
+    slot); collect() concatenates them per index."""
+    stream, _ = make_stream(RequestOutputKind.DELTA)
+    parts = [(1, "x", False), (0, "a", False), (1, "y", True), (0, "b", True)]
+
+    async def produce() -> None:
+        for i, (index, text, done) in enumerate(parts):
+            completion = CompletionOutput(index, text, [i], "stop" if done else None)
+            stream._collector.put(RequestOutput("r", None, [1, 2, 3], [completion], finished=i == len(parts) - 1))
+            if not lag:
+                await asyncio.sleep(0)
+
+    producer = asyncio.create_task(produce())
+    result = await stream.collect()
+    await producer
+    got = [(c.index, c.text, c.token_ids, c.finish_reason) for c in result.outputs]
+    assert got == [(0, "ab", [1, 3], "stop"), (1, "xy", [0, 2], "stop")]
+    assert result.usage is not None
+    assert result.usage.num_generated_tokens == 4

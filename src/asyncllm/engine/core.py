@@ -38,7 +38,13 @@ class EngineCore:
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.ready_info = self._cap_max_model_len(self.executor.get_ready_info(num_blocks))
-        self.scheduler = Scheduler(config.scheduler, num_blocks, config.cache.block_size, self.ready_info.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            num_blocks,
+            config.cache.block_size,
+            self.ready_info.max_model_len,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+        )
 
     def _cap_max_model_len(self, info: EngineReadyInfo) -> EngineReadyInfo:
         """A sequence must fit in the whole KV cache, or it could never finish: cap max_model_len to it."""

@@ -56,6 +56,60 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
 
 
+class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Logprobs of consecutive token positions, as plain lists (no tensors on the wire).
+
+    Fields:
+        token_ids: [num_positions][1 + k]: the scored token (sampled, or the prompt token) first, then the
+            k most likely token ids in decreasing order.
+        logprobs: [num_positions][1 + k] float log-probabilities of those tokens (natural log).
+        ranks: [num_positions] rank of the scored token in its distribution (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def concat(cls, parts: list[LogprobsLists]) -> LogprobsLists:
+        """One `LogprobsLists` of `parts` in order."""
+        return cls(
+            [ids for p in parts for ids in p.token_ids],
+            [lps for p in parts for lps in p.logprobs],
+            [r for p in parts for r in p.ranks],
+        )
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request in the engine core."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One timestamped event of a request in the engine core.
+
+    Fields:
+        type: QUEUED (added to the waiting queue), SCHEDULED (admitted to the running set: first time or on
+            resuming after a preemption), PREEMPTED (its blocks were freed; it waits to be recomputed).
+        timestamp: `time.monotonic()` in the engine core, seconds. Only differences between engine
+            timestamps mean anything (the frontend may run in another process with another clock origin).
+    """
+
+    type: EngineCoreEventType
+    timestamp: float
+
+    @classmethod
+    def new_event(cls, event_type: EngineCoreEventType, timestamp: float | None = None) -> EngineCoreEvent:
+        """An event stamped now (engine `time.monotonic()`) unless `timestamp` is given."""
+        return cls(event_type, time.monotonic() if timestamp is None else timestamp)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one request produced in one engine step.
 
@@ -65,6 +119,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         finish_reason: set on the request's last output from the engine.
         stop_reason: the stop token id that ended it (None for EOS or length).
         num_cached_tokens: prompt tokens served from the prefix cache.
+        new_logprobs: logprobs of `new_token_ids` (when the request asked for `logprobs`).
+        new_prompt_logprobs: logprobs of prompt tokens 1.. (when it asked for `prompt_logprobs`; sent once,
+            with the first sampled token).
+        events: the request's engine events since its previous output, oldest first (None: none).
     """
 
     request_id: str
@@ -72,6 +130,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,12 +147,22 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         num_waiting_reqs: requests waiting to be scheduled.
         num_free_blocks: KV cache blocks not held by any request.
         num_total_blocks: KV cache blocks in all.
+        prefix_cache_hit_rate: tokens found in the prefix cache / tokens looked up, since start (each admission
+            looks up its tokens: the prompt, plus the outputs of a request resuming after preemption).
+        num_preemptions: preemptions since start.
+        num_prefix_cache_queries: tokens looked up in the prefix cache since start.
+        num_prefix_cache_hits: of those, tokens found cached, since start.
     """
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # Added later: new fields go at the end (array_like wire form).
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

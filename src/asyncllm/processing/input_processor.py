@@ -7,9 +7,9 @@ Prompt forms:
     [{"role": "user", "content": "..."}, ...]    rendered with the model's chat template
                                                  (add_generation_prompt=True), encoded without special tokens.
 
-Length rule: a prompt may use at most `max_model_len - 1` tokens (one must be left to generate), and
-`max_tokens` is clamped to what fits: `max_tokens = min(max_tokens or inf, max_model_len - num_prompt_tokens)`
-(and `min_tokens` to at most that).
+Length rule (as vLLM): a prompt may use at most `max_model_len - 1` tokens (one must be left to generate);
+a request with `num_prompt_tokens + max_tokens > max_model_len` is rejected (`InvalidRequestError`), never
+silently shortened; `max_tokens=None` means "up to max_model_len": `max_model_len - num_prompt_tokens`.
 """
 
 from __future__ import annotations
@@ -70,14 +70,14 @@ class InputProcessor:
 
         Args:
             prompt: one of the forms in the module docstring.
-            sampling_params: None means `SamplingParams()`; never mutated (a clamped copy is sent).
+            sampling_params: None means `SamplingParams()`; never mutated (a copy is sent when max_tokens is None).
             request_id: None makes a unique one (uuid4 hex).
             priority: lower runs first.
         Returns:
-            The prompt text and the `EngineCoreRequest` (eos id from the tokenizer, max_tokens clamped).
+            The prompt text and the `EngineCoreRequest` (eos id from the tokenizer, max_tokens set when None).
         Raises:
-            InvalidRequestError: bad prompt shape, empty or too long prompt, token id outside the vocabulary,
-                bad sampling parameters, request id or priority.
+            InvalidRequestError: bad prompt shape, empty or too long prompt, prompt + max_tokens over
+                max_model_len, token id outside the vocabulary, bad sampling parameters, request id or priority.
         """
         params = self._validate_params(sampling_params)
         request_id = _validate_request_id(request_id)
@@ -88,7 +88,7 @@ class InputProcessor:
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
-            sampling_params=self._clamp_max_tokens(params, len(token_ids)),
+            sampling_params=self._resolve_max_tokens(params, len(token_ids)),
             eos_token_id=self._tokenizer.eos_token_id,
             arrival_time=time.time(),
             priority=priority,
@@ -168,16 +168,24 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         params.validate()
-        bad = [t for t in params.stop_token_ids or () if t >= self._vocab_size]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary [0, {self._vocab_size})")
+        params.validate_vocab(self._vocab_size)
         return params
 
-    def _clamp_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+    def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self._max_model_len - num_prompt_tokens
-        if params.max_tokens is not None and params.max_tokens <= room:
-            return params
-        return msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        if params.max_tokens is None:
+            if params.min_tokens > room:
+                raise InvalidRequestError(
+                    f"SamplingParams.min_tokens={params.min_tokens} is invalid: the {num_prompt_tokens}-token "
+                    f"prompt leaves room for {room} tokens (max_model_len={self._max_model_len})"
+                )
+            return msgspec.structs.replace(params, max_tokens=room)
+        if params.max_tokens > room:
+            raise InvalidRequestError(
+                f"SamplingParams.max_tokens={params.max_tokens} is invalid: prompt ({num_prompt_tokens} tokens) + "
+                f"max_tokens must be <= max_model_len ({self._max_model_len}); at most {room} here"
+            )
+        return params
 
 
 def _validate_request_id(request_id: str | None) -> str:

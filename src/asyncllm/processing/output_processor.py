@@ -1,51 +1,73 @@
-"""The one loop over engine outputs: detokenize, apply stop strings, build `RequestOutput`s per output kind.
+"""The one loop over engine outputs: detokenize, apply stop strings, logprobs, build `RequestOutput`s.
 
-Runs on the event loop (in the output handler task). Each in-flight request has one `RequestState`, owned
-here; it is removed when the request finishes or is aborted, so nothing per request outlives it.
+Runs on the event loop (in the output handler task). Each in-flight engine request has one `RequestState`,
+owned here; an n > 1 request also has one `ParentRequest` shared by its children. State is removed when the
+request finishes or is aborted, so nothing per request outlives it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from asyncllm.errors import InvalidRequestError
+from asyncllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 from asyncllm.outputs import CompletionOutput, FinishReasonStr, RequestOutput
 from asyncllm.processing.detokenizer import IncrementalDetokenizer
+from asyncllm.processing.logprobs import LogprobsProcessor
+from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.sampling_params import RequestOutputKind
 from asyncllm.streams import RequestOutputCollector
 
 
 @dataclass
 class RequestState:
-    """Frontend state of one in-flight request.
+    """Frontend state of one in-flight engine request (a whole request, or one child of an n > 1 request).
 
     Fields:
-        request_id: the request.
+        request_id: the engine request id.
         prompt: prompt text (None for token-id prompts).
         prompt_token_ids: [num_prompt_tokens].
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY.
+        stream_interval: emit every this many tokens (and at the end).
         detokenizer: owns the generated token ids and text.
+        logprobs: owns the sample and prompt logprobs.
         collector: where outputs for the consumer go.
+        parent: the n > 1 parent, or None.
+        index: the completion index (0 without a parent).
         num_sent_chars: chars of text already put into the collector.
         num_sent_tokens: token ids already put into the collector.
+        prompt_logprobs_sent: prompt logprobs were put into the collector (DELTA sends them once).
         num_cached_tokens: prompt tokens served from the prefix cache.
         finish_reason, stop_reason: set when the request finished.
+        stats: timing and token counts, for `RequestOutput.metrics` and the stat loggers.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
+    stream_interval: int
     detokenizer: IncrementalDetokenizer
+    logprobs: LogprobsProcessor
     collector: RequestOutputCollector
+    parent: ParentRequest | None = None
+    index: int = 0
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
+    prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
     finish_reason: FinishReasonStr | None = None
     stop_reason: int | str | None = None
+    stats: RequestStateStats | None = None
+
+    @property
+    def user_request_id(self) -> str:
+        """The id the user sees (the parent's for a child)."""
+        return self.parent.request_id if self.parent is not None else self.request_id
 
 
 @dataclass
@@ -53,8 +75,8 @@ class OutputProcessorResult:
     """What the output handler must do after `process_outputs`.
 
     Fields:
-        reqs_to_abort: requests finished here by a stop string that the engine still runs.
-        num_finished: requests finished in this call.
+        reqs_to_abort: engine requests finished here by a stop string that the engine still runs.
+        num_finished: engine requests finished in this call.
     """
 
     reqs_to_abort: list[str] = field(default_factory=list)
@@ -71,19 +93,29 @@ class OutputProcessor:
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tokenizer = tokenizer
         self._states: dict[str, RequestState] = {}
+        self._parents: dict[str, ParentRequest] = {}
 
     @property
     def num_unfinished_requests(self) -> int:
-        """Requests with frontend state."""
+        """Engine requests with frontend state."""
         return len(self._states)
 
     def has_request(self, request_id: str) -> bool:
-        """True while `request_id` is in flight."""
-        return request_id in self._states
+        """True while `request_id` (a user request or an engine request) is in flight."""
+        return request_id in self._states or request_id in self._parents
 
-    def add_request(self, request: EngineCoreRequest, prompt: str | None, collector: RequestOutputCollector) -> None:
-        """Start tracking a request that is being sent to the engine.
+    def add_request(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        collector: RequestOutputCollector,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+    ) -> None:
+        """Start tracking an engine request that is being sent to the engine.
 
+        Args:
+            parent: the n > 1 parent when `request` is its child `index`.
         Raises:
             InvalidRequestError: `request.request_id` is already in flight.
         """
@@ -95,27 +127,49 @@ class OutputProcessor:
             prompt=prompt,
             prompt_token_ids=request.prompt_token_ids,
             output_kind=params.output_kind,
+            stream_interval=params.stream_interval,
             detokenizer=IncrementalDetokenizer(self._tokenizer, params),
+            logprobs=LogprobsProcessor(self._tokenizer, params.logprobs, params.prompt_logprobs),
             collector=collector,
+            parent=parent,
+            index=index,
+            stats=RequestStateStats(arrival_time=request.arrival_time),
         )
+        if parent is not None:
+            self._parents[parent.request_id] = parent
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorResult:
+    def process_outputs(
+        self,
+        outputs: list[EngineCoreOutput],
+        engine_core_timestamp: float | None = None,
+        iteration_stats: IterationStats | None = None,
+    ) -> OutputProcessorResult:
         """Apply one batch of engine outputs. Outputs for unknown (aborted) requests are ignored.
 
+        Args:
+            outputs: one engine step's outputs (or a chunk of them).
+            engine_core_timestamp: `EngineCoreOutputs.timestamp` (engine `time.monotonic()`, seconds); None
+                uses this process's `time.monotonic()`.
+            iteration_stats: if given, token counts, latencies and finished engine requests (each child of an
+                n > 1 request counts) are added to it.
         Returns:
-            The requests to abort in the engine (stop-string hits) and how many finished.
+            The engine requests to abort (stop-string hits) and how many finished.
         """
         result = OutputProcessorResult()
+        timestamp = time.monotonic() if engine_core_timestamp is None else engine_core_timestamp
         for engine_output in outputs:
             state = self._states.get(engine_output.request_id)
             if state is None:
                 continue
             state.num_cached_tokens = engine_output.num_cached_tokens or state.num_cached_tokens
+            _update_stats(state, engine_output, timestamp, iteration_stats)
             if self._update_state(state, engine_output):
                 result.num_finished += 1
-                del self._states[state.request_id]
+                self._drop(state)
                 if not engine_output.finished:
                     result.reqs_to_abort.append(state.request_id)
+                if iteration_stats is not None:
+                    iteration_stats.finished_requests.append(_finished_stats(state))
             self._emit(state)
         return result
 
@@ -123,21 +177,26 @@ class OutputProcessor:
         """Finish requests with finish_reason "abort" and drop their state.
 
         Args:
-            request_ids: requests to abort; unknown ids are skipped.
+            request_ids: user request ids (an n > 1 id aborts every child); unknown ids are skipped.
             notify: put a final output (finished=True, "abort") into each request's collector.
         Returns:
-            The ids that were in flight (to abort in the engine too).
+            The engine request ids that were in flight (to abort in the engine too).
         """
         aborted = []
         for request_id in request_ids:
-            state = self._states.pop(request_id, None)
-            if state is None:
-                continue
-            aborted.append(request_id)
-            if notify:
-                state.detokenizer.release()
-                state.finish_reason = "abort"
-                self._emit(state)
+            parent = self._parents.get(request_id)
+            engine_ids = sorted(parent.unfinished) if parent is not None else [request_id]
+            for engine_id in engine_ids:
+                state = self._states.get(engine_id)
+                if state is None:
+                    continue
+                aborted.append(engine_id)
+                self._drop(state)
+                if notify:
+                    state.detokenizer.release()
+                    state.finish_reason = "abort"
+                    self._emit(state)
+            self._parents.pop(request_id, None)
         return aborted
 
     def fail_requests(self, errors: dict[str, BaseException]) -> None:
@@ -155,12 +214,23 @@ class OutputProcessor:
         for state in self._states.values():
             state.collector.put_error(error)
         self._states.clear()
+        self._parents.clear()
+
+    def _drop(self, state: RequestState) -> None:
+        del self._states[state.request_id]
+        parent = state.parent
+        if parent is not None:
+            parent.unfinished.discard(state.request_id)
+            if parent.finished:
+                self._parents.pop(parent.request_id, None)
 
     def _update_state(self, state: RequestState, engine_output: EngineCoreOutput) -> bool:
         """Feed new tokens; returns True when the request finished (engine finish or stop string)."""
         detok = state.detokenizer
         stop_str = detok.update(engine_output.new_token_ids, engine_output.finished)
+        state.logprobs.update(engine_output.new_logprobs, engine_output.new_prompt_logprobs)
         if stop_str is not None:
+            state.logprobs.truncate(len(detok.token_ids))
             state.finish_reason, state.stop_reason = "stop", stop_str
             return True
         if engine_output.finish_reason is not None:
@@ -170,34 +240,96 @@ class OutputProcessor:
         return False
 
     def _emit(self, state: RequestState) -> None:
-        """Put the output the request's kind calls for (if any) into its collector."""
-        output = _make_output(state)
-        if output is not None:
-            state.collector.put(output)
+        """Put the output the request's kind and interval call for (if any) into its collector."""
+        completion = _make_completion(state)
+        if completion is None:
+            return
+        completions: list[CompletionOutput] | None = [completion]
+        finished = completion.finished
+        if state.parent is not None:
+            completions = state.parent.add_completion(state.request_id, completion)
+            finished = state.parent.finished
+        if completions is not None:
+            state.collector.put(_make_request_output(state, completions, finished))
 
 
-def _make_output(state: RequestState) -> RequestOutput | None:
-    """Build the next `RequestOutput` of a request, or None when its kind has nothing to send."""
+def _make_completion(state: RequestState) -> CompletionOutput | None:
+    """The next `CompletionOutput` of a sequence, or None when its kind and interval have nothing to send."""
     finished = state.finish_reason is not None
     detok = state.detokenizer
     num_chars, num_tokens = detok.num_output_chars, len(detok.token_ids)
     if not finished:
-        nothing_new = num_chars == state.num_sent_chars and num_tokens == state.num_sent_tokens
-        if nothing_new or state.output_kind == RequestOutputKind.FINAL_ONLY:
+        if (
+            state.output_kind == RequestOutputKind.FINAL_ONLY
+            or num_tokens - state.num_sent_tokens < state.stream_interval
+        ):
             return None
-    if state.output_kind == RequestOutputKind.DELTA:
-        text, token_ids = detok.output_text_since(state.num_sent_chars), detok.token_ids[state.num_sent_tokens :]
-    else:
-        text, token_ids = detok.output_text, list(detok.token_ids)
+        if num_chars == state.num_sent_chars and num_tokens == state.num_sent_tokens:
+            return None
+    start_char, start_token = (
+        (state.num_sent_chars, state.num_sent_tokens) if state.output_kind == RequestOutputKind.DELTA else (0, 0)
+    )
+    logprobs = state.logprobs.logprobs
+    completion = CompletionOutput(
+        index=state.index,
+        text=detok.output_text_since(start_char),
+        token_ids=detok.token_ids[start_token:num_tokens],
+        finish_reason=state.finish_reason,
+        stop_reason=state.stop_reason,
+        logprobs=logprobs[start_token:num_tokens] if logprobs is not None else None,
+        cumulative_logprob=state.logprobs.cumulative_logprob(num_tokens),
+    )
     state.num_sent_chars, state.num_sent_tokens = num_chars, num_tokens
-    completion = CompletionOutput(0, text, token_ids, state.finish_reason, state.stop_reason)
+    return completion
+
+
+def _make_request_output(state: RequestState, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    prompt_logprobs = state.logprobs.prompt_logprobs
+    if state.output_kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent:
+        prompt_logprobs = None
+    state.prompt_logprobs_sent = state.prompt_logprobs_sent or prompt_logprobs is not None
     return RequestOutput(
-        request_id=state.request_id,
+        request_id=state.user_request_id,
         prompt=state.prompt,
         prompt_token_ids=state.prompt_token_ids,
-        outputs=[completion],
+        outputs=completions,
         finished=finished,
         num_cached_tokens=state.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+        metrics=state.stats.to_metrics() if state.stats is not None else None,
+    )
+
+
+def _update_stats(
+    state: RequestState, engine_output: EngineCoreOutput, timestamp: float, iteration_stats: IterationStats | None
+) -> None:
+    """Apply an output's engine events and new tokens to the request's stats (and the step's)."""
+    stats = state.stats
+    if stats is None:
+        return
+    if engine_output.events:
+        stats.update_from_events(engine_output.events)
+    num_new_tokens = len(engine_output.new_token_ids)
+    ttft, itl = stats.update_from_tokens(num_new_tokens, timestamp)
+    if iteration_stats is None:
+        return
+    iteration_stats.num_generation_tokens += num_new_tokens
+    if ttft is not None:
+        iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
+        iteration_stats.time_to_first_tokens.append(ttft)
+    if itl is not None:
+        iteration_stats.inter_token_latencies.append(itl)
+
+
+def _finished_stats(state: RequestState) -> FinishedRequestStats:
+    stats = state.stats or RequestStateStats(arrival_time=time.time())
+    return FinishedRequestStats(
+        finish_reason=state.finish_reason or "abort",
+        e2e_latency=max(time.time() - stats.arrival_time, 0.0),
+        num_prompt_tokens=len(state.prompt_token_ids),
+        num_generation_tokens=stats.num_generation_tokens,
+        queue_time=stats.queue_time,
+        mean_inter_token_latency=stats.mean_inter_token_latency,
     )
 
 

@@ -1,16 +1,37 @@
-"""`BlockPool`: the KV cache's fixed-size blocks, a free list and reference counts.
+"""`BlockPool`: the KV cache's fixed-size blocks, an LRU free queue, reference counts and the prefix cache.
 
 A block holds the K/V of `block_size` consecutive tokens of one sequence in every layer. The pool only hands
-out and takes back block ids; the workers own the tensors. Blocks are reference-counted so that prefix caching
-(a later issue) can share a full block between requests: each `KVCacheBlock` has a `block_hash` slot for the
-chained hash of its tokens, unused for now. Design after vLLM v1's `BlockPool` (vllm/v1/core/block_pool.py).
+out and takes back block ids; the workers own the tensors. Prefix caching: once a block is full, it gets the
+chained hash of its tokens (`hash_block_tokens`) and is findable by it. A block whose last holder frees it
+goes to the back of the free queue with its hash kept, so a later request with the same prefix can take it
+back (`touch`); `allocate` takes free blocks from the front (least recently freed first) and evicts their
+hashes then. A cached block nobody holds counts as free: it is evictable.
+Design after vLLM v1's `BlockPool` and `FreeKVCacheBlockQueue` (vllm/v1/core/block_pool.py, kv_cache_utils.py).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+BlockHash = bytes
+ROOT_BLOCK_HASH: BlockHash = b""  # the parent of a sequence's first block
+
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Chained hash of one full block: sha256(parent hash || int64 token ids), 32 bytes.
+
+    The parent hash makes a block's hash stand for the whole prefix up to and including it, so equal hashes
+    mean equal prefixes (up to sha256 collisions). Deterministic across processes (no PYTHONHASHSEED).
+    Source: vLLM v1 `hash_block_tokens` (vllm/v1/core/kv_cache_utils.py), sha256 variant.
+    """
+    digest = hashlib.sha256(parent_hash)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return digest.digest()
 
 
 @dataclass
@@ -20,29 +41,33 @@ class KVCacheBlock:
     Fields:
         block_id: index into the first dimension of every layer's cache tensor.
         ref_cnt: requests holding this block (0 = free).
-        block_hash: chained hash of the block's tokens once full (prefix caching, a later issue); None now.
+        block_hash: chained hash of the block's tokens once full and cached; None otherwise. Kept while the
+            block is free until the block is evicted (reallocated).
     """
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 class BlockPool:
-    """Hands out free blocks and takes them back when their last holder frees them.
+    """Hands out free blocks, takes them back when their last holder frees them, and finds cached blocks.
 
     Args:
         num_blocks: blocks in the KV cache (>= 1).
+        enable_caching: keep hashes of full blocks so they can be reused (prefix caching).
     Raises:
         ValueError: if num_blocks < 1.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # FIFO: a freed block goes to the back, so (with prefix caching) the least recently freed is reused first.
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        # LRU order: a freed block goes to the back; allocation takes (and evicts) from the front.
+        self._free_blocks: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached_blocks: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_total_blocks(self) -> int:
@@ -50,26 +75,52 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks no request holds (cached ones included: they are evictable)."""
+        return len(self._free_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by hash (held or free)."""
+        return len(self._cached_blocks)
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take `num_blocks` free blocks, each with ref_cnt 1.
+        """Take `num_blocks` free blocks (least recently freed first), each with ref_cnt 1 and no hash.
 
         Raises:
             ValueError: if fewer than `num_blocks` blocks are free (check `num_free_blocks` first).
         """
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot allocate {num_blocks} blocks: only {self.num_free_blocks} free")
-        blocks = [self.blocks[self._free_block_ids.popleft()] for _ in range(num_blocks)]
+        blocks = [self._free_blocks.popitem(last=False)[1] for _ in range(num_blocks)]
         for block in blocks:
+            self._evict(block)
             block.ref_cnt = 1
         return blocks
 
-    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference to each block; blocks nobody holds go back to the free list.
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block cached under `block_hash`, held or free; None on a miss."""
+        return self._cached_blocks.get(block_hash)
 
-        Pass a request's blocks in reverse order (tail first) so that, with prefix caching, a request's tail
-        blocks are evicted before its shared prefix.
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference to each cached block (a prefix-cache hit); free ones leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free_blocks[block.block_id]
+            block.ref_cnt += 1
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Make a full, held block findable by its chained hash. No-op when caching is off, when the block is
+        already cached, or when another block already holds the same prefix (the first one stays)."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self._cached_blocks:
+            return
+        block.block_hash = block_hash
+        self._cached_blocks[block_hash] = block
+
+    def free(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference to each block; blocks nobody holds go to the back of the free queue.
+
+        Pass a request's blocks in reverse order (tail first) so that its tail blocks are evicted before its
+        shared prefix.
 
         Raises:
             ValueError: if a block is already free (a double free is a scheduler bug).
@@ -79,5 +130,9 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} is already free")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                block.block_hash = None
-                self._free_block_ids.append(block.block_id)
+                self._free_blocks[block.block_id] = block
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached_blocks[block.block_hash]
+            block.block_hash = None

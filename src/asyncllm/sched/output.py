@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from asyncllm.engine.protocol import LogprobsLists
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         sampling_params: the request's sampling parameters.
         block_ids: KV cache blocks allocated to it so far, in order.
         num_computed_tokens: tokens whose K/V are already in the cache (prefix-cache hits).
+        eos_token_id: the model's EOS id (the sampler masks it before `min_tokens`), or None.
     """
 
     req_id: str
@@ -30,6 +32,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_ids: list[int]
     num_computed_tokens: int = 0
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    eos_token_id: int | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -70,6 +73,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     Fields:
         sampled_token_ids: req_id -> tokens sampled this step; a request whose prefill is still partial
             after this step is absent (nothing sampled).
+        logprobs: req_id -> logprobs of its sampled tokens (requests that asked for `logprobs`).
+        prompt_logprobs: req_id -> logprobs of its prompt tokens 1.. (requests that asked for
+            `prompt_logprobs`, in the step that samples their first token).
     """
 
     sampled_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)

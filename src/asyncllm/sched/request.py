@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from asyncllm.engine.protocol import EngineCoreRequest, FinishReason
+from asyncllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -50,11 +50,14 @@ class Request:
         sampling_params: the request's validated parameters.
         eos_token_id: the model's EOS id, or None.
         arrival_time: `time.time()` at submission, seconds.
-        priority: lower runs first (used by a priority queue, a later issue).
+        priority: lower runs first (the priority queue; FCFS ignores it).
         num_computed_tokens: tokens whose K/V are in the KV cache (or scheduled to be, once scheduled).
         status: a `RequestStatus`.
         stop_reason: the stop token id that finished it (None for EOS, length, abort).
         num_preemptions: times this request was preempted.
+        num_cached_tokens: tokens served from the prefix cache when first scheduled (-1 before that).
+        block_hashes: chained hashes of its full blocks so far (prefix caching), kept across preemption.
+        events: engine events not yet sent to the frontend (taken by `take_events`).
     """
 
     def __init__(
@@ -78,6 +81,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens = -1
+        self.block_hashes: list[bytes] = []
+        self.events: list[EngineCoreEvent] = []
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
 
     @classmethod
@@ -117,6 +123,17 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        """Stamp an event (engine `time.monotonic()` unless `timestamp` is given) for the next output."""
+        self.events.append(EngineCoreEvent.new_event(event_type, timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        """The events recorded since the last call (None if there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         """Record tokens sampled for this request."""

@@ -6,41 +6,66 @@ the next chunk for an unfinished prefill), then to waiting requests while fewer 
 prompt longer than the budget is therefore split over steps (chunked prefill). When the KV cache runs out of
 blocks, the most recently admitted running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue; its output tokens are kept and recomputed with the prompt when it resumes.
+With prefix caching, an admitted request starts after its longest cached prefix (`KVCacheManager`).
+With the "priority" policy, waiting and running requests are ordered by (priority, arrival time): the worst
+running request is the one preempted, and a waiting request of strictly better priority that finds no room
+(`max_num_seqs` or blocks) preempts running requests of worse priority before the step is scheduled.
+Every request records QUEUED, SCHEDULED and PREEMPTED events (engine monotonic clock) for the frontend.
 Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token budget").
 """
 
 from __future__ import annotations
 
+import bisect
+
 from asyncllm.config import SchedulerConfig
-from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from asyncllm.engine.protocol import (
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
 from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sched.request import Request, RequestStatus
-from asyncllm.sched.request_queue import create_request_queue
+from asyncllm.sched.request_queue import create_request_queue, priority_key
 
 
 class Scheduler:
     """Decides which tokens of which requests run each step, and applies the sampled tokens.
 
     Args:
-        config: `max_num_seqs` and `max_num_batched_tokens`.
+        config: `max_num_seqs`, `max_num_batched_tokens` and `scheduling_policy`.
         num_kv_blocks: blocks in the KV cache.
         block_size: tokens per block.
         max_model_len: prompt + output tokens per request at most; must fit in the cache
             (`num_kv_blocks * block_size >= max_model_len`) or a lone request could never finish.
+        enable_prefix_caching: reuse cached full blocks of shared prefixes.
     Raises:
         ValueError: if `max_model_len` does not fit in the KV cache.
+        InvalidRequestError: unknown scheduling policy.
     """
 
-    def __init__(self, config: SchedulerConfig, num_kv_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = False,
+    ) -> None:
         if num_kv_blocks * block_size < max_model_len:
             raise ValueError(f"{num_kv_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}")
         self.config = config
         self.max_model_len = max_model_len
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size)
+        self.block_size = block_size
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting = create_request_queue("fcfs")
-        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.policy = config.scheduling_policy
+        self.waiting = create_request_queue(self.policy)
+        # FCFS: admission order; priority: sorted by (priority, arrival). The last one is preempted first.
+        self.running: list[Request] = []
         self._finished_req_ids: list[str] = []  # for the workers, in the next SchedulerOutput
         self._finished_req_ids_to_report: list[str] = []  # for the frontend, in the next EngineCoreOutputs
         self.num_preemptions = 0
@@ -49,6 +74,7 @@ class Scheduler:
         """Queue a request the frontend validated."""
         req = Request.from_engine_core_request(request)
         self.requests[req.request_id] = req
+        req.record_event(EngineCoreEventType.QUEUED)
         self.waiting.add_request(req)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -77,6 +103,10 @@ class Scheduler:
             num_waiting_reqs=len(self.waiting),
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.kv_cache_manager.num_total_blocks,
+            prefix_cache_hit_rate=self.kv_cache_manager.prefix_cache_hit_rate,
+            num_preemptions=self.num_preemptions,
+            num_prefix_cache_queries=self.kv_cache_manager.num_prefix_cache_queries,
+            num_prefix_cache_hits=self.kv_cache_manager.num_prefix_cache_hits,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -88,6 +118,8 @@ class Scheduler:
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         budget = self.config.max_num_batched_tokens
+        if self.policy == "priority":
+            self._preempt_for_priority(budget)
         budget, num_preempted = self._schedule_running(output, budget)
         if num_preempted == 0:
             self._schedule_waiting(output, budget)
@@ -120,18 +152,44 @@ class Scheduler:
             index += 1
         return budget, num_preempted
 
+    def _preempt_for_priority(self, budget: int) -> None:
+        """Preempt running requests of worse priority while the best waiting one has no room to start."""
+        while self.waiting and self.running:
+            candidate, victim = self.waiting.peek_request(), self.running[-1]
+            if victim.priority <= candidate.priority:
+                return
+            num_blocks = -(-min(candidate.num_tokens_to_compute, budget) // self.block_size)
+            has_room = len(self.running) < self.config.max_num_seqs
+            if has_room and num_blocks <= self.kv_cache_manager.num_free_blocks:
+                return
+            self._preempt(self.running.pop())
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        manager = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek_request()
-            num_tokens = min(req.num_tokens_to_compute, budget)
-            if self.kv_cache_manager.allocate_slots(req, num_tokens) is None:
+            computed_blocks = manager.get_computed_blocks(req)
+            num_cached = len(computed_blocks) * self.block_size
+            num_tokens = min(req.num_tokens - num_cached, budget)
+            if manager.allocate_slots(req, num_tokens, computed_blocks) is None:
                 break
             self.waiting.pop_request()
-            self.running.append(req)
+            manager.record_prefix_cache_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            self._add_running(req)
             req.status = RequestStatus.RUNNING
+            req.record_event(EngineCoreEventType.SCHEDULED)
             output.scheduled_new_reqs.append(self._make_new_request_data(req))
             output.num_scheduled_tokens[req.request_id] = num_tokens
             budget -= num_tokens
+
+    def _add_running(self, req: Request) -> None:
+        if self.policy == "priority":
+            bisect.insort(self.running, req, key=priority_key)
+        else:
+            self.running.append(req)
 
     def _make_new_request_data(self, req: Request) -> NewRequestData:
         return NewRequestData(
@@ -141,6 +199,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
             output_token_ids=list(req.output_token_ids),
+            eos_token_id=req.eos_token_id,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -149,6 +208,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.record_event(EngineCoreEventType.PREEMPTED)
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
 
@@ -171,7 +231,17 @@ class Scheduler:
             if req.check_stop(self.max_model_len):
                 finished.add(id(req))
                 self._free_request(req)
-            outputs.append(EngineCoreOutput(req_id, token_ids, req.finish_reason, req.stop_reason))
+            output = EngineCoreOutput(
+                req_id,
+                token_ids,
+                req.finish_reason,
+                req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                events=req.take_events(),
+                new_logprobs=model_runner_output.logprobs.get(req_id),
+                new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req_id),
+            )
+            outputs.append(output)
         if finished:
             self.running = [req for req in self.running if id(req) not in finished]
         return EngineCoreOutputs(

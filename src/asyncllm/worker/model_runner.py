@@ -9,17 +9,22 @@ so the scheduler never resends what the worker already has. After vLLM v1's `GPU
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from asyncllm.engine.protocol import LogprobsLists
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from asyncllm.worker.logits_processing import RowTokens
+from asyncllm.worker.logprobs import compute_logprobs
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
+
+PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds the memory of prompt_logprobs)
 
 
 class CausalLM(Protocol):
@@ -50,6 +55,9 @@ class CachedRequestState:
         num_computed_tokens: tokens whose K/V are in the cache.
         sampling_params: its parameters.
         generator: its own generator when seeded, else None (the shared one is used).
+        eos_token_id: the model's EOS id, or None.
+        prompt_logprobs_parts: prompt logprobs computed chunk by chunk, until the first token is sampled.
+        needs_prompt_logprobs: prompt logprobs are still to be sent (False after a resume from preemption).
     """
 
     req_id: str
@@ -59,6 +67,9 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    eos_token_id: int | None = None
+    prompt_logprobs_parts: list[LogprobsLists] = field(default_factory=list)
+    needs_prompt_logprobs: bool = False
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> CachedRequestState:
@@ -71,6 +82,8 @@ class CachedRequestState:
             num_computed_tokens=new.num_computed_tokens,
             sampling_params=new.sampling_params,
             generator=torch.Generator() if seeded else None,
+            eos_token_id=new.eos_token_id,
+            needs_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.output_token_ids,
         )
 
     @property
@@ -101,7 +114,8 @@ class ModelRunner:
         """Update request state, run one forward over every scheduled token, sample where prefills end.
 
         Returns:
-            Sampled token ids for each request whose computed tokens reach the end of its known tokens.
+            Sampled token ids for each request whose computed tokens reach the end of its known tokens, with
+            logprobs for requests that asked for them.
         Raises:
             KeyError: if a scheduled request was never sent as new (a scheduler/worker protocol bug).
         """
@@ -112,15 +126,61 @@ class ModelRunner:
         query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
         input_ids, positions, meta = self._prepare_inputs(states, query_lens)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
         rows, sampled_states = self._select_sampling_rows(states, query_lens)
         if not sampled_states:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[rows])
-        token_ids = self.sampler(logits, self._make_sampling_metadata(sampled_states)).tolist()
+        sampled = self.sampler(logits, self._make_sampling_metadata(sampled_states))
+        token_ids = sampled.tolist()
         for state, token_id in zip(sampled_states, token_ids, strict=True):
             state.token_ids.append(token_id)
-        return ModelRunnerOutput({state.req_id: [t] for state, t in zip(sampled_states, token_ids, strict=True)})
+        output = ModelRunnerOutput({state.req_id: [t] for state, t in zip(sampled_states, token_ids, strict=True)})
+        self._add_logprobs(output, sampled_states, logits, sampled)
+        return output
+
+    def _compute_prompt_logprobs(
+        self, states: list[CachedRequestState], query_lens: np.ndarray, hidden: torch.Tensor
+    ) -> None:
+        """For requests that asked for prompt logprobs, score the prompt tokens this chunk predicts.
+
+        The hidden state at prompt position p predicts prompt token p + 1, so a chunk over positions
+        [start, end) scores prompt tokens start + 1 .. min(end, num_prompt_tokens - 1). Logits are computed
+        `PROMPT_LOGPROBS_ROWS` rows at a time ([rows, vocab_size] float32 each; ~50 MB for a 49k vocabulary).
+        """
+        row_starts = (np.cumsum(query_lens) - query_lens).tolist()
+        for state, row_start, num_tokens in zip(states, row_starts, query_lens.tolist(), strict=True):
+            k = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            end = min(start + num_tokens, state.num_prompt_tokens - 1)
+            if k is None or not state.needs_prompt_logprobs or end <= start:
+                continue
+            for piece in range(start, end, PROMPT_LOGPROBS_ROWS):
+                piece_end = min(piece + PROMPT_LOGPROBS_ROWS, end)
+                rows = hidden[row_start + piece - start : row_start + piece_end - start]
+                targets = torch.tensor(state.token_ids[piece + 1 : piece_end + 1], dtype=torch.int64)
+                lists = compute_logprobs(self.model.compute_logits(rows), targets, [k] * (piece_end - piece))
+                state.prompt_logprobs_parts.append(lists)
+
+    @staticmethod
+    def _add_logprobs(
+        output: ModelRunnerOutput, states: list[CachedRequestState], logits: torch.Tensor, sampled: torch.Tensor
+    ) -> None:
+        """Put sample logprobs (raw logits of the sampled rows) and finished prompt logprobs into `output`."""
+        rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+        if rows:
+            num_top = [states[i].sampling_params.logprobs or 0 for i in rows]
+            index = torch.tensor(rows, dtype=torch.int64)
+            lists = compute_logprobs(logits[index], sampled[index], num_top)
+            for j, i in enumerate(rows):
+                output.logprobs[states[i].req_id] = LogprobsLists(
+                    [lists.token_ids[j]], [lists.logprobs[j]], [lists.ranks[j]]
+                )
+        for state in states:
+            if state.needs_prompt_logprobs:
+                output.prompt_logprobs[state.req_id] = LogprobsLists.concat(state.prompt_logprobs_parts)
+                state.prompt_logprobs_parts, state.needs_prompt_logprobs = [], False
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -163,7 +223,14 @@ class ModelRunner:
             seed = state.sampling_params.seed
             if state.generator is not None and seed is not None:
                 generators[row] = seed_generator(state.generator, seed, state.num_output_tokens)
-        return SamplingMetadata.from_params([s.sampling_params for s in states], self.vocab_size, generators)
+        params = [s.sampling_params for s in states]
+        rows = None
+        if any(p.has_penalties or p.min_tokens > 0 for p in params):
+            rows = [
+                RowTokens(s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :], s.eos_token_id)
+                for s in states
+            ]
+        return SamplingMetadata.from_params(params, self.vocab_size, generators, rows)
 
     @staticmethod
     def _advance(states: list[CachedRequestState], query_lens: np.ndarray) -> None:

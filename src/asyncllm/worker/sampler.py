@@ -1,5 +1,5 @@
-"""Batched sampling from logits: greedy rows by argmax, the others by temperature, top-k, top-p and an
-exponential race.
+"""Batched sampling from logits: logit edits (allowed tokens, min_tokens, logit bias, penalties), then greedy
+rows by argmax, the others by temperature, min-p, top-k, top-p and an exponential race.
 
 Sampling `argmax(p / q)` with `q ~ Exp(1)` i.i.d. per vocabulary entry draws token i with probability p_i
 (the "exponential race" / Gumbel-max trick in exponential form, as vLLM's sampler does). Its only randomness
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker.logits_processing import LogitsEdits, RowTokens, apply_min_p
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, position) pairs over the seed space
 _MAX_PARTIAL_TOP_K = 1024  # up to this k, top-k/top-p use `topk` instead of sorting the whole vocabulary
@@ -29,12 +30,14 @@ class SamplingMetadata:
         top_k: [num_reqs] int64 (vocab_size = disabled), or None when no row uses top-k.
         top_p: [num_reqs] float32 (1.0 = disabled), or None when no row uses top-p.
         generators: row index -> the seeded generator of that row, already seeded for this step.
+        edits: logit edits (bias, masks, penalties, min-p) applied before sampling.
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor | None
     top_p: torch.Tensor | None
     generators: dict[int, torch.Generator]
+    edits: LogitsEdits
 
     @property
     def all_greedy(self) -> bool:
@@ -42,9 +45,19 @@ class SamplingMetadata:
 
     @classmethod
     def from_params(
-        cls, params: list[SamplingParams], vocab_size: int, generators: dict[int, torch.Generator]
+        cls,
+        params: list[SamplingParams],
+        vocab_size: int,
+        generators: dict[int, torch.Generator],
+        rows: list[RowTokens] | None = None,
     ) -> SamplingMetadata:
-        """Build the tensors for rows sampled with `params` (one per row) over a `vocab_size` vocabulary."""
+        """Build the tensors for rows sampled with `params` (one per row) over a `vocab_size` vocabulary.
+
+        Args:
+            rows: each row's prompt, output and EOS ids (for penalties and min_tokens); None means no tokens.
+        """
+        if rows is None:
+            rows = [RowTokens([], []) for _ in params]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_ps = [p.top_p for p in params]
         return cls(
@@ -52,6 +65,7 @@ class SamplingMetadata:
             top_k=torch.tensor(top_ks, dtype=torch.int64) if min(top_ks) < vocab_size else None,
             top_p=torch.tensor(top_ps, dtype=torch.float32) if min(top_ps) < 1.0 else None,
             generators=generators,
+            edits=LogitsEdits.from_rows(params, rows, vocab_size),
         )
 
 
@@ -73,6 +87,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Sample.
 
+        Order (as vLLM v1): logit edits (allowed tokens, min_tokens masks, logit bias, then penalties); greedy
+        rows take the argmax of the edited logits; the others divide by temperature, then min-p, top-k, top-p.
+
         Args:
             logits: [num_reqs, vocab_size] float32 (not modified).
             meta: per-row parameters.
@@ -81,12 +98,15 @@ class Sampler:
         Source: exponential race (argmax p/q, q ~ Exp(1)) as in vLLM's `random_sample`; top-k/top-p masking
             with one ascending sort as in vLLM's `apply_top_k_top_p`.
         """
+        logits = meta.edits.apply_before_temperature(logits)
         greedy_tokens = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy_tokens
         is_greedy = meta.temperature == 0
         temperature = torch.where(is_greedy, 1.0, meta.temperature)
         scaled = logits / temperature.unsqueeze(1)
+        if meta.edits.min_p is not None:
+            scaled = apply_min_p(scaled, meta.edits.min_p)
         top_k = meta.top_k
         if top_k is not None:  # greedy rows keep vocab_size (disabled); they must not force a full sort
             top_k = torch.where(is_greedy, top_k[~is_greedy].max(), top_k)

@@ -12,6 +12,7 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
 from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.worker.model_runner import CausalLM, ModelRunner
@@ -51,6 +52,23 @@ class Worker:
         arch = self.arch
         shape = (num_blocks, 2, self.config.cache.block_size, arch.num_key_value_heads, arch.head_dim)
         self.model_runner.kv_caches = [torch.zeros(shape, dtype=torch.float32) for _ in range(arch.num_hidden_layers)]
+        self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int = 32) -> None:
+        """Run a dummy prefill and a decode in a scratch KV cache, so the first real request does not pay
+        torch's one-time kernel set-up (seconds on a busy 2-core machine). The real KV cache is untouched."""
+        arch, block_size = self.arch, self.config.cache.block_size
+        num_blocks = -(-(num_tokens + 1) // block_size)
+        shape = (num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
+        scratch = [torch.zeros(shape) for _ in range(arch.num_hidden_layers)]
+        table = [list(range(num_blocks))]
+        prefill = build_attention_metadata([num_tokens], [num_tokens], table, block_size)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), scratch, prefill)
+        self.model.compute_logits(hidden[-1:])
+        decode = build_attention_metadata([1], [num_tokens + 1], table, block_size)
+        hidden = self.model(torch.zeros(1, dtype=torch.long), torch.tensor([num_tokens]), scratch, decode)
+        self.model.compute_logits(hidden)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step; see `ModelRunner.execute_model`."""

@@ -1,0 +1,1 @@
+"""Request and engine metrics: stats records (`stats`), stat loggers (`loggers`, `prometheus`)."""

@@ -1,0 +1,74 @@
+"""Stat loggers: the `StatLoggerBase` interface and the periodic `LoggingStatLogger`.
+
+The output handler calls `record()` once per batch of engine outputs with the engine's `SchedulerStats` and
+the frontend's `IterationStats`. After vLLM v1's `vllm/v1/metrics/loggers.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+
+from asyncllm.engine.protocol import SchedulerStats
+from asyncllm.metrics.stats import IterationStats
+
+logger = logging.getLogger(__name__)
+
+
+class StatLoggerBase(ABC):
+    """Receives every step's stats on the event loop thread; must be quick (no I/O but logging)."""
+
+    @abstractmethod
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        """Take one step's stats (either may be None)."""
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """Logs throughput, queue, KV cache and prefix cache stats at INFO every `interval` seconds.
+
+    The line is written from `record()` once `interval` seconds (frontend `time.monotonic()`) have passed
+    since the last one, so an idle engine logs nothing.
+
+    Args:
+        interval: seconds between two log lines (> 0).
+    Raises:
+        ValueError: interval <= 0.
+    """
+
+    def __init__(self, interval: float = 5.0) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval={interval!r} must be > 0 seconds")
+        self.interval = interval
+        self._last_log_time = time.monotonic()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._last_scheduler_stats = SchedulerStats()
+        self.num_lines_logged = 0
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        if iteration_stats is not None:
+            self._num_prompt_tokens += iteration_stats.num_prompt_tokens
+            self._num_generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            self._last_scheduler_stats = scheduler_stats
+        now = time.monotonic()
+        if now - self._last_log_time >= self.interval:
+            self._log(now - self._last_log_time)
+            self._last_log_time = now
+
+    def _log(self, elapsed: float) -> None:
+        stats = self._last_scheduler_stats
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            self._num_prompt_tokens / elapsed,
+            self._num_generation_tokens / elapsed,
+            stats.num_running_reqs,
+            stats.num_waiting_reqs,
+            stats.kv_cache_usage * 100,
+            stats.prefix_cache_hit_rate * 100,
+            stats.num_preemptions,
+        )
+        self._num_prompt_tokens = self._num_generation_tokens = 0
+        self.num_lines_logged += 1

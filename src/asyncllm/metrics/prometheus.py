@@ -1,0 +1,111 @@
+"""`PrometheusStatLogger`: engine and request metrics as Prometheus metrics, named like vLLM's under
+`asyncllm:` (needs `prometheus-client`: `pip install asyncllm[metrics]`).
+
+Each logger registers into its own `CollectorRegistry` unless one is passed, so two engines in one process
+never collide; serve it with `prometheus_client.generate_latest(logger.registry)` or `make_asgi_app`.
+Names after vLLM v1's `vllm/v1/metrics/loggers.py` (`vllm:` -> `asyncllm:`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.engine.protocol import SchedulerStats
+from asyncllm.metrics.loggers import StatLoggerBase
+from asyncllm.metrics.stats import IterationStats
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+def is_prometheus_available() -> bool:
+    """True when `prometheus_client` can be imported."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    """Updates gauges, counters and histograms from every step's stats.
+
+    Metrics (label `model_name`): gauges `asyncllm:num_requests_running`, `asyncllm:num_requests_waiting`,
+    `asyncllm:kv_cache_usage_perc` (0..1); counters `asyncllm:prompt_tokens_total`,
+    `asyncllm:generation_tokens_total`, `asyncllm:num_preemptions_total`, `asyncllm:prefix_cache_queries_total`
+    and `asyncllm:prefix_cache_hits_total` (tokens), `asyncllm:request_success_total` (label
+    `finished_reason`); histograms (seconds) `asyncllm:time_to_first_token_seconds`,
+    `asyncllm:inter_token_latency_seconds`, `asyncllm:e2e_request_latency_seconds`,
+    `asyncllm:request_queue_time_seconds`.
+
+    Args:
+        model_name: value of the `model_name` label.
+        registry: where to register; None makes a new `CollectorRegistry` (`self.registry`).
+    Raises:
+        ImportError: prometheus-client is not installed.
+    """
+
+    def __init__(self, model_name: str = "", registry: Any = None) -> None:
+        import prometheus_client as prom
+
+        self.registry = prom.CollectorRegistry() if registry is None else registry
+        labels = {"model_name": model_name}
+
+        def make(kind: Any, name: str, doc: str, **kw: Any) -> Any:
+            names = ["model_name", *kw.pop("extra_labels", [])]
+            return kind(f"asyncllm:{name}", doc, names, registry=self.registry, **kw)
+
+        self._running = make(prom.Gauge, "num_requests_running", "Requests running in the engine.").labels(**labels)
+        self._waiting = make(prom.Gauge, "num_requests_waiting", "Requests waiting.").labels(**labels)
+        self._kv_usage = make(prom.Gauge, "kv_cache_usage_perc", "KV cache usage (1 = full).").labels(**labels)
+        self._prompt_tokens = make(prom.Counter, "prompt_tokens", "Prefill tokens processed.").labels(**labels)
+        self._gen_tokens = make(prom.Counter, "generation_tokens", "Generation tokens.").labels(**labels)
+        self._preemptions = make(prom.Counter, "num_preemptions", "Preemptions.").labels(**labels)
+        self._cache_queries = make(prom.Counter, "prefix_cache_queries", "Prefix cache tokens queried.").labels(
+            **labels
+        )
+        self._cache_hits = make(prom.Counter, "prefix_cache_hits", "Prefix cache tokens hit.").labels(**labels)
+        self._success = make(prom.Counter, "request_success", "Finished requests.", extra_labels=["finished_reason"])
+        self._labels = labels
+        self._ttft = make(
+            prom.Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS
+        ).labels(**labels)
+        self._itl = make(
+            prom.Histogram, "inter_token_latency_seconds", "Inter-token latency.", buckets=LATENCY_BUCKETS
+        ).labels(**labels)
+        self._e2e = make(
+            prom.Histogram, "e2e_request_latency_seconds", "Request latency.", buckets=REQUEST_LATENCY_BUCKETS
+        ).labels(**labels)
+        self._queue = make(
+            prom.Histogram, "request_queue_time_seconds", "Time waiting.", buckets=REQUEST_LATENCY_BUCKETS
+        ).labels(**labels)
+        self._last_totals = SchedulerStats()
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        if scheduler_stats is not None:
+            self._record_scheduler_stats(scheduler_stats)
+        if iteration_stats is not None:
+            self._record_iteration_stats(iteration_stats)
+
+    def _record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self._running.set(stats.num_running_reqs)
+        self._waiting.set(stats.num_waiting_reqs)
+        self._kv_usage.set(stats.kv_cache_usage)
+        last = self._last_totals
+        self._preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self._cache_queries.inc(max(stats.num_prefix_cache_queries - last.num_prefix_cache_queries, 0))
+        self._cache_hits.inc(max(stats.num_prefix_cache_hits - last.num_prefix_cache_hits, 0))
+        self._last_totals = stats
+
+    def _record_iteration_stats(self, stats: IterationStats) -> None:
+        self._prompt_tokens.inc(stats.num_prompt_tokens)
+        self._gen_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self._ttft.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self._itl.observe(itl)
+        for finished in stats.finished_requests:
+            self._success.labels(finished_reason=finished.finish_reason, **self._labels).inc()
+            self._e2e.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self._queue.observe(finished.queue_time)

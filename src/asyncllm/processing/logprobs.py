@@ -1,0 +1,63 @@
+"""Frontend side of logprobs: engine `LogprobsLists` -> `{token_id: Logprob}` dicts with decoded tokens."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from asyncllm.engine.protocol import LogprobsLists
+from asyncllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
+
+
+class LogprobsProcessor:
+    """Accumulates one sequence's sample and prompt logprobs.
+
+    Args:
+        tokenizer: decodes each listed token on its own (`decoded_token`).
+        num_logprobs: `SamplingParams.logprobs` (None: no sample logprobs).
+        num_prompt_logprobs: `SamplingParams.prompt_logprobs` (None: no prompt logprobs).
+    Attributes:
+        logprobs: one dict per generated token, or None.
+        sampled_logprobs: the sampled token's logprob per generated token (for `cumulative_logprob`).
+        prompt_logprobs: [None, dict, ...] once the engine sent them, or None.
+    """
+
+    def __init__(self, tokenizer: HFTokenizer, num_logprobs: int | None, num_prompt_logprobs: int | None) -> None:
+        self._tokenizer = tokenizer
+        self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
+        self.sampled_logprobs: list[float] = []
+        self._wants_prompt_logprobs = num_prompt_logprobs is not None
+        self.prompt_logprobs: PromptLogprobs | None = None
+
+    def update(self, new_logprobs: LogprobsLists | None, new_prompt_logprobs: LogprobsLists | None) -> None:
+        """Append one engine step's logprobs."""
+        if new_logprobs is not None and self.logprobs is not None:
+            self.logprobs.extend(self._to_dicts(new_logprobs))
+            self.sampled_logprobs.extend(row[0] for row in new_logprobs.logprobs)
+        if new_prompt_logprobs is not None and self._wants_prompt_logprobs:
+            self.prompt_logprobs = [None, *self._to_dicts(new_prompt_logprobs)]
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` entries (tokens after a stop string are dropped)."""
+        if self.logprobs is not None:
+            del self.logprobs[num_tokens:]
+            del self.sampled_logprobs[num_tokens:]
+
+    def cumulative_logprob(self, num_tokens: int) -> float | None:
+        """Sum of the sampled logprobs of the first `num_tokens` tokens, or None without logprobs."""
+        if self.logprobs is None:
+            return None
+        return float(sum(self.sampled_logprobs[:num_tokens]))
+
+    def _to_dicts(self, lists: LogprobsLists) -> SampleLogprobs:
+        unique_ids = sorted({t for row in lists.token_ids for t in row})
+        texts = self._tokenizer.decode_batch([[t] for t in unique_ids], skip_special_tokens=False)
+        decoded = dict(zip(unique_ids, texts, strict=True))
+        dicts: SampleLogprobs = []
+        for ids, values, rank in zip(lists.token_ids, lists.logprobs, lists.ranks, strict=True):
+            entry = {
+                tid: Logprob(lp, top_rank, decoded[tid])
+                for top_rank, (tid, lp) in enumerate(zip(ids[1:], values[1:], strict=True), 1)
+            }
+            entry.setdefault(ids[0], Logprob(values[0], rank, decoded[ids[0]]))
+            dicts.append(entry)
+        return dicts
