@@ -26,6 +26,7 @@ class FakeEngineCore:
         script: the tokens each request generates (cycled if shorter than max_tokens).
         step_delay: seconds each step sleeps (simulates the model).
         fail_at_step: raise RuntimeError in this step (1-based), to test engine death.
+    `add_request` raises ValueError for request ids starting with "refuse" (one request failing alone).
     """
 
     def __init__(
@@ -46,6 +47,8 @@ class FakeEngineCore:
         self.shut_down = threading.Event()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id.startswith("refuse"):
+            raise ValueError(f"refused {request.request_id}")
         self.running[request.request_id] = (request, self._script(request), 0)
 
     def abort_requests(self, request_ids: list[str]) -> None:

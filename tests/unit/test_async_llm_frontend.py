@@ -12,6 +12,7 @@ import pytest_asyncio
 from asyncllm import (
     AsyncLLM,
     EngineDeadError,
+    EngineGenerateError,
     InvalidRequestError,
     RequestOutput,
     RequestOutputKind,
@@ -211,3 +212,12 @@ async def test_many_concurrent_streams(llm: AsyncLLM) -> None:
     for outputs in results:
         assert outputs[-1].finished
         assert len([t for o in outputs for t in o.outputs[0].token_ids]) == 8
+
+
+async def test_a_request_the_engine_refuses_raises_engine_generate_error_and_others_go_on(llm: AsyncLLM) -> None:
+    refused = llm.generate("Hi", greedy(), request_id="refuse-me")
+    with pytest.raises(EngineGenerateError, match="refused refuse-me"):
+        await collect(refused)
+    assert not llm.errored
+    outputs = await collect(llm.generate("Hi", greedy()))
+    assert outputs[-1].outputs[0].text == ANSWER

@@ -139,3 +139,17 @@ async def test_shutdown_is_idempotent_and_ends_waiters() -> None:
     client.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
         await asyncio.wait_for(waiter, 5)
+
+
+async def test_a_request_the_core_refuses_fails_alone_and_the_engine_keeps_serving() -> None:
+    client, _ = start_client()
+    try:
+        client.add_request(request("refuse-1"))
+        outputs = await asyncio.wait_for(client.get_output_async(), 5)
+        assert outputs.failed_requests == {"refuse-1": "ValueError: refused refuse-1"}
+        assert not client.errored
+        client.add_request(request("b"))
+        outputs = await asyncio.wait_for(client.get_output_async(), 5)
+        assert [o.request_id for o in outputs.outputs] == ["b"]
+    finally:
+        client.shutdown()

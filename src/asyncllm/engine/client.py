@@ -22,14 +22,15 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.engine.busy_loop import run_busy_loop
 from asyncllm.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineReadyInfo,
+    UtilityCall,
     UtilityResult,
 )
-from asyncllm.engine.utility import call_utility_method
 from asyncllm.errors import EngineDeadError, EngineGenerateError
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ class InprocClient(EngineCoreClient):
         with self._lock:
             self._ensure_alive()
             self._pending_calls[call_id] = (loop, future)
-        self._inputs.put((EngineCoreRequestType.UTILITY, (call_id, method, args)))
+        self._inputs.put((EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args))))
         return await future
 
     def shutdown(self) -> None:
@@ -204,7 +205,7 @@ class InprocClient(EngineCoreClient):
         self.ready_info = core.ready_info
         self._ready.set()
         try:
-            self._busy_loop(core)
+            run_busy_loop(core, self._inputs, self._emit)
         except BaseException as e:
             logger.exception("the engine core died")
             self._mark_dead(e)
@@ -220,35 +221,12 @@ class InprocClient(EngineCoreClient):
             core_factory = EngineCore
         return core_factory(config)
 
-    def _busy_loop(self, core: Any) -> None:
-        while True:
-            block = not core.has_unfinished_requests()
-            while True:  # drain the input queue; block for the first item only when idle
-                try:
-                    kind, payload = self._inputs.get(block=block)
-                except queue.Empty:
-                    break
-                if kind is EngineCoreRequestType.SHUTDOWN:
-                    return
-                self._handle_input(core, kind, payload)
-                block = False
-            if core.has_unfinished_requests():
-                outputs = core.step()
-                if outputs.outputs or outputs.finished_requests:
-                    self._post(outputs)
-
-    def _handle_input(self, core: Any, kind: EngineCoreRequestType, payload: Any) -> None:
-        if kind is EngineCoreRequestType.ADD:
-            core.add_request(payload)
-        elif kind is EngineCoreRequestType.ABORT:
-            core.abort_requests(payload)
-        elif kind is EngineCoreRequestType.UTILITY:
-            call_id, method, args = payload
-            try:
-                result = UtilityResult(call_id, result=call_utility_method(core, method, args))
-            except Exception as e:
-                result = UtilityResult(call_id, error=f"{type(e).__name__}: {e}")
-            self._resolve_utility(EngineCoreOutputs(utility_result=result))
+    def _emit(self, outputs: EngineCoreOutputs) -> None:
+        """Engine thread -> loop: utility answers resolve their futures, everything else is queued."""
+        if outputs.utility_result is not None:
+            self._resolve_utility(outputs)
+        else:
+            self._post(outputs)
 
     def _post(self, outputs: EngineCoreOutputs) -> None:
         self._outputs.append(outputs)

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from asyncllm.config import EngineConfig
+from asyncllm.engine.busy_loop import run_busy_loop
 from asyncllm.engine.process import die_with_parent
 from asyncllm.engine.protocol import (
     ENGINE_CORE_DEAD,
@@ -36,7 +37,6 @@ from asyncllm.engine.protocol import (
     UtilityResult,
 )
 from asyncllm.engine.serial import MsgpackDecoder, MsgpackEncoder
-from asyncllm.engine.utility import call_utility_method
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_LINGER_MS = 2000
@@ -138,45 +138,7 @@ class EngineCoreProc:
     # ---- busy loop (main thread) ---------------------------------------------------------------------
 
     def _busy_loop(self) -> None:
-        core = self.core
-        while True:
-            block = not core.has_unfinished_requests()
-            while True:  # drain the inputs; block for the first one only when idle
-                try:
-                    kind, payload = self._inputs.get(block=block)
-                except queue.Empty:
-                    break
-                if kind is EngineCoreRequestType.SHUTDOWN:
-                    return
-                self._handle_input(kind, payload)
-                block = False
-            if core.has_unfinished_requests():
-                outputs = core.step()
-                if outputs.outputs or outputs.finished_requests:
-                    self._outputs.put(outputs)
-
-    def _handle_input(self, kind: EngineCoreRequestType, payload: Any) -> None:
-        if kind is EngineCoreRequestType.ADD:
-            self._add_request(payload)
-        elif kind is EngineCoreRequestType.ABORT:
-            self.core.abort_requests(payload)
-        elif kind is EngineCoreRequestType.UTILITY:
-            self._outputs.put(EngineCoreOutputs(utility_result=self._call_utility(payload)))
-
-    def _add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request; if that raises, fail this request only (its stream raises EngineGenerateError)."""
-        try:
-            self.core.add_request(request)
-        except Exception as e:
-            logger.exception("request %r failed to start", request.request_id)
-            failed = {request.request_id: f"{type(e).__name__}: {e}"}
-            self._outputs.put(EngineCoreOutputs(failed_requests=failed))
-
-    def _call_utility(self, call: UtilityCall) -> UtilityResult:
-        try:
-            return UtilityResult(call.call_id, result=call_utility_method(self.core, call.method, call.args))
-        except Exception as e:
-            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+        run_busy_loop(self.core, self._inputs, self._outputs.put)
 
     # ---- I/O threads ---------------------------------------------------------------------------------
 
