@@ -37,12 +37,14 @@ from asyncllm.engine.protocol import (
 )
 from asyncllm.engine.serial import MsgpackDecoder, MsgpackEncoder
 from asyncllm.engine.utility import call_utility_method
+from asyncllm.errors import ExecutorError
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_LINGER_MS = 2000
 OUTPUT_FLUSH_TIMEOUT_S = 5.0
 _REQUEST_TYPES = {t.value: t for t in EngineCoreRequestType}
 _STOP = object()
+_EXECUTOR_FAILED = object()  # payload of the SHUTDOWN the executor's failure callback queues
 
 
 def run_engine_core(
@@ -107,6 +109,11 @@ class EngineCoreProc:
             input_socket.close()
             self._ctx.term()
             raise SystemExit(1) from e
+        executor = getattr(self.core, "executor", None)
+        if executor is not None:  # a dead worker wakes the busy loop even when idle; it then raises
+            executor.register_failure_callback(
+                lambda: self._inputs.put((EngineCoreRequestType.SHUTDOWN, _EXECUTOR_FAILED))
+            )
         input_socket.send(msgspec.msgpack.encode(EngineHandshake(ready_info=self.core.ready_info, pid=os.getpid())))
         self._input_thread = threading.Thread(
             target=self._receive_inputs, args=(input_socket,), name="engine-input", daemon=True
@@ -147,6 +154,9 @@ class EngineCoreProc:
                 except queue.Empty:
                     break
                 if kind is EngineCoreRequestType.SHUTDOWN:
+                    if payload is _EXECUTOR_FAILED:
+                        core.executor.check_health()
+                        raise ExecutorError("a worker died")
                     return
                 self._handle_input(kind, payload)
                 block = False

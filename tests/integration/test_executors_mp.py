@@ -1,0 +1,112 @@
+"""The `mp` executor on the real SmolLM2-135M-Instruct: same greedy tokens as `uni` at TP=1, TP=3 equal to TP=1
+where the greedy choice is clear, collective_rpc to every worker, and a killed worker -> EngineDeadError."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import AsyncLLM, EngineArgs, SamplingParams
+from asyncllm.config import ModelConfig
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.model.loader import load_model
+from tests.reference import clear_prefix_len, greedy_margins
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.mp]
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+MAX_TOKENS = 12
+MARGIN = 0.05  # logits; below this a greedy choice may flip with fp32 summation order (TP sums partials)
+
+
+def engine_args(model_path: str, **kw) -> EngineArgs:
+    return EngineArgs(model=model_path, num_kv_blocks=64, max_model_len=256, **kw)
+
+
+async def greedy_ids(llm: AsyncLLM, prompts: list[str]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    finals = await asyncio.gather(*(llm.generate(p, params).collect() for p in prompts))
+    return [list(f.outputs[0].token_ids) for f in finals]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def wait_gone(pids: list[int], within: float) -> list[int]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+@pytest.fixture(scope="module")
+def uni_ids(model_path: str) -> list[list[int]]:
+    async def run() -> list[list[int]]:
+        async with AsyncLLM.from_engine_args(engine_args(model_path, engine_process=False)) as llm:
+            return await greedy_ids(llm, PROMPTS)
+
+    return asyncio.run(run())
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def mp_tp1(model_path: str):
+    async with AsyncLLM.from_engine_args(engine_args(model_path, distributed_executor_backend="mp")) as llm:
+        yield llm
+
+
+async def test_mp_tp1_greedy_ids_equal_uni(mp_tp1: AsyncLLM, uni_ids: list[list[int]]) -> None:
+    assert await greedy_ids(mp_tp1, PROMPTS) == uni_ids
+    assert all(len(ids) == MAX_TOKENS for ids in uni_ids)
+
+
+async def test_collective_rpc_reaches_the_worker_process(mp_tp1: AsyncLLM) -> None:
+    pids = await mp_tp1.collective_rpc("get_pid")
+    assert len(pids) == 1 and pids[0] != os.getpid() and pid_alive(pids[0])
+    info = await mp_tp1.collective_rpc("get_model_info")
+    assert len(info) == 1 and info[0][1] == 49152  # SmolLM2's vocab size, from the worker process
+
+
+async def test_tp3_equals_tp1_where_the_choice_is_clear(model_path: str, uni_ids: list[list[int]]) -> None:
+    reference = load_model(ModelConfig(model=model_path, model_path=model_path))
+    async with AsyncLLM.from_engine_args(
+        engine_args(model_path, distributed_executor_backend="mp", tensor_parallel_size=3)
+    ) as llm:
+        pids = await llm.collective_rpc("get_pid")
+        assert len(set(pids)) == 3
+        tp3_ids = await greedy_ids(llm, PROMPTS)
+    tokenizer_prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    num_compared = 0
+    for prompt_ids, expected, got in zip(tokenizer_prompts, uni_ids, tp3_ids, strict=True):
+        clear = clear_prefix_len(greedy_margins(reference, prompt_ids, expected), MARGIN)
+        assert got[:clear] == expected[:clear]
+        num_compared += clear
+    assert num_compared >= MAX_TOKENS  # the comparison covered real tokens
+    assert wait_gone(pids, within=10.0) == []
+
+
+async def test_tp2_is_rejected_with_a_clear_error(model_path: str) -> None:
+    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=2 does not divide.*valid sizes.*\[1, 3\]"):
+        AsyncLLM.from_engine_args(engine_args(model_path, distributed_executor_backend="mp", tensor_parallel_size=2))
+
+
+async def test_uni_rejects_tp_above_one(model_path: str) -> None:
+    with pytest.raises(InvalidRequestError, match="needs distributed_executor_backend='mp'"):
+        AsyncLLM.from_engine_args(engine_args(model_path, tensor_parallel_size=3))
