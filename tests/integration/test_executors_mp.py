@@ -79,9 +79,12 @@ async def test_mp_tp1_greedy_ids_equal_uni(mp_tp1: AsyncLLM, uni_ids: list[list[
 
 async def test_collective_rpc_reaches_the_worker_process(mp_tp1: AsyncLLM) -> None:
     pids = await mp_tp1.collective_rpc("get_pid")
-    assert len(pids) == 1 and pids[0] != os.getpid() and pid_alive(pids[0])
+    assert len(pids) == 1
+    assert pids[0] != os.getpid()
+    assert pid_alive(pids[0])
     info = await mp_tp1.collective_rpc("get_model_info")
-    assert len(info) == 1 and info[0][1] == 49152  # SmolLM2's vocab size, from the worker process
+    assert len(info) == 1
+    assert info[0][1] == 49152  # SmolLM2's vocab size, from the worker process
 
 
 async def test_tp3_equals_tp1_where_the_choice_is_clear(model_path: str, uni_ids: list[list[int]]) -> None:
@@ -110,3 +113,49 @@ async def test_tp2_is_rejected_with_a_clear_error(model_path: str) -> None:
 async def test_uni_rejects_tp_above_one(model_path: str) -> None:
     with pytest.raises(InvalidRequestError, match="needs distributed_executor_backend='mp'"):
         AsyncLLM.from_engine_args(engine_args(model_path, tensor_parallel_size=3))
+
+
+@pytest.mark.parametrize(("tp", "victim_rank"), [(1, 0), (3, 1)])
+async def test_killed_worker_fails_open_streams_fast_and_leaves_no_orphans(
+    model_path: str, tp: int, victim_rank: int
+) -> None:
+    """Random weights (`dummy`) are enough here: what is tested is processes and sockets, not tokens."""
+    args = engine_args(model_path, distributed_executor_backend="mp", tensor_parallel_size=tp, load_format="dummy")
+    llm = AsyncLLM.from_engine_args(args)
+    engine_pid = llm._client.process.pid  # type: ignore[attr-defined]
+    try:
+        worker_pids = await llm.collective_rpc("get_pid")
+        assert len(worker_pids) == tp
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        streams = [llm.generate(p, params) for p in PROMPTS]
+        first = await streams[0].__anext__()  # streaming has started
+        assert len(first.outputs[0].token_ids) >= 1
+        os.kill(worker_pids[victim_rank], signal.SIGKILL)
+        killed_at = time.monotonic()
+        for stream in streams:
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+        assert time.monotonic() - killed_at < 5.0
+        assert llm.errored
+    finally:
+        started = time.monotonic()
+        await llm.shutdown()
+        assert time.monotonic() - started < 10.0
+    assert wait_gone([engine_pid, *worker_pids], within=5.0) == []
+
+
+async def test_worker_killed_while_idle_marks_the_engine_dead(model_path: str) -> None:
+    """No step is running: the executor's death watcher wakes the idle engine loop (failure callback)."""
+    llm = AsyncLLM.from_engine_args(engine_args(model_path, distributed_executor_backend="mp", load_format="dummy"))
+    try:
+        (worker_pid,) = await llm.collective_rpc("get_pid")
+        os.kill(worker_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while not llm.errored and time.monotonic() < deadline:  # noqa: ASYNC110 (polling a property)
+            await asyncio.sleep(0.05)
+        assert llm.errored
+        with pytest.raises(EngineDeadError):
+            await llm.generate("Hello", SamplingParams(max_tokens=4)).collect()
+    finally:
+        await llm.shutdown()

@@ -19,7 +19,13 @@ def test_executor_subclass_and_import_path_are_accepted() -> None:
     assert get_executor_class("asyncllm.executors.uniproc:UniProcExecutor") is UniProcExecutor
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_mp_is_the_multiproc_executor() -> None:
+    from asyncllm.executors.multiproc import MultiprocExecutor
+
+    assert get_executor_class("mp") is MultiprocExecutor
+
+
+@pytest.mark.parametrize("backend", ["ray"])
 def test_planned_backends_say_not_implemented(backend: str) -> None:
     with pytest.raises(InvalidRequestError, match="not implemented yet"):
         get_executor_class(backend)

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 from asyncllm.distributed.parallel_state import check_tp_divides
-from asyncllm.engine.process import make_ipc_dir, remove_ipc_dir, stop_process
+from asyncllm.engine.process import make_ipc_dir, remove_ipc_dir
 from asyncllm.errors import ExecutorError
 from asyncllm.executors.base import Executor
 from asyncllm.executors.mp_worker import run_worker
@@ -193,7 +193,7 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Ask every worker to exit, wait up to SHUTDOWN_TIMEOUT_S seconds, then terminate/kill; close sockets and
-        remove the socket directory. Idempotent; returns within ~SHUTDOWN_TIMEOUT_S + 4 seconds."""
+        remove the socket directory. Idempotent; returns within about SHUTDOWN_TIMEOUT_S + 4 seconds."""
         if self._shutting_down.is_set():
             return
         self._shutting_down.set()
@@ -205,10 +205,26 @@ class MultiprocExecutor(Executor):
             if process.exitcode is None:
                 with contextlib.suppress(zmq.ZMQError):
                     socket.send(frame, flags=zmq.NOBLOCK)
-        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
-        for process in self.processes:
-            stop_process(process, max(0.0, deadline - time.monotonic()))
+        _stop_all(self.processes, SHUTDOWN_TIMEOUT_S)
         for socket in [*self._requests, self._replies]:
             socket.close(linger=0)
         self._ctx.term()
         remove_ipc_dir(self._ipc_dir)
+
+
+def _stop_all(processes: list[BaseProcess], timeout_s: float) -> None:
+    """Wait up to `timeout_s` seconds for all to exit, then SIGTERM the rest, then SIGKILL (2 s each step, all
+    processes at once: a rank stuck in a collective does not delay the others)."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for signal_name in ("terminate", "kill"):
+        alive = [p for p in processes if p.exitcode is None]
+        if not alive:
+            return
+        logger.warning("%d worker process(es) still running: %s", len(alive), signal_name)
+        for process in alive:
+            getattr(process, signal_name)()
+        deadline = time.monotonic() + 2.0
+        for process in alive:
+            process.join(max(0.0, deadline - time.monotonic()))
