@@ -25,10 +25,10 @@ def test_mp_is_the_multiproc_executor() -> None:
     assert get_executor_class("mp") is MultiprocExecutor
 
 
-@pytest.mark.parametrize("backend", ["ray"])
-def test_planned_backends_say_not_implemented(backend: str) -> None:
-    with pytest.raises(InvalidRequestError, match="not implemented yet"):
-        get_executor_class(backend)
+def test_ray_is_the_ray_executor() -> None:
+    from asyncllm.executors.ray import RayExecutor
+
+    assert get_executor_class("ray") is RayExecutor
 
 
 def test_unknown_name_lists_the_choices() -> None:
