@@ -8,6 +8,8 @@ Two measurements per (backend, TP), on an `EngineCore` built in this process (no
 
     .venv/bin/python benchmarks/executor_overhead.py [--configs uni:1,mp:1,mp:3,ray:1,ray:3] [--steps 32]
 
+With `ray` configs the script starts a local Ray cluster with one logical CPU per rank of the largest TP size.
+
 SmolLM2-135M has 9 query / 3 KV heads, so TP=2 is rejected and TP=3 is the multi-rank case. The machine's load
 average is printed first: on a shared 2-core machine, TP=3 runs 3 single-threaded ranks on 2 cores.
 """
@@ -26,8 +28,9 @@ from asyncllm.engine.protocol import EngineCoreRequest
 
 def measure(backend: str, tp: int, num_steps: int, num_rpcs: int) -> dict[str, float]:
     """Milliseconds: RPC round trip median, decode-step medians at 1 and 8 requests; seconds: start-up."""
-    args = EngineArgs(num_kv_blocks=256, max_model_len=512, distributed_executor_backend=backend)
-    args.tensor_parallel_size = tp
+    args = EngineArgs(
+        num_kv_blocks=256, max_model_len=512, distributed_executor_backend=backend, tensor_parallel_size=tp
+    )
     started = time.perf_counter()
     core = EngineCore(args.create_engine_config())
     result = {"startup_s": time.perf_counter() - started}
@@ -61,15 +64,20 @@ def decode_step_ms(core: EngineCore, batch: int, num_steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", default="uni:1,mp:1,mp:3", help="backend:tp pairs, comma-separated")
+    parser.add_argument("--configs", default="uni:1,mp:1,mp:3,ray:1,ray:3", help="backend:tp pairs, comma-separated")
     parser.add_argument("--steps", type=int, default=32, help="decode steps measured per batch size")
     parser.add_argument("--rpcs", type=int, default=200, help="RPC round trips measured")
     opts = parser.parse_args()
     print(f"load average: {os.getloadavg()}; cpus: {os.cpu_count()}")
+    pairs = [(b, int(t)) for b, t in (pair.split(":") for pair in opts.configs.split(","))]
+    ray_tps = [tp for backend, tp in pairs if backend == "ray"]
+    if ray_tps:  # a local cluster with one logical CPU per rank (TP=3 on 2 cores: ranks share them)
+        import ray
+
+        ray.init(num_cpus=max(ray_tps), include_dashboard=False, log_to_driver=False)
     print(f"{'backend':>8} {'tp':>3} {'startup s':>10} {'rpc ms':>8} {'step@1 ms':>10} {'step@8 ms':>10}")
-    for pair in opts.configs.split(","):
-        backend, tp = pair.split(":")
-        r = measure(backend, int(tp), opts.steps, opts.rpcs)
+    for backend, tp in pairs:
+        r = measure(backend, tp, opts.steps, opts.rpcs)
         print(
             f"{backend:>8} {tp:>3} {r['startup_s']:>10.1f} {r['rpc_ms']:>8.3f} {r['step1_ms']:>10.1f} "
             f"{r['step8_ms']:>10.1f}",

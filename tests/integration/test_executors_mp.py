@@ -111,9 +111,13 @@ async def test_killed_worker_fails_open_streams_fast_and_leaves_no_orphans(
     assert wait_gone([engine_pid, *worker_pids], within=5.0) == []
 
 
-async def test_worker_killed_while_idle_marks_the_engine_dead(model_path: str) -> None:
+@pytest.mark.parametrize("engine_process", [True, False], ids=["process", "thread"])
+async def test_worker_killed_while_idle_marks_the_engine_dead(model_path: str, engine_process: bool) -> None:
     """No step is running: the executor's death watcher wakes the idle engine loop (failure callback)."""
-    llm = AsyncLLM.from_engine_args(engine_args(model_path, distributed_executor_backend="mp", load_format="dummy"))
+    args = engine_args(
+        model_path, distributed_executor_backend="mp", load_format="dummy", engine_process=engine_process
+    )
+    llm = AsyncLLM.from_engine_args(args)
     try:
         (worker_pid,) = await llm.collective_rpc("get_pid")
         os.kill(worker_pid, signal.SIGKILL)

@@ -30,12 +30,13 @@ from asyncllm.engine.protocol import (
     UtilityResult,
 )
 from asyncllm.engine.utility import call_utility_method
-from asyncllm.errors import EngineDeadError, EngineGenerateError
+from asyncllm.errors import EngineDeadError, EngineGenerateError, ExecutorError
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+_EXECUTOR_FAILED = object()  # payload of the SHUTDOWN the executor's failure callback queues
 READY_TIMEOUT_S = 600.0
 JOIN_TIMEOUT_S = 30.0
 
@@ -202,6 +203,11 @@ class InprocClient(EngineCoreClient):
             self._ready.set()
             return
         self.ready_info = core.ready_info
+        executor = getattr(core, "executor", None)
+        if executor is not None:  # a dead worker wakes the idle loop, which then raises
+            executor.register_failure_callback(
+                lambda: self._inputs.put((EngineCoreRequestType.SHUTDOWN, _EXECUTOR_FAILED))
+            )
         self._ready.set()
         try:
             self._busy_loop(core)
@@ -229,6 +235,9 @@ class InprocClient(EngineCoreClient):
                 except queue.Empty:
                     break
                 if kind is EngineCoreRequestType.SHUTDOWN:
+                    if payload is _EXECUTOR_FAILED:
+                        core.executor.check_health()
+                        raise ExecutorError("a worker died")
                     return
                 self._handle_input(core, kind, payload)
                 block = False
