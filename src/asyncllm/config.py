@@ -81,6 +81,7 @@ class ParallelConfig:
         ray_address: Ray cluster to connect to ("auto", "ray://host:10001", a GCS address); None = `RAY_ADDRESS`
             or the Ray already initialized in the engine's process, else a new local cluster.
         ray_placement_timeout_s: seconds to wait for the Ray placement group's resources.
+        ray_cpus_per_worker: CPUs reserved per rank in the Ray placement group (may be fractional).
     """
 
     engine_process: bool = True
@@ -89,6 +90,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     ray_address: str | None = None
     ray_placement_timeout_s: float = 60.0
+    ray_cpus_per_worker: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ class EngineArgs:
         ray_address: Ray cluster address for "ray" (None: `RAY_ADDRESS`, the Ray already initialized, or a
             new local cluster).
         ray_placement_timeout_s: seconds to wait for the Ray placement group's CPUs before failing.
+        ray_cpus_per_worker: CPUs each rank reserves in the Ray placement group (fractional allowed; default 1).
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
         scheduling_policy: "fcfs" (default) or "priority" (`generate(..., priority=)`, lower first).
         log_stats: log engine stats (throughput, queue, KV cache, prefix cache hits) periodically.
@@ -165,6 +168,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     ray_address: str | None = None
     ray_placement_timeout_s: float = 60.0
+    ray_cpus_per_worker: float = 1.0
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     log_stats: bool = False
@@ -214,6 +218,8 @@ class EngineArgs:
             raise InvalidRequestError(
                 f"EngineArgs.ray_placement_timeout_s={self.ray_placement_timeout_s!r}: must be > 0 (seconds)"
             )
+        if not isinstance(self.ray_cpus_per_worker, (int, float)) or not self.ray_cpus_per_worker > 0:
+            raise InvalidRequestError(f"EngineArgs.ray_cpus_per_worker={self.ray_cpus_per_worker!r}: must be > 0")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
             raise InvalidRequestError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
 
@@ -245,6 +251,7 @@ class EngineArgs:
             self.tensor_parallel_size,
             self.ray_address,
             float(self.ray_placement_timeout_s),
+            float(self.ray_cpus_per_worker),
         )
         observability = ObservabilityConfig(bool(self.log_stats), float(self.stats_log_interval))
         return EngineConfig(model, cache, scheduler, parallel, observability)

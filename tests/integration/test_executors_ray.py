@@ -16,8 +16,11 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
+from asyncllm.config import ModelConfig
 from asyncllm.errors import EngineDeadError, ExecutorError
-from tests.integration.executor_helpers import PROMPTS, engine_args, greedy_ids, wait_gone
+from asyncllm.model.loader import load_model
+from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids, wait_gone
+from tests.reference import clear_prefix_len, greedy_margins
 
 ray = pytest.importorskip("ray", reason="needs asyncllm[ray]")
 
@@ -46,6 +49,25 @@ def ray_args(model_path: str, address: str, **kw) -> EngineArgs:
     return engine_args(model_path, distributed_executor_backend="ray", ray_address=address, **kw)
 
 
+async def test_ray_tp3_equals_tp1_where_the_choice_is_clear(
+    model_path: str, ray_address: str, uni_ids: list[list[int]]
+) -> None:
+    """Runs before the TP=1 engine holds a CPU: 3 ranks of 0.5 CPU fit the 2-CPU cluster."""
+    reference = load_model(ModelConfig(model=model_path, model_path=model_path))
+    args = ray_args(model_path, ray_address, tensor_parallel_size=3, ray_cpus_per_worker=0.5)
+    async with AsyncLLM.from_engine_args(args) as llm:
+        pids = await llm.collective_rpc("get_pid")
+        assert len(set(pids)) == 3
+        tp3_ids = await greedy_ids(llm, PROMPTS)
+        prompts_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    num_compared = 0
+    for prompt_ids, expected, got in zip(prompts_ids, uni_ids, tp3_ids, strict=True):
+        clear = clear_prefix_len(greedy_margins(reference, prompt_ids, expected), 0.05)
+        assert got[:clear] == expected[:clear]
+        num_compared += clear
+    assert num_compared >= MAX_TOKENS
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def ray_tp1(model_path: str, ray_address: str):
     async with AsyncLLM.from_engine_args(ray_args(model_path, ray_address)) as llm:
@@ -67,7 +89,7 @@ async def test_collective_rpc_reaches_the_actor(ray_tp1: AsyncLLM) -> None:
 async def test_missing_resources_fail_with_a_clear_error(model_path: str, ray_address: str) -> None:
     """TP=3 needs 3 CPU bundles; the cluster has 2 (one of them held by the TP=1 engine)."""
     args = ray_args(model_path, ray_address, tensor_parallel_size=3, ray_placement_timeout_s=3.0)
-    with pytest.raises(ExecutorError, match=r"could not reserve 3 bundle\(s\).*within 3.0 s"):
+    with pytest.raises(ExecutorError, match=r"could not reserve 3 bundle\(s\) of \{'CPU': 1.0\}.*within 3.0 s"):
         AsyncLLM.from_engine_args(args)
 
 

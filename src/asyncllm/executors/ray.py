@@ -4,7 +4,7 @@ Needs `pip install asyncllm[ray]` (`ray>=2.40`). Connects to `ParallelConfig.ray
 "ray://host:10001", or a GCS address), else to the cluster in `RAY_ADDRESS`, else to the Ray already initialized
 in this process, else starts a local cluster (shut down again with the executor). The actors are placed in the
 current placement group when the engine already runs inside one, else in a new one of `tensor_parallel_size`
-bundles of 1 CPU (strategy PACK), waited for `ray_placement_timeout_s` seconds.
+bundles of `ray_cpus_per_worker` CPUs (strategy PACK), waited for `ray_placement_timeout_s` seconds.
 
 Calls are msgspec msgpack bytes (`rpc.RpcRequest`), so Ray carries only opaque byte strings. A killed actor
 surfaces as `ExecutorError` in the call in flight and, through a watcher thread holding one
@@ -86,7 +86,7 @@ class RayExecutor(Executor):
 
         group = get_current_placement_group()
         if group is None:
-            bundles = [{"CPU": 1.0} for _ in range(self.world_size)]
+            bundles = [{"CPU": self.config.parallel.ray_cpus_per_worker} for _ in range(self.world_size)]
             group = placement_group(bundles, strategy="PACK", name="")
             self._own_placement_group = True
         self._placement_group = group
@@ -95,14 +95,16 @@ class RayExecutor(Executor):
             ray.get(group.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError as e:
             raise ExecutorError(
-                f"Ray could not reserve {self.world_size} bundle(s) of {{'CPU': 1}} within {timeout} s "
+                f"Ray could not reserve {self.world_size} bundle(s) of "
+                f"{{'CPU': {self.config.parallel.ray_cpus_per_worker}}} within {timeout} s "
                 f"(cluster resources: {ray.cluster_resources()}); add nodes or lower tensor_parallel_size"
             ) from e
         if len(group.bundle_specs) < self.world_size:
             raise ExecutorError(
                 f"the current placement group has {len(group.bundle_specs)} bundles; {self.world_size} are needed"
             )
-        actor_class = ray.remote(num_cpus=1, max_concurrency=2, max_restarts=0)(RayWorkerWrapper)
+        cpus = self.config.parallel.ray_cpus_per_worker
+        actor_class = ray.remote(num_cpus=cpus, max_concurrency=2, max_restarts=0)(RayWorkerWrapper)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=rank)
             self.actors.append(actor_class.options(scheduling_strategy=strategy).remote(rank))
