@@ -68,6 +68,42 @@ async def test_ray_tp3_equals_tp1_where_the_choice_is_clear(
     assert num_compared >= MAX_TOKENS
 
 
+async def test_engine_inside_a_placement_group_reuses_it(model_path: str, ray_address: str) -> None:
+    """An engine core built inside a Ray actor that runs in a placement group puts its worker in that group's
+    bundle instead of reserving a new group (runs before the TP=1 engine holds a CPU)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class EngineHost:
+        def build(self, args: EngineArgs) -> tuple[bool, str, int]:
+            from asyncllm.engine.core import EngineCore
+
+            core = EngineCore(args.create_engine_config())
+            try:
+                executor = core.executor
+                pid = core.executor.collective_rpc("get_pid")[0]
+                return executor._own_placement_group, executor._placement_group.id.hex(), pid
+            finally:
+                core.shutdown()
+
+    group = placement_group([{"CPU": 1.0}], strategy="PACK")
+    ray.get(group.ready(), timeout=60)
+    try:
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        )
+        host = EngineHost.options(scheduling_strategy=strategy).remote()
+        args = engine_args(model_path, distributed_executor_backend="ray", load_format="dummy")
+        own_group, group_id, worker_pid = ray.get(host.build.remote(args), timeout=120)
+        assert own_group is False
+        assert group_id == group.id.hex()
+        assert worker_pid > 0
+        ray.kill(host)
+    finally:
+        remove_placement_group(group)
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def ray_tp1(model_path: str, ray_address: str):
     async with AsyncLLM.from_engine_args(ray_args(model_path, ray_address)) as llm:
