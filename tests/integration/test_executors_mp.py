@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from asyncllm import AsyncLLM, SamplingParams
 from asyncllm.config import ModelConfig
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
 from asyncllm.model.loader import load_model
 from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids, pid_alive, wait_gone
 from tests.reference import clear_prefix_len, greedy_margins
@@ -51,6 +51,14 @@ async def test_collective_rpc_reaches_the_worker_process(mp_tp1: AsyncLLM) -> No
     info = await mp_tp1.collective_rpc("get_model_info")
     assert len(info) == 1
     assert info[0][1] == 49152  # SmolLM2's vocab size, from the worker process
+
+
+async def test_collective_rpc_timeout_fails_the_call_only(mp_tp1: AsyncLLM) -> None:
+    """A call that outlives its timeout raises; its late reply is discarded and the next calls and requests work."""
+    with pytest.raises(EngineGenerateError, match="did not answer warm_up in time"):
+        await mp_tp1.collective_rpc("warm_up", kwargs={"num_tokens": 256}, timeout=0.001)
+    assert len(await mp_tp1.collective_rpc("get_pid")) == 1
+    assert (await greedy_ids(mp_tp1, PROMPTS[:1]))[0]
 
 
 async def test_tp3_equals_tp1_where_the_choice_is_clear(model_path: str, uni_ids: list[list[int]]) -> None:
