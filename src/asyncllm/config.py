@@ -76,14 +76,21 @@ class ParallelConfig:
     Fields:
         engine_process: run the engine core in its own process (True) or a background thread (False).
         num_threads: torch intra-op threads per worker; None = torch's default.
-        distributed_executor_backend: "uni" for now (more in later issues).
-        tensor_parallel_size: workers sharding the model.
+        distributed_executor_backend: "uni", "mp", "ray", or "package.module:Class" (see `executors/`).
+        tensor_parallel_size: worker ranks sharding the model (heads and MLP columns).
+        ray_address: Ray cluster to connect to ("auto", "ray://host:10001", a GCS address); None = `RAY_ADDRESS`
+            or the Ray already initialized in the engine's process, else a new local cluster.
+        ray_placement_timeout_s: seconds to wait for the Ray placement group's resources.
+        ray_cpus_per_worker: CPUs reserved per rank in the Ray placement group (may be fractional).
     """
 
     engine_process: bool = True
     num_threads: int | None = None
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1
+    ray_address: str | None = None
+    ray_placement_timeout_s: float = 60.0
+    ray_cpus_per_worker: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,15 @@ class EngineArgs:
         engine_process: engine core in its own process (True, default: model work never competes with the
             caller's event loop, and a crash there cannot take the caller down) or in a background thread (False).
         load_format: "auto" or "dummy" (random weights).
+        distributed_executor_backend: "uni" (model in the engine process, default), "mp" (one worker process
+            per rank), "ray" (one Ray actor per rank; `asyncllm[ray]`), an `Executor` subclass or
+            "package.module:Class". See docs/executors.md.
+        tensor_parallel_size: ranks sharding the model ("mp"/"ray"); must divide the model's query heads, KV
+            heads and MLP width (SmolLM2-135M: 1 or 3).
+        ray_address: Ray cluster address for "ray" (None: `RAY_ADDRESS`, the Ray already initialized, or a
+            new local cluster).
+        ray_placement_timeout_s: seconds to wait for the Ray placement group's CPUs before failing.
+        ray_cpus_per_worker: CPUs each rank reserves in the Ray placement group (fractional allowed; default 1).
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
         scheduling_policy: "fcfs" (default) or "priority" (`generate(..., priority=)`, lower first).
         log_stats: log engine stats (throughput, queue, KV cache, prefix cache hits) periodically.
@@ -150,6 +166,9 @@ class EngineArgs:
     load_format: LoadFormat = "auto"
     distributed_executor_backend: str = "uni"
     tensor_parallel_size: int = 1
+    ray_address: str | None = None
+    ray_placement_timeout_s: float = 60.0
+    ray_cpus_per_worker: float = 1.0
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     log_stats: bool = False
@@ -195,6 +214,12 @@ class EngineArgs:
             raise InvalidRequestError(
                 f"EngineArgs.scheduling_policy={self.scheduling_policy!r}: must be 'fcfs' or 'priority'"
             )
+        if not isinstance(self.ray_placement_timeout_s, (int, float)) or not self.ray_placement_timeout_s > 0:
+            raise InvalidRequestError(
+                f"EngineArgs.ray_placement_timeout_s={self.ray_placement_timeout_s!r}: must be > 0 (seconds)"
+            )
+        if not isinstance(self.ray_cpus_per_worker, (int, float)) or not self.ray_cpus_per_worker > 0:
+            raise InvalidRequestError(f"EngineArgs.ray_cpus_per_worker={self.ray_cpus_per_worker!r}: must be > 0")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
             raise InvalidRequestError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
 
@@ -224,6 +249,9 @@ class EngineArgs:
             self.num_threads,
             self.distributed_executor_backend,
             self.tensor_parallel_size,
+            self.ray_address,
+            float(self.ray_placement_timeout_s),
+            float(self.ray_cpus_per_worker),
         )
         observability = ObservabilityConfig(bool(self.log_stats), float(self.stats_log_interval))
         return EngineConfig(model, cache, scheduler, parallel, observability)

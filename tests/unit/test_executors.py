@@ -19,10 +19,16 @@ def test_executor_subclass_and_import_path_are_accepted() -> None:
     assert get_executor_class("asyncllm.executors.uniproc:UniProcExecutor") is UniProcExecutor
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
-def test_planned_backends_say_not_implemented(backend: str) -> None:
-    with pytest.raises(InvalidRequestError, match="not implemented yet"):
-        get_executor_class(backend)
+def test_mp_is_the_multiproc_executor() -> None:
+    from asyncllm.executors.multiproc import MultiprocExecutor
+
+    assert get_executor_class("mp") is MultiprocExecutor
+
+
+def test_ray_is_the_ray_executor() -> None:
+    from asyncllm.executors.ray import RayExecutor
+
+    assert get_executor_class("ray") is RayExecutor
 
 
 def test_unknown_name_lists_the_choices() -> None:

@@ -14,11 +14,20 @@ from typing import Any
 
 from asyncllm.engine.protocol import EngineCoreOutputs, EngineCoreRequestType, UtilityCall, UtilityResult
 from asyncllm.engine.utility import call_utility_method
+from asyncllm.errors import ExecutorError
 
 logger = logging.getLogger(__name__)
 
 EngineInput = tuple[EngineCoreRequestType, Any]
 Emit = Callable[[EngineCoreOutputs], None]
+EXECUTOR_FAILED = "executor-failed"  # payload of the SHUTDOWN input queued when a worker dies
+
+
+def wake_on_executor_failure(core: Any, inputs: queue.Queue[EngineInput]) -> None:
+    """Make a worker death wake the busy loop (even when idle), which then raises `ExecutorError`."""
+    executor = getattr(core, "executor", None)
+    if executor is not None:
+        executor.register_failure_callback(lambda: inputs.put((EngineCoreRequestType.SHUTDOWN, EXECUTOR_FAILED)))
 
 
 def run_busy_loop(core: Any, inputs: queue.Queue[EngineInput], emit: Emit) -> None:
@@ -30,6 +39,7 @@ def run_busy_loop(core: Any, inputs: queue.Queue[EngineInput], emit: Emit) -> No
             UTILITY -> UtilityCall, SHUTDOWN -> ignored payload.
         emit: receives every non-empty step output, utility answer and failed-request notice.
     Raises:
+        ExecutorError: a worker died (see `wake_on_executor_failure`).
         Whatever `core.step()` raises: the caller declares the engine dead.
     """
     while True:
@@ -40,6 +50,9 @@ def run_busy_loop(core: Any, inputs: queue.Queue[EngineInput], emit: Emit) -> No
             except queue.Empty:
                 break
             if kind is EngineCoreRequestType.SHUTDOWN:
+                if payload == EXECUTOR_FAILED:
+                    core.executor.check_health()  # raises the executor's own error when it has one
+                    raise ExecutorError("a worker died")
                 return
             reply = handle_input(core, kind, payload)
             if reply is not None:

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from asyncllm.engine.busy_loop import run_busy_loop
+from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
 from asyncllm.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -203,6 +203,7 @@ class InprocClient(EngineCoreClient):
             self._ready.set()
             return
         self.ready_info = core.ready_info
+        wake_on_executor_failure(core, self._inputs)
         self._ready.set()
         try:
             run_busy_loop(core, self._inputs, self._emit)

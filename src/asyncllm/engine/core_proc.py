@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from asyncllm.config import EngineConfig
-from asyncllm.engine.busy_loop import run_busy_loop
+from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
 from asyncllm.engine.process import die_with_parent
 from asyncllm.engine.protocol import (
     ENGINE_CORE_DEAD,
@@ -107,6 +107,7 @@ class EngineCoreProc:
             input_socket.close()
             self._ctx.term()
             raise SystemExit(1) from e
+        wake_on_executor_failure(self.core, self._inputs)
         input_socket.send(msgspec.msgpack.encode(EngineHandshake(ready_info=self.core.ready_info, pid=os.getpid())))
         self._input_thread = threading.Thread(
             target=self._receive_inputs, args=(input_socket,), name="engine-input", daemon=True

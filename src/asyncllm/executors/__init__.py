@@ -7,30 +7,32 @@ import importlib
 from asyncllm.errors import InvalidRequestError
 from asyncllm.executors.base import Executor
 
-_BUILTIN = {"uni": "asyncllm.executors.uniproc:UniProcExecutor"}
-_PLANNED = ("mp", "ray")
+_BUILTIN = {
+    "uni": "asyncllm.executors.uniproc:UniProcExecutor",
+    "mp": "asyncllm.executors.multiproc:MultiprocExecutor",
+    "ray": "asyncllm.executors.ray:RayExecutor",
+}
 
 
 def get_executor_class(backend: str | type[Executor]) -> type[Executor]:
     """Resolve `distributed_executor_backend`.
 
     Args:
-        backend: "uni"; an `Executor` subclass; or "package.module:Class" naming one.
+        backend: "uni" (one worker in the engine process), "mp" (one worker process per TP rank), "ray" (one
+            Ray actor per rank); an `Executor` subclass; or "package.module:Class" naming one.
     Returns:
         The executor class.
     Raises:
-        InvalidRequestError: unknown name (listing the choices), a backend not built yet ("mp", "ray"), or a
+        InvalidRequestError: unknown name (listing the choices), or a
             "module:Class" that cannot be imported or is not an Executor subclass.
     """
     if isinstance(backend, type):
         if issubclass(backend, Executor):
             return backend
         raise InvalidRequestError(f"executor class {backend!r} is not a subclass of asyncllm Executor")
-    if backend in _PLANNED:
-        raise InvalidRequestError(f"distributed_executor_backend={backend!r} is not implemented yet; use 'uni'")
     target = _BUILTIN.get(backend, backend)
     if ":" not in target:
-        choices = [*_BUILTIN, *_PLANNED, "an Executor subclass", "'package.module:Class'"]
+        choices = [*_BUILTIN, "an Executor subclass", "'package.module:Class'"]
         raise InvalidRequestError(f"unknown distributed_executor_backend {backend!r}; choices: {choices}")
     return _import_executor_class(target)
 

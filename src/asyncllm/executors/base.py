@@ -1,6 +1,6 @@
 """The `Executor` interface: how the engine core runs the model, wherever the workers live.
 
-`uni` (one worker in the engine-core process) is here now; `mp` and `ray` plug in behind the same methods.
+Backends: `uni` (one worker in the engine-core process), `mp` (worker processes), `ray` (actors); see docs/executors.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ speed of `F.linear` for matrix-vector products on this CPU); q/k/v are one fused
 Rotary embeddings use a cos/sin cache indexed by positions. The LM head runs only in `compute_logits`, on
 the rows the runner samples. Parameters are filled by `load_weights` from HF-named `[out, in]` tensors.
 
+Tensor parallelism (Megatron-LM, Shoeybi et al., 2019): at TP=N each rank holds 1/N of the query heads, KV heads
+(column shards of the fused qkv), of the MLP columns (gate/up) and the matching rows of o_proj and down_proj; the
+two row-parallel outputs are summed over ranks (`parallel_state.all_reduce`). Embeddings, norms and the LM head are
+replicated, so every rank computes the same logits. At TP=1 no collective runs.
+
 Sources: Llama (Touvron et al., 2023); RMSNorm (Zhang & Sennrich, 2019); rotary position embedding,
 RoFormer (Su et al., 2021), in HF's "rotate half" layout; SwiGLU MLP (Shazeer, 2020); GQA (Ainslie et al., 2023).
 """
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, get_tp_rank, get_tp_size
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import AttentionMetadata
@@ -54,20 +60,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP block with fused [in, out] weights."""
+    """Pre-norm attention + SwiGLU MLP block with fused [in, out] weights, holding this TP rank's shard.
 
-    def __init__(self, arch: ModelArchConfig, qkv_bias: bool) -> None:
+    Args:
+        arch: the model's hyper-parameters.
+        qkv_bias: q/k/v projections have biases (Qwen2).
+        tp_rank, tp_size: this rank's shard (`num_*_heads` and `intermediate_size` divisible by `tp_size`).
+    """
+
+    def __init__(self, arch: ModelArchConfig, qkv_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.arch = arch
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         h, d = arch.hidden_size, arch.head_dim
-        self.q_size, self.kv_size = arch.num_attention_heads * d, arch.num_key_value_heads * d
+        self.q_size = arch.num_attention_heads // tp_size * d  # this rank's columns
+        self.kv_size = arch.num_key_value_heads // tp_size * d
+        self.inter_size = arch.intermediate_size // tp_size
         self.input_norm = _param(h)
         self.qkv_proj = _param(h, self.q_size + 2 * self.kv_size)
         self.qkv_bias: nn.Parameter | None = _param(self.q_size + 2 * self.kv_size) if qkv_bias else None
         self.o_proj = _param(self.q_size, h)
         self.post_attention_norm = _param(h)
-        self.gate_up_proj = _param(h, 2 * arch.intermediate_size)
-        self.down_proj = _param(arch.intermediate_size, h)
+        self.gate_up_proj = _param(h, 2 * self.inter_size)
+        self.down_proj = _param(self.inter_size, h)
 
     def forward(
         self,
@@ -93,16 +108,17 @@ class LlamaDecoderLayer(nn.Module):
         q = apply_rotary(q.view(n, -1, d), cos, sin)
         k = apply_rotary(k.view(n, -1, d), cos, sin)
         write_kv_cache(kv_cache, k, v.view(n, -1, d), meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta) @ self.o_proj
+        return all_reduce(paged_attention(q, kv_cache, meta) @ self.o_proj)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down_proj
+        return all_reduce((F.silu(gate) * up) @ self.down_proj)
 
     def load_weight(self, name: str, w: torch.Tensor) -> None:
         """Place one HF layer tensor (name after `model.layers.N.`, `[out, in]`) into the fused [in, out] params."""
         q, kv = self.q_size, self.kv_size
-        inter = self.arch.intermediate_size
+        inter = self.inter_size
+        w = self._shard(name, w)
         # HF name -> (param, start column, width); weights are transposed to [in, out].
         slots: dict[str, tuple[str, int, int]] = {
             "self_attn.q_proj": ("qkv_proj", 0, q),
@@ -127,6 +143,20 @@ class LlamaDecoderLayer(nn.Module):
         else:
             raise KeyError(f"unexpected layer weight {name!r}")
 
+    def _shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of an HF `[out, in]` tensor (or `[out]` bias): rows of q/k/v/gate/up, columns of
+        o_proj/down_proj; norms whole."""
+        if self.tp_size == 1 or "layernorm" in name:
+            return w
+        rank, d = self.tp_rank, self.arch.head_dim
+        rows = {"self_attn.q_proj": self.q_size, "self_attn.k_proj": self.kv_size, "self_attn.v_proj": self.kv_size}
+        rows |= {"mlp.gate_proj": self.inter_size, "mlp.up_proj": self.inter_size}
+        base = name.rsplit(".", 1)[0]
+        if base in rows:
+            return w[rank * rows[base] : (rank + 1) * rows[base]]
+        cols = {"self_attn.o_proj": self.arch.num_attention_heads // self.tp_size * d, "mlp.down_proj": self.inter_size}
+        return w[:, rank * cols[base] : (rank + 1) * cols[base]] if base in cols else w
+
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only Llama-family language model.
@@ -142,7 +172,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         qkv_bias = arch.architecture == "qwen2"
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, qkv_bias) for _ in range(arch.num_hidden_layers))
+        tp_rank, tp_size = get_tp_rank(), get_tp_size()  # from parallel_state: (0, 1) unless a TP group was joined
+        check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, qkv_bias, tp_rank, tp_size) for _ in range(arch.num_hidden_layers)
+        )
         self.norm = _param(arch.hidden_size)
         self.lm_head = _param(arch.hidden_size, arch.vocab_size)  # [in, out]
         # Tied: embeddings are columns of lm_head (no second 113 MB copy); untied: their own [vocab, hidden].

@@ -1,6 +1,6 @@
 """What the scheduler hands the executor each step, and what the model runner hands back.
 
-msgspec Structs, so the `mp` executor (a later issue) can broadcast them to workers without pickle.
+msgspec Structs, so the `mp` executor can broadcast them to workers without pickle.
 Shape follows vLLM v1's `SchedulerOutput` / `ModelRunnerOutput`: new requests carry everything once,
 requests already known to the workers carry only what changed.
 """

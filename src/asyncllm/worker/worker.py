@@ -6,11 +6,13 @@ through its `ModelRunner`. Every public method is callable by name through `Exec
 
 from __future__ import annotations
 
+import os
 from typing import cast
 
 import torch
 
 from asyncllm.config import EngineConfig
+from asyncllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
@@ -21,36 +23,58 @@ from asyncllm.worker.model_runner import CausalLM, ModelRunner
 class Worker:
     """Loads the model and runs it.
 
+    At `tensor_parallel_size` N > 1 the worker first joins the gloo group of N ranks, then loads only its shard
+    of the weights (see `model/llama.py`) and allocates only its KV heads; every rank samples the same tokens
+    (replicated logits, same seeds) and the executor returns rank 0's.
+
     Args:
         config: the engine config (model, cache and parallel parts are used).
-        rank: this worker's rank (0 for `uni`).
+        rank: this worker's tensor-parallel rank (0 for `uni`).
+        distributed_init_method: rendezvous URL of the TP group; required when tensor_parallel_size > 1.
     Raises:
         ModelNotFoundError, OSError, ValueError: from loading the model.
+        InvalidRequestError: the TP size does not divide the model's head counts.
+        RuntimeError: the TP group did not form.
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
         self.rank = rank
-        if config.parallel.num_threads is not None:
-            torch.set_num_threads(config.parallel.num_threads)
+        self.tp_size = config.parallel.tensor_parallel_size
+        num_threads = config.parallel.num_threads
+        if num_threads is None and self.tp_size > 1:
+            num_threads = 1  # N ranks share the machine's cores; oversubscription costs more than it gains
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if self.tp_size > 1:
+            if distributed_init_method is None:
+                raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method")
+            init_tensor_parallel(rank, self.tp_size, distributed_init_method)
         self.model = cast(CausalLM, load_model(config.model))
         self.arch: ModelArchConfig = self.model.arch
         self.model_runner = ModelRunner(
             self.model, config.cache.block_size, self.arch.vocab_size, seed=config.model.seed
         )
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank holds: num_key_value_heads / tensor_parallel_size."""
+        return self.arch.num_key_value_heads // self.tp_size
+
     def determine_num_kv_blocks(self) -> int:
         """Blocks to allocate: `CacheConfig.num_kv_blocks` if set, else the memory budget divided by the bytes
-        of one block over all layers (>= 1)."""
+        of one block over all layers (>= 1). The budget is the engine's total: at TP=N each rank holds 1/N of
+        every block, so the block count does not depend on N."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         return max(1, cache.kv_cache_memory_bytes // self.arch.kv_cache_bytes_per_block(cache.block_size))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads, head_dim] float32 tensor per layer."""
+        """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads / tp_size, head_dim] float32 tensor per
+        layer (this rank's KV heads only)."""
         arch = self.arch
-        shape = (num_blocks, 2, self.config.cache.block_size, arch.num_key_value_heads, arch.head_dim)
+        shape = (num_blocks, 2, self.config.cache.block_size, self.num_local_kv_heads, arch.head_dim)
         self.model_runner.kv_caches = [torch.zeros(shape, dtype=torch.float32) for _ in range(arch.num_hidden_layers)]
         self.warm_up()
 
@@ -60,7 +84,7 @@ class Worker:
         torch's one-time kernel set-up (seconds on a busy 2-core machine). The real KV cache is untouched."""
         arch, block_size = self.arch, self.config.cache.block_size
         num_blocks = -(-(num_tokens + 1) // block_size)
-        shape = (num_blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
+        shape = (num_blocks, 2, block_size, self.num_local_kv_heads, arch.head_dim)
         scratch = [torch.zeros(shape) for _ in range(arch.num_hidden_layers)]
         table = [list(range(num_blocks))]
         prefill = build_attention_metadata([num_tokens], [num_tokens], table, block_size)
@@ -79,6 +103,10 @@ class Worker:
         context = self.arch.max_position_embeddings
         return min(self.config.model.max_model_len or context, context), self.arch.vocab_size
 
+    def get_pid(self) -> int:
+        """This worker's process id (tests and tools use it to find worker processes)."""
+        return os.getpid()
+
     def check_health(self) -> None:
         """Nothing to check in-process: a live worker is healthy."""
 
@@ -86,3 +114,5 @@ class Worker:
         """Drop the KV cache and the per-request state."""
         self.model_runner.kv_caches = []
         self.model_runner.requests.clear()
+        if self.tp_size > 1:
+            destroy_tensor_parallel()

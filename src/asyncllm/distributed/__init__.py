@@ -1,0 +1,1 @@
+"""Tensor-parallel process group state (`parallel_state`)."""

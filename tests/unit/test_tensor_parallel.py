@@ -1,0 +1,109 @@
+"""Tensor-parallel sharding math in one process: the partial outputs of TP=3 shards of a decoder layer sum to the
+unsharded layer's output (what the gloo all-reduce computes across processes); divisibility errors; TP=1 never
+touches torch.distributed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, get_tp_size
+from asyncllm.errors import InvalidRequestError
+from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.attention_metadata import build_attention_metadata
+from asyncllm.model.llama import LlamaDecoderLayer, rotary_cos_sin
+
+ARCH = ModelArchConfig(
+    architecture="qwen2",  # with q/k/v biases, so bias sharding is covered too
+    vocab_size=64,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=1,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
+
+
+def hf_layer_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random HF-named `[out, in]` tensors of one layer."""
+    h, d, inter = ARCH.hidden_size, ARCH.head_dim, ARCH.intermediate_size
+    q, kv = ARCH.num_attention_heads * d, ARCH.num_key_value_heads * d
+    shapes = {
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    return {name: torch.randn(*shape, generator=gen) * 0.2 for name, shape in shapes.items()}
+
+
+def build_layer(weights: dict[str, torch.Tensor], rank: int, tp: int) -> LlamaDecoderLayer:
+    layer = LlamaDecoderLayer(ARCH, qkv_bias=True, tp_rank=rank, tp_size=tp)
+    with torch.no_grad():
+        for name, w in weights.items():
+            layer.load_weight(name, w)
+    return layer
+
+
+def attention_and_mlp(layer: LlamaDecoderLayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This layer's (attention output, MLP output) for a 5-token prefill, before any all-reduce (TP size is 1 in
+    this process, so `all_reduce` is the identity and shards return their partial sums)."""
+    n, block_size = x.shape[0], 4
+    num_blocks = 2
+    cache = torch.zeros(num_blocks, 2, block_size, layer.kv_size // ARCH.head_dim, ARCH.head_dim)
+    meta = build_attention_metadata([n], [n], [[0, 1]], block_size)
+    cos, sin = rotary_cos_sin(ARCH.head_dim, ARCH.max_position_embeddings, ARCH.rope_theta)
+    positions = torch.arange(n)
+    with torch.inference_mode():
+        attn = layer._attention(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), cache, meta)
+        mlp = layer._mlp(x)
+    return attn, mlp
+
+
+def test_tp3_shards_sum_to_the_unsharded_layer() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weights = hf_layer_weights(gen)
+    x = torch.randn(5, ARCH.hidden_size, generator=gen)
+    full_attn, full_mlp = attention_and_mlp(build_layer(weights, 0, 1), x)
+    shards = [attention_and_mlp(build_layer(weights, rank, 3), x) for rank in range(3)]
+    assert shards[0][0].shape == full_attn.shape  # each rank's partial is full width: [num_tokens, hidden_size]
+    torch.testing.assert_close(sum(s[0] for s in shards), full_attn, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sum(s[1] for s in shards), full_mlp, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(shards[0][1], full_mlp, atol=1e-3)  # a single shard is only a part
+
+
+def test_each_rank_holds_only_its_shard() -> None:
+    layer = build_layer(hf_layer_weights(torch.Generator().manual_seed(1)), 2, 3)
+    d = ARCH.head_dim
+    assert layer.qkv_proj.shape == (ARCH.hidden_size, (2 + 2 * 1) * d)  # 2 of 6 query heads, 1 of 3 KV heads
+    assert layer.o_proj.shape == (2 * d, ARCH.hidden_size)
+    assert layer.gate_up_proj.shape == (ARCH.hidden_size, 2 * 32)
+    assert layer.down_proj.shape == (32, ARCH.hidden_size)
+
+
+def test_smollm2_head_counts_accept_tp3_and_reject_tp2() -> None:
+    check_tp_divides(9, 3, 1536, 1)
+    check_tp_divides(9, 3, 1536, 3)
+    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=2 does not divide .*valid sizes.*\[1, 3\]"):
+        check_tp_divides(9, 3, 1536, 2)
+
+
+def test_tp1_never_touches_torch_distributed() -> None:
+    x = torch.ones(3)
+    assert get_tp_size() == 1
+    assert all_reduce(x) is x
+    assert not dist.is_initialized()
