@@ -5,14 +5,17 @@ Backends: `uni` (one worker in the engine-core process), `mp` (worker processes)
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.engine.protocol import EngineReadyInfo
+from asyncllm.errors import ExecutorError
 from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
 
+logger = logging.getLogger(__name__)
 FailureCallback = Callable[[], None]
 
 
@@ -28,6 +31,7 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._failure_callbacks: list[FailureCallback] = []
+        self._failed: str | None = None  # why a worker died; set once by `_report_failure`
         self._init_executor()
 
     @abstractmethod
@@ -76,8 +80,19 @@ class Executor(ABC):
         self._failure_callbacks.append(callback)
 
     def check_health(self) -> None:
-        """Raise `ExecutorError` if a worker is dead. Uniproc: always healthy while its process lives."""
-        return None
+        """Raise `ExecutorError` if a worker died (uniproc: always healthy while its process lives)."""
+        if self._failed is not None:
+            raise ExecutorError(self._failed)
+
+    def _report_failure(self, reason: str) -> None:
+        """Record that a worker died (`check_health` raises from now on) and run the failure callbacks."""
+        self._failed = reason
+        logger.error("%s", reason)
+        for callback in self._failure_callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("executor failure callback raised")
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -58,7 +58,6 @@ class MultiprocExecutor(Executor):
         check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, self.world_size)
         self._call_ids = itertools.count()
         self._lock = threading.Lock()  # one call at a time (the engine core is single-threaded; tools may not be)
-        self._failed: str | None = None
         self._shutting_down = threading.Event()
         self._ipc_dir = make_ipc_dir()
         self._ctx = zmq.Context(io_threads=1)
@@ -154,14 +153,12 @@ class MultiprocExecutor(Executor):
     def _check_usable(self, method: str) -> None:
         if self._shutting_down.is_set():
             raise ExecutorError(f"collective_rpc({method!r}) after shutdown")
-        if self._failed is not None:
-            raise ExecutorError(self._failed)
+        self.check_health()
 
     def _receive(self, deadline: float, what: str) -> RpcResponse:
         """The next reply; checks for dead workers every POLL_INTERVAL_S seconds."""
         while not self._replies.poll(int(POLL_INTERVAL_S * 1000)):
-            if self._failed is not None:
-                raise ExecutorError(self._failed)
+            self.check_health()
             dead = [p for p in self.processes if p.exitcode is not None]
             if dead:
                 raise ExecutorError(f"worker process {dead[0].pid} exited (code {dead[0].exitcode}) during {what}")
@@ -178,18 +175,7 @@ class MultiprocExecutor(Executor):
         if not dead:
             return
         process = dead[0]
-        self._failed = f"worker process {process.pid} ({process.name}) died with exit code {process.exitcode}"
-        logger.error("%s", self._failed)
-        for callback in self._failure_callbacks:
-            try:
-                callback()
-            except Exception:
-                logger.exception("executor failure callback raised")
-
-    def check_health(self) -> None:
-        """Raise `ExecutorError` if a worker died."""
-        if self._failed is not None:
-            raise ExecutorError(self._failed)
+        self._report_failure(f"worker process {process.pid} ({process.name}) died with exit code {process.exitcode}")
 
     def shutdown(self) -> None:
         """Ask every worker to exit, wait up to SHUTDOWN_TIMEOUT_S seconds, then terminate/kill; close sockets and

@@ -58,7 +58,6 @@ class RayExecutor(Executor):
         check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, self.world_size)
         self._call_ids = itertools.count()
         self._lock = threading.Lock()
-        self._failed: str | None = None
         self._stopping = threading.Event()
         self._started_ray = False
         self._placement_group: Any = None
@@ -142,8 +141,7 @@ class RayExecutor(Executor):
         with self._lock:
             if self._stopping.is_set():
                 raise ExecutorError(f"collective_rpc({method!r}) after shutdown")
-            if self._failed is not None:
-                raise ExecutorError(self._failed)
+            self.check_health()
             frame = encode_request(next(self._call_ids), method, tuple(args), kwargs or {}, reply_rank)
             refs = [actor.execute.remote(frame) for actor in self.actors]
             try:
@@ -172,18 +170,7 @@ class RayExecutor(Executor):
             reason = "a Ray worker actor stopped"
         except ray.exceptions.RayError as e:
             reason = f"a Ray worker actor died: {type(e).__name__}"
-        self._failed = reason
-        logger.error("%s", reason)
-        for callback in self._failure_callbacks:
-            try:
-                callback()
-            except Exception:
-                logger.exception("executor failure callback raised")
-
-    def check_health(self) -> None:
-        """Raise `ExecutorError` if an actor died."""
-        if self._failed is not None:
-            raise ExecutorError(self._failed)
+        self._report_failure(reason)
 
     def shutdown(self) -> None:
         """Stop the workers, kill the actors, remove our placement group, and shut Ray down if we started it.
