@@ -23,7 +23,7 @@ import time
 
 from asyncllm import EngineArgs, SamplingParams
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.protocol import EngineCoreRequest
+from asyncllm.messages.engine import EngineCoreRequest
 
 
 def measure(backend: str, tp: int, num_steps: int, num_rpcs: int) -> dict[str, float]:

@@ -26,7 +26,7 @@ from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.client import EngineCoreClient, InprocClient
 from asyncllm.engine.mp_client import AsyncMPClient
-from asyncllm.engine.protocol import (
+from asyncllm.messages.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -17,9 +17,9 @@ from types import TracebackType
 from typing import Any
 
 from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.engine.client import EngineCoreClient, make_client
-from asyncllm.engine.protocol import EngineCoreOutputs, SchedulerStats
+from asyncllm.engine.client import EngineCoreClient, InprocClient
 from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
+from asyncllm.messages.engine import EngineCoreOutputs, SchedulerStats
 from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger, is_prometheus_available
 from asyncllm.metrics.stats import IterationStats
@@ -306,6 +306,20 @@ async def _run_output_handler(client: EngineCoreClient, llm_ref: weakref.ref[Asy
         llm = llm_ref()
         if llm is not None:
             llm._on_output_handler_error(e)
+
+
+def make_client(config: EngineConfig) -> EngineCoreClient:
+    """Pick the client for `config.parallel.engine_process`: `AsyncMPClient` (engine core in its own process,
+    `engine/mp_client.py`) or `InprocClient` (engine core in a background thread of this process).
+
+    Raises:
+        EngineDeadError: the engine process failed to start (with the engine's error text).
+    """
+    if config.parallel.engine_process:
+        from asyncllm.engine.mp_client import AsyncMPClient
+
+        return AsyncMPClient(config)
+    return InprocClient(config)
 
 
 def make_default_stat_loggers(config: EngineConfig) -> list[StatLoggerBase]:

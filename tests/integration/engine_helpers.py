@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from asyncllm.config import EngineConfig
-from asyncllm.engine.protocol import EngineCoreRequest
+from asyncllm.messages.engine import EngineCoreRequest
 from tests.unit.fake_engine_core import FakeEngineCore
 
 FAKE_TOKENS = [7, 8, 9]

@@ -17,8 +17,8 @@ import torch
 
 from asyncllm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.protocol import EngineCoreRequest, FinishReason
 from asyncllm.executors.base import Executor
+from asyncllm.messages.engine import EngineCoreRequest, FinishReason
 from asyncllm.model.attention_metadata import AttentionMetadata
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.model_runner import ModelRunner

@@ -12,7 +12,7 @@ import torch
 
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, LogprobsLists
+from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, LogprobsLists
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker import model_runner
 from tests.reference import next_token_logits

@@ -28,7 +28,7 @@ import zmq
 from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, EngineGenerateError, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.mp_client import AsyncMPClient
-from asyncllm.engine.protocol import EngineCoreRequestType, SchedulerStats
+from asyncllm.messages.engine import EngineCoreRequestType, SchedulerStats
 from asyncllm.model.tokenizer import Tokenizer
 from tests.integration.engine_helpers import FAKE_TOKENS
 

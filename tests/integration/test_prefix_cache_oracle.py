@@ -10,7 +10,7 @@ import pytest
 
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.core import EngineCore
-from asyncllm.engine.protocol import EngineCoreRequest
+from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
 from tests.integration.test_engine_core import FAKE_VOCAB, _oracle, _SumModelExecutor
 

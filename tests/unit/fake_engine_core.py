@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncllm.engine.protocol import (
+from asyncllm.messages.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

@@ -21,7 +21,7 @@ from asyncllm import (
 )
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.client import InprocClient
-from asyncllm.engine.protocol import EngineCoreRequest
+from asyncllm.messages.engine import EngineCoreRequest
 from tests.unit.fake_engine_core import NUM_BLOCKS, FakeEngineCore
 
 ANSWER = "The capital of France is Paris. 😀"

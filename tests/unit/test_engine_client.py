@@ -10,7 +10,7 @@ import pytest
 from asyncllm import EngineDeadError, EngineGenerateError, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.client import InprocClient
-from asyncllm.engine.protocol import EngineCoreRequest, SchedulerStats
+from asyncllm.messages.engine import EngineCoreRequest, SchedulerStats
 from tests.unit.fake_engine_core import NUM_BLOCKS, FakeEngineCore
 
 CONFIG = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())

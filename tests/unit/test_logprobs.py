@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from asyncllm.engine.protocol import LogprobsLists
+from asyncllm.messages.engine import LogprobsLists
 from asyncllm.outputs import Logprob
 from asyncllm.processing.logprobs import LogprobsProcessor
 from asyncllm.worker.logprobs import compute_logprobs

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from asyncllm import EngineArgs, InvalidRequestError, RequestOutputKind, SamplingParams
 from asyncllm.async_llm import make_default_stat_loggers
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig
-from asyncllm.engine.protocol import (
+from asyncllm.messages.engine import (
     EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,

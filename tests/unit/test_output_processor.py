@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm import EngineDeadError, InvalidRequestError, RequestOutput, RequestOutputKind, SamplingParams
-from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.streams import RequestOutputCollector

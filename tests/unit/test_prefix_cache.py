@@ -4,11 +4,11 @@ the scheduler, and block accounting after finish, abort and preemption."""
 from __future__ import annotations
 
 from asyncllm.config import SchedulerConfig
-from asyncllm.engine.protocol import EngineCoreRequest
+from asyncllm.messages.engine import EngineCoreRequest
+from asyncllm.messages.scheduler import ModelRunnerOutput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.sched.block_pool import ROOT_BLOCK_HASH, BlockPool, hash_block_tokens
 from asyncllm.sched.kv_cache_manager import KVCacheManager
-from asyncllm.sched.output import ModelRunnerOutput
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import Scheduler
 

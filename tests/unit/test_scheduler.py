@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from asyncllm.config import SchedulerConfig
-from asyncllm.engine.protocol import EngineCoreEventType, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from asyncllm.errors import InvalidRequestError
+from asyncllm.messages.engine import EngineCoreEventType, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue
 from asyncllm.sched.scheduler import Scheduler

@@ -11,7 +11,7 @@ import torch
 
 from asyncllm import SamplingParams
 from asyncllm.engine.core_proc import decode_request
-from asyncllm.engine.protocol import (
+from asyncllm.messages.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -21,7 +21,7 @@ from asyncllm.engine.protocol import (
     UtilityCall,
     UtilityResult,
 )
-from asyncllm.engine.serial import EXT_NUMPY, INLINE_LIMIT_BYTES, MsgpackDecoder, MsgpackEncoder
+from asyncllm.messages.serial import EXT_NUMPY, INLINE_LIMIT_BYTES, MsgpackDecoder, MsgpackEncoder
 from asyncllm.sampling_params import RequestOutputKind
 
 

@@ -16,8 +16,8 @@ from asyncllm import (
     SamplingParams,
     StreamClosedError,
 )
-from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from asyncllm.errors import StreamIncompleteError
+from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from asyncllm.outputs import CompletionOutput, Usage
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector

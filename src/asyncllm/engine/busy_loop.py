@@ -12,9 +12,9 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-from asyncllm.engine.protocol import EngineCoreOutputs, EngineCoreRequestType, UtilityCall, UtilityResult
 from asyncllm.engine.utility import call_utility_method
 from asyncllm.errors import ExecutorError
+from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityCall, UtilityResult
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
-from asyncllm.engine.protocol import (
+from asyncllm.errors import EngineDeadError, EngineGenerateError
+from asyncllm.messages.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -31,7 +32,6 @@ from asyncllm.engine.protocol import (
     UtilityCall,
     UtilityResult,
 )
-from asyncllm.errors import EngineDeadError, EngineGenerateError
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
@@ -88,20 +88,6 @@ class EngineCoreClient(ABC):
         """Raises `EngineDeadError` if the engine died."""
         if self.errored:
             raise EngineDeadError()
-
-
-def make_client(config: EngineConfig) -> EngineCoreClient:
-    """Pick the client for `config.parallel.engine_process`: `AsyncMPClient` (engine core in its own process,
-    `engine/mp_client.py`) or `InprocClient` (engine core in a background thread of this process).
-
-    Raises:
-        EngineDeadError: the engine process failed to start (with the engine's error text).
-    """
-    if config.parallel.engine_process:
-        from asyncllm.engine.mp_client import AsyncMPClient
-
-        return AsyncMPClient(config)
-    return InprocClient(config)
 
 
 class InprocClient(EngineCoreClient):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 
 from asyncllm.config import EngineConfig
-from asyncllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, EngineReadyInfo, SchedulerStats
 from asyncllm.executors import get_executor_class
 from asyncllm.executors.base import Executor
+from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, EngineReadyInfo, SchedulerStats
 from asyncllm.sched.request import RequestStatus
 from asyncllm.sched.scheduler import Scheduler
 

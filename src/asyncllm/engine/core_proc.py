@@ -26,8 +26,7 @@ import zmq
 
 from asyncllm.config import EngineConfig
 from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
-from asyncllm.engine.process import die_with_parent
-from asyncllm.engine.protocol import (
+from asyncllm.messages.engine import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -36,7 +35,8 @@ from asyncllm.engine.protocol import (
     UtilityCall,
     UtilityResult,
 )
-from asyncllm.engine.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.utils.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_LINGER_MS = 2000

@@ -32,8 +32,8 @@ import zmq.asyncio
 from asyncllm import errors
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.engine.core_proc import run_engine_core
-from asyncllm.engine.process import make_ipc_dir, remove_ipc_dir, start_engine_process, stop_process
-from asyncllm.engine.protocol import (
+from asyncllm.errors import EngineDeadError, EngineGenerateError
+from asyncllm.messages.engine import (
     ENGINE_CORE_DEAD,
     UTILITY_METHODS,
     EngineCoreOutputs,
@@ -43,8 +43,8 @@ from asyncllm.engine.protocol import (
     UtilityCall,
     UtilityResult,
 )
-from asyncllm.engine.serial import MsgpackDecoder, MsgpackEncoder
-from asyncllm.errors import EngineDeadError, EngineGenerateError
+from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.utils.process import make_ipc_dir, remove_ipc_dir, start_engine_process, stop_process
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig

@@ -1,14 +1,14 @@
 """Utility calls on the engine core (`get_scheduler_stats`, `reset_prefix_cache`, `collective_rpc`, `echo`).
 
 Both clients route `call_utility_async(method, *args)` here, inside the engine (thread or process), so the same
-methods exist in both modes. Only names in `protocol.UTILITY_METHODS` are called.
+methods exist in both modes. Only names in `messages.engine.UTILITY_METHODS` are called.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from asyncllm.engine.protocol import UTILITY_METHODS
+from asyncllm.messages.engine import UTILITY_METHODS
 
 
 def call_utility_method(core: Any, method: str, args: list[Any] | tuple[Any, ...]) -> Any:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncllm.config import EngineConfig
-from asyncllm.engine.protocol import EngineReadyInfo
 from asyncllm.errors import ExecutorError
-from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncllm.messages.engine import EngineReadyInfo
+from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 FailureCallback = Callable[[], None]

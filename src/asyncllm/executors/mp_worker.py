@@ -15,8 +15,8 @@ import msgspec
 import zmq
 
 from asyncllm.config import EngineConfig
-from asyncllm.engine.process import die_with_parent
-from asyncllm.executors.rpc import READY_CALL_ID, REPLY_ALL, RpcRequest, RpcResponse, decode_args
+from asyncllm.messages.rpc import READY_CALL_ID, REPLY_ALL, RpcRequest, RpcResponse, decode_args
+from asyncllm.utils.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 

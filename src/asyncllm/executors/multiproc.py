@@ -29,11 +29,11 @@ import msgspec
 import zmq
 
 from asyncllm.distributed.parallel_state import check_tp_divides
-from asyncllm.engine.process import make_ipc_dir, remove_ipc_dir
 from asyncllm.errors import ExecutorError
 from asyncllm.executors.base import Executor
 from asyncllm.executors.mp_worker import run_worker
-from asyncllm.executors.rpc import READY_CALL_ID, REPLY_ALL, RpcResponse, decode_result, encode_request
+from asyncllm.messages.rpc import READY_CALL_ID, REPLY_ALL, RpcResponse, decode_result, encode_request
+from asyncllm.utils.process import make_ipc_dir, remove_ipc_dir
 
 logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.1

@@ -24,7 +24,7 @@ import msgspec
 from asyncllm.distributed.parallel_state import check_tp_divides
 from asyncllm.errors import ExecutorError, InvalidRequestError
 from asyncllm.executors.base import Executor
-from asyncllm.executors.rpc import REPLY_ALL, RpcResponse, decode_result, encode_request
+from asyncllm.messages.rpc import REPLY_ALL, RpcResponse, decode_result, encode_request
 
 logger = logging.getLogger(__name__)
 DEFAULT_RPC_TIMEOUT_S = 300.0

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from asyncllm.config import EngineConfig
-from asyncllm.executors.rpc import REPLY_ALL, RpcRequest, RpcResponse, decode_args
+from asyncllm.messages.rpc import REPLY_ALL, RpcRequest, RpcResponse, decode_args
 
 
 class RayWorkerWrapper:

@@ -10,7 +10,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 
-from asyncllm.engine.protocol import SchedulerStats
+from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)

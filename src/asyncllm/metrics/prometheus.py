@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncllm.engine.protocol import SchedulerStats
+from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.stats import IterationStats
 

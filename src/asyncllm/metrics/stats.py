@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from asyncllm.engine.protocol import EngineCoreEvent, EngineCoreEventType
+from asyncllm.messages.engine import EngineCoreEvent, EngineCoreEventType
 from asyncllm.outputs import RequestMetrics
 
 

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
-from asyncllm.engine.protocol import EngineCoreRequest
 from asyncllm.errors import InvalidRequestError
+from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
 
 PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from asyncllm.engine.protocol import LogprobsLists
+from asyncllm.messages.engine import LogprobsLists
 from asyncllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from asyncllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from asyncllm.errors import InvalidRequestError
+from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from asyncllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 from asyncllm.outputs import CompletionOutput, FinishReasonStr, RequestOutput
 from asyncllm.processing.detokenizer import IncrementalDetokenizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from asyncllm.engine.protocol import EngineCoreRequest
+from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.outputs import CompletionOutput
 from asyncllm.sampling_params import RequestOutputKind
 

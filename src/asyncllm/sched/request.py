@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from asyncllm.engine.protocol import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from asyncllm.messages.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from asyncllm.sampling_params import SamplingParams
 
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 import bisect
 
 from asyncllm.config import SchedulerConfig
-from asyncllm.engine.protocol import (
+from asyncllm.messages.engine import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
 )
+from asyncllm.messages.scheduler import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sched.kv_cache_manager import KVCacheManager
-from asyncllm.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue, priority_key
 

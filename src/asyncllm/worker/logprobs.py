@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.engine.protocol import LogprobsLists
+from asyncllm.messages.engine import LogprobsLists
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> LogprobsLists:

@@ -15,11 +15,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from asyncllm.engine.protocol import LogprobsLists
+from asyncllm.messages.engine import LogprobsLists
+from asyncllm.messages.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.sched.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator

@@ -13,10 +13,10 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
-from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
 from asyncllm.worker.model_runner import CausalLM, ModelRunner
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 
 REPLY_ALL = -1
 READY_CALL_ID = -1  # the worker's start-up report uses this call id

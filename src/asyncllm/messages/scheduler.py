@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from asyncllm.engine.protocol import LogprobsLists
+from asyncllm.messages.engine import LogprobsLists
 from asyncllm.sampling_params import SamplingParams
 
 
