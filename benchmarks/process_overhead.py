@@ -1,6 +1,9 @@
-"""What the engine-process boundary costs per step: `engine_process=True` (ZeroMQ + msgspec) vs a thread.
+"""What the engine boundary costs per step: `engine_process=True` vs the engine core in a thread.
 
-Three measurements, each in both modes, in this run on this machine:
+Both modes speak the same ZeroMQ + msgspec frames (one client); they differ in where the engine core runs.
+Four measurements, in this run on this machine:
+0. the encoding thread mode pays since it uses the same wire as process mode: encode + decode of one step's
+   `EngineCoreOutputs` at 1 and 64 streams, next to the thread-mode step time it is part of.
 1. utility round trip: `call_utility_async("echo")` one at a time (request socket -> engine -> output socket).
 2. per-step cost without a model: a scripted core that emits one token per running request per step with no
    compute, streamed through the whole frontend (output processor, detokenizer, streams) at 1 and 64 streams.
@@ -24,8 +27,7 @@ from typing import Any
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from asyncllm.engine.client import EngineCoreClient, InprocClient
-from asyncllm.engine.mp_client import AsyncMPClient
+from asyncllm.engine.client import EngineCoreClient
 from asyncllm.messages.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -34,6 +36,7 @@ from asyncllm.messages.engine import (
     FinishReason,
     SchedulerStats,
 )
+from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
 from asyncllm.model.resolve import resolve_model_path
 from asyncllm.model.tokenizer import Tokenizer
 
@@ -72,6 +75,15 @@ class ScriptedCore:
     def get_scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running_reqs=len(self.running))
 
+    def echo(self, *args: Any) -> list[Any]:
+        return list(args)
+
+    def register_failure_callback(self, callback: Any) -> None:
+        pass
+
+    def check_health(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
@@ -81,9 +93,22 @@ def make_scripted_core(config: EngineConfig) -> ScriptedCore:
 
 
 def scripted_client(process: bool) -> EngineCoreClient:
-    if process:
-        return AsyncMPClient(CONFIG, core_factory="process_overhead:make_scripted_core")
-    return InprocClient(CONFIG, core_factory=make_scripted_core)
+    return EngineCoreClient(CONFIG, in_thread=not process, core_factory="process_overhead:make_scripted_core")
+
+
+def encode_decode_us(num_streams: int, num_calls: int = 2000) -> float:
+    """Median microseconds to encode and decode one scripted step's outputs for `num_streams` streams."""
+    outputs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(f"req-{i}", [SCRIPT_TOKENS[i % 8]]) for i in range(num_streams)],
+        scheduler_stats=SchedulerStats(num_running_reqs=num_streams),
+    )
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    times = []
+    for _ in range(num_calls):
+        start = time.perf_counter()
+        decoder.decode(encoder.encode(outputs))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 async def utility_round_trip_us(client: EngineCoreClient, num_calls: int) -> float:
@@ -163,6 +188,12 @@ async def main() -> None:
         ["utility RTT (us)", "step, 1 stream (us)", "step, 64 streams (us)"],
         scripted,
     )
+    print("\nthread mode: encode + decode of one step's outputs (us), and its share of the thread-mode step")
+    for num_streams, step_us in ((1, scripted["thread"][1]), (64, scripted["thread"][2])):
+        codec_us = encode_decode_us(num_streams)
+        print(
+            f"{num_streams:>3} stream(s): {codec_us:8.1f} us of {step_us:8.1f} us per step = {codec_us / step_us:6.1%}"
+        )
     if not args.skip_model:
         model = await bench_model(model_path, args.model_tokens)
         print_table(

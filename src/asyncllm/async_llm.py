@@ -1,33 +1,36 @@
-"""`AsyncLLM`: the asyncio front door. Submit prompts, stream `RequestOutput`s, abort, shut down.
+"""`AsyncLLM`: the async front door (asyncio or trio, through anyio). Submit prompts, stream `RequestOutput`s,
+abort, shut down.
 
 Data flow: `generate()` -> InputProcessor (tokenize + validate, synchronously) -> OutputProcessor state +
 EngineCoreClient.add_request -> engine core (its own process by default, or a background thread) -> the output
-handler task (one per AsyncLLM, on the running loop) -> OutputProcessor -> each request's collector -> its
-`GenerateOutputStream`.
+handler (run by whichever waiting stream holds the turn: no background task, so it works on any backend) ->
+OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import gc
 import logging
 import weakref
 from types import TracebackType
 from typing import Any
 
+import anyio
+import sniffio
+
 from asyncllm.config import EngineArgs, EngineConfig
-from asyncllm.engine.client import EngineCoreClient, InprocClient
-from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
+from asyncllm.engine.client import EngineCoreClient
+from asyncllm.errors import EngineDeadError, EngineGenerateError, EventLoopError, InvalidRequestError
 from asyncllm.messages.engine import EngineCoreOutputs, SchedulerStats
 from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger, is_prometheus_available
 from asyncllm.metrics.stats import IterationStats
+from asyncllm.outputs import RequestOutput
 from asyncllm.processing.input_processor import InputProcessor, PromptType
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
+from asyncllm.streams import GenerateOutputStream, Notifier, RequestOutputCollector
+from asyncllm.utils.loops import LoopBinding, current_loop
 
 logger = logging.getLogger(__name__)
 OUTPUT_CHUNK_SIZE = 256  # engine outputs processed between yields to the event loop
@@ -59,8 +62,9 @@ class AsyncLLM:
         info = client.ready_info
         self._input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size)
         self._output_processor = OutputProcessor(tokenizer.hf)
-        self._output_handler: asyncio.Task[None] | None = None
-        self._background_tasks: set[asyncio.Task[Any]] = set()
+        self._notifier = Notifier()  # wakes streams waiting for outputs (and for the output-handling turn)
+        self._handling = False  # a task is reading and processing engine outputs for every stream
+        self._loop_binding = LoopBinding("this AsyncLLM")
         self._dead: BaseException | None = None
         self._shut_down = False
         # Stops the engine if this object is collected or the interpreter exits without shutdown().
@@ -82,8 +86,7 @@ class AsyncLLM:
 
         config = args.create_engine_config()
         tokenizer = Tokenizer.load(config.model.model_path)
-        llm = cls(config, tokenizer, make_client(config), stat_loggers)
-        _freeze_startup_heap()
+        llm = cls(config, tokenizer, EngineCoreClient(config), stat_loggers)
         return llm
 
     # ---- properties ---------------------------------------------------------------------------------
@@ -144,7 +147,8 @@ class AsyncLLM:
         for engine_id in [request.request_id, *(r.request_id for r in engine_requests)]:
             if self._output_processor.has_request(engine_id):
                 raise InvalidRequestError(f"request_id {engine_id!r} is already in flight")
-        collector = RequestOutputCollector(request.sampling_params.output_kind)
+        loop = self._bind_to_current_loop()
+        collector = RequestOutputCollector(request.sampling_params.output_kind, self._notifier)
         for index, engine_request in enumerate(engine_requests):
             self._output_processor.add_request(engine_request, prompt_text, collector, parent, index)
         try:
@@ -153,12 +157,7 @@ class AsyncLLM:
         except BaseException:
             self._abort_closed_stream(request.request_id)  # children already sent are aborted in the engine
             raise
-        loop = _running_loop()
-        if loop is not None:
-            self._ensure_output_handler()
-        return GenerateOutputStream(
-            request.request_id, collector, self._abort_closed_stream, self._ensure_output_handler, loop
-        )
+        return GenerateOutputStream(request.request_id, collector, self._abort_closed_stream, self._next_output, loop)
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; each open stream then ends with a final output (finish_reason "abort").
@@ -166,8 +165,8 @@ class AsyncLLM:
         Unknown or finished ids are ignored.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        aborted = self._output_processor.abort_requests(ids)
-        await self._abort_in_engine(aborted)
+        self._abort_in_engine(self._output_processor.abort_requests(ids))
+        self._notifier.notify()
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         """The engine scheduler's current counts (running, waiting, free and total KV blocks).
@@ -179,12 +178,24 @@ class AsyncLLM:
         stats: SchedulerStats = await self._client.call_utility_async("get_scheduler_stats")
         return stats
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix in the engine (e.g. after changing weights, or for fair benchmarks).
+
+        Returns:
+            True when reset; False (nothing changed) while requests are running and hold KV cache blocks.
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        reset: bool = await self._client.call_utility_async("reset_prefix_cache")
+        return reset
+
     async def collective_rpc(
         self,
         method: str,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (vLLM's API: the workers' own reply deadline, seconds)
     ) -> list[Any]:
         """Call `Worker.<method>(*args, **kwargs)` on every worker, inside the engine.
 
@@ -207,13 +218,8 @@ class AsyncLLM:
         if self._shut_down:
             return
         self._shut_down = True
-        handler, self._output_handler = self._output_handler, None
-        if handler is not None and not handler.done() and handler.get_loop() is _running_loop():
-            handler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await handler
         self._output_processor.propagate_error(EngineDeadError("the engine was shut down"))
-        await asyncio.to_thread(self._finalizer)
+        await anyio.to_thread.run_sync(self._finalizer)
 
     async def __aenter__(self) -> AsyncLLM:
         return self
@@ -231,15 +237,53 @@ class AsyncLLM:
         if self._shut_down:
             raise EngineDeadError("the engine was shut down")
 
-    def _ensure_output_handler(self) -> None:
-        """Start the output handler on the running loop, unless it already runs there."""
-        loop = _running_loop()
-        if loop is None or self._shut_down or self.errored:
-            return
-        handler = self._output_handler
-        if handler is None or handler.done() or handler.get_loop() is not loop:
-            coroutine = _run_output_handler(self._client, weakref.ref(self))
-            self._output_handler = loop.create_task(coroutine, name="asyncllm-output-handler")
+    def _bind_to_current_loop(self) -> Any:
+        """Bind to the running event loop (None outside one); per-loop state is dropped when a previous loop ended.
+
+        Raises:
+            EventLoopError: another event loop, running in another thread, uses this AsyncLLM.
+        """
+        try:
+            loop = current_loop()
+        except sniffio.AsyncLibraryNotFoundError:
+            return None
+        if self._loop_binding.bind():
+            self._notifier.reset()
+            self._handling = False
+        return loop
+
+    async def _next_output(self, collector: RequestOutputCollector) -> RequestOutput:
+        """Wait for `collector`'s next output. The output handler runs inside the waiting tasks: one at a time
+        takes the turn to read a batch of engine outputs and hand them to every collector; the others wait."""
+        self._bind_to_current_loop()
+        while (output := collector.get_nowait()) is None:
+            if self._handling:
+                await self._notifier.wait()
+            else:
+                await self._handle_engine_outputs()
+        return output
+
+    async def _handle_engine_outputs(self) -> None:
+        """The one loop's body: engine outputs -> output processor -> collectors; stop-string hits -> aborts.
+
+        Reading may be cancelled (nothing is lost: a batch is taken from the socket without awaiting); processing
+        a batch is shielded, so a cancelled consumer never drops other requests' outputs.
+        """
+        self._handling = True
+        try:
+            try:
+                outputs = await self._client.get_output_async()
+            except (anyio.get_cancelled_exc_class(), EventLoopError):
+                raise
+            except BaseException as e:
+                self._on_output_handler_error(e)
+                return
+            with anyio.CancelScope(shield=True):  # every batch already here: a lagging consumer's outputs merge
+                for batch in [outputs, *self._client.get_outputs_nowait()]:
+                    await self._process_engine_outputs(batch)
+        finally:
+            self._handling = False
+            self._notifier.notify()
 
     def _on_output_handler_error(self, error: BaseException) -> None:
         if not self._shut_down:
@@ -256,8 +300,8 @@ class AsyncLLM:
         for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
             chunk = items[start : start + OUTPUT_CHUNK_SIZE]
             result = self._output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
-            await self._abort_in_engine(result.reqs_to_abort)
-            await asyncio.sleep(0)  # let other coroutines run between chunks (and between engine steps)
+            self._abort_in_engine(result.reqs_to_abort)
+            await anyio.lowlevel.checkpoint()  # let other tasks run between chunks (and between engine steps)
         self._record_stats(outputs, iteration_stats)
 
     def _record_stats(self, outputs: EngineCoreOutputs, iteration_stats: IterationStats | None) -> None:
@@ -269,57 +313,13 @@ class AsyncLLM:
             except Exception:  # a broken logger must not stop the output handler
                 logger.exception("stat logger %r failed", stat_logger)
 
-    async def _abort_in_engine(self, request_ids: list[str]) -> None:
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
         if request_ids and not self.errored and not self._shut_down:
-            await self._client.abort_requests_async(request_ids)
+            self._client.abort_requests(request_ids)
 
     def _abort_closed_stream(self, request_id: str) -> None:
         """Called (on the loop thread) when a stream is closed or dropped unfinished: no output is sent."""
-        aborted = self._output_processor.abort_requests([request_id], notify=False)
-        if not aborted:
-            return
-        loop = _running_loop()
-        if loop is None:
-            return
-        task = loop.create_task(self._abort_in_engine(aborted))
-        self._background_tasks.add(task)
-        task.add_done_callback(self._background_tasks.discard)
-
-
-async def _run_output_handler(client: EngineCoreClient, llm_ref: weakref.ref[AsyncLLM]) -> None:
-    """The one loop: engine outputs -> output processor -> collectors; stop-string hits -> engine aborts.
-
-    It holds the `AsyncLLM` only weakly while it waits for outputs, so a dropped `AsyncLLM` is collected and its
-    finalizer stops the engine (then `get_output_async()` raises and this task ends).
-    """
-    try:
-        while True:
-            outputs = await client.get_output_async()
-            llm = llm_ref()
-            if llm is None:
-                return
-            await llm._process_engine_outputs(outputs)
-            del llm
-    except asyncio.CancelledError:
-        raise
-    except BaseException as e:
-        llm = llm_ref()
-        if llm is not None:
-            llm._on_output_handler_error(e)
-
-
-def make_client(config: EngineConfig) -> EngineCoreClient:
-    """Pick the client for `config.parallel.engine_process`: `AsyncMPClient` (engine core in its own process,
-    `engine/mp_client.py`) or `InprocClient` (engine core in a background thread of this process).
-
-    Raises:
-        EngineDeadError: the engine process failed to start (with the engine's error text).
-    """
-    if config.parallel.engine_process:
-        from asyncllm.engine.mp_client import AsyncMPClient
-
-        return AsyncMPClient(config)
-    return InprocClient(config)
+        self._abort_in_engine(self._output_processor.abort_requests([request_id], notify=False))
 
 
 def make_default_stat_loggers(config: EngineConfig) -> list[StatLoggerBase]:
@@ -331,22 +331,3 @@ def make_default_stat_loggers(config: EngineConfig) -> list[StatLoggerBase]:
     if is_prometheus_available():
         loggers.append(PrometheusStatLogger(model_name=config.model.model))
     return loggers
-
-
-def _freeze_startup_heap() -> None:
-    """Move every object alive after start-up (torch, the model, the tokenizer) out of the collector's reach.
-
-    With torch imported, a full (generation 2) collection scans ~170k objects and holds the GIL for 60-90 ms
-    on a 2-core CPU, stalling the event loop and the engine thread alike. Frozen objects are never scanned
-    again (they are still freed by reference counting). vLLM does the same after start-up; see `gc.freeze`
-    in the CPython documentation.
-    """
-    gc.collect()
-    gc.freeze()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None

@@ -19,6 +19,15 @@ class InvalidRequestError(AsyncLLMError, ValueError):
     """
 
 
+class ConfigError(AsyncLLMError, ValueError):
+    """Bad engine arguments (`EngineArgs`, executor backend, tensor-parallel size that does not divide the model)
+    or a missing optional extra (e.g. `asyncllm[ray]`); raised when the engine is built, before it serves."""
+
+
+class EventLoopError(AsyncLLMError, RuntimeError):
+    """An `AsyncLLM` (or one output stream) was used from a second live event loop or a second task at once."""
+
+
 class ModelNotFoundError(AsyncLLMError, ValueError):
     """A model name or path could not be resolved, fetched or verified (e.g. offline, bad checksum)."""
 
@@ -40,6 +49,10 @@ class ExecutorError(AsyncLLMError):
 
 class StreamClosedError(AsyncLLMError):
     """A `GenerateOutputStream` was used after `aclose()`."""
+
+
+class StreamBusyError(AsyncLLMError, RuntimeError):
+    """A second task iterated a `GenerateOutputStream` while another task was waiting on it."""
 
 
 class StreamIncompleteError(AsyncLLMError):

@@ -9,32 +9,62 @@ same index. Either way the consumer sees the same final text, and the finished o
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import TracebackType
+from typing import Any
 
-from asyncllm.errors import StreamClosedError, StreamIncompleteError
+import anyio
+
+from asyncllm.errors import StreamBusyError, StreamClosedError, StreamIncompleteError
 from asyncllm.outputs import CompletionOutput, RequestOutput, Usage
 from asyncllm.sampling_params import RequestOutputKind
+from asyncllm.utils.loops import call_soon_in_loop
+
+
+class Notifier:
+    """Wakes every task waiting for a change (a new output, an error, the output-handling turn passed on).
+
+    One `anyio.Event` per round: `wait()` waits for the next `notify()`. Used on the event loop's thread only;
+    works on asyncio and trio.
+    """
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None
+
+    async def wait(self) -> None:
+        """Wait until the next `notify()`."""
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
+
+    def notify(self) -> None:
+        """Wake every current waiter."""
+        event, self._event = self._event, None
+        if event is not None:
+            event.set()
+
+    def reset(self) -> None:
+        """Forget waiters of an event loop that ended."""
+        self._event = None
 
 
 class RequestOutputCollector:
-    """The single slot between the output handler (producer) and one stream's consumer.
+    """The single slot between the output processor (producer) and one stream's consumer.
 
     Used on the event loop's thread only.
 
     Args:
         output_kind: DELTA outputs merge when the consumer lags; other kinds replace.
+        notifier: woken on every put (None: nobody to wake, e.g. in tests of the slot alone).
     """
 
-    def __init__(self, output_kind: RequestOutputKind) -> None:
+    def __init__(self, output_kind: RequestOutputKind, notifier: Notifier | None = None) -> None:
         self.output_kind = output_kind
         self._aggregate = output_kind == RequestOutputKind.DELTA
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._ready = asyncio.Event()
+        self._notifier = notifier or Notifier()
 
     def put(self, output: RequestOutput) -> None:
         """Offer an output; merges into an output still waiting (appending DELTA completions, replacing others)."""
@@ -42,12 +72,12 @@ class RequestOutputCollector:
             self._output = output
         else:
             merge_outputs(self._output, output, self._aggregate)
-        self._ready.set()
+        self._notifier.notify()
 
     def put_error(self, error: BaseException) -> None:
-        """Deliver an error; `get()` raises it once the waiting output (if any) was taken."""
+        """Deliver an error; `get_nowait()` raises it once the waiting output (if any) was taken."""
         self._error = error
-        self._ready.set()
+        self._notifier.notify()
 
     def get_nowait(self) -> RequestOutput | None:
         """Take the waiting output, or None.
@@ -60,18 +90,16 @@ class RequestOutputCollector:
             self._output = None
         elif self._error is not None:
             raise self._error
-        if self._error is None:
-            self._ready.clear()
         return output
 
     async def get(self) -> RequestOutput:
-        """Wait for and take the next output.
+        """Wait for and take the next output (when another task feeds this collector).
 
         Raises:
             The delivered error (e.g. `EngineDeadError`), when no output is waiting.
         """
         while (output := self.get_nowait()) is None:
-            await self._ready.wait()
+            await self._notifier.wait()
         return output
 
 
@@ -115,20 +143,44 @@ def _append_completion(old: CompletionOutput, new: CompletionOutput) -> None:
     old.stop_reason = new.stop_reason
 
 
-class GenerateOutputStream:
-    """Async iterator over one request's `RequestOutput`s; the last one has `finished=True`.
+@dataclasses.dataclass(frozen=True)
+class StreamStatistics:
+    """A frozen snapshot of one stream (`GenerateOutputStream.statistics()`).
 
-    Closing it (`aclose()`, leaving `async with`, cancelling the consuming task, or dropping it unfinished,
-    e.g. by breaking out of `async for`) aborts the request in the engine.
+    Fields:
+        request_id: the stream's request.
+        num_outputs_yielded: `RequestOutput`s handed to the consumer so far.
+        finished: the last output (or an error) was handed out.
+        closed: `aclose()` / `close()` was called (or the consumer was cancelled).
+        reading: a task is waiting in `__anext__` now.
+    """
+
+    request_id: str
+    num_outputs_yielded: int
+    finished: bool
+    closed: bool
+    reading: bool
+
+
+class GenerateOutputStream:
+    """Async iterator over one request's `RequestOutput`s; the last one has `finished=True`. Works on asyncio
+    and trio (anyio).
+
+    Closing it (`aclose()` or its sync twin `close()`, leaving `async with`, cancelling the consuming task or its
+    cancel scope, or dropping it unfinished, e.g. by breaking out of `async for`) aborts the request in the engine.
+    One task at a time may iterate it.
 
     Args:
         request_id: the request this stream belongs to.
-        collector: where the output handler puts this request's outputs.
+        collector: where the output processor puts this request's outputs.
         abort: `abort(request_id)`, called on the loop's thread to abort the request; must not raise.
-        ensure_running: called before each wait (starts the output handler on the running loop).
-        loop: the loop the request was submitted on; the garbage-collection abort is scheduled on it.
+        next_output: `await next_output(collector)` waits for the collector's next output (AsyncLLM drives the
+            engine outputs meanwhile); default `collector.get`.
+        loop: the event loop (`utils.loops.current_loop()`) the request was submitted on; a garbage-collection
+            abort is scheduled on it.
     Raises (from iteration):
         StreamClosedError: used after `aclose()`.
+        StreamBusyError: another task is iterating it at the same time.
         EngineDeadError: the engine died.
         EngineGenerateError: this request failed in the engine.
     """
@@ -138,17 +190,18 @@ class GenerateOutputStream:
         request_id: str,
         collector: RequestOutputCollector,
         abort: Callable[[str], None],
-        ensure_running: Callable[[], None] = lambda: None,
-        loop: asyncio.AbstractEventLoop | None = None,
+        next_output: Callable[[RequestOutputCollector], Awaitable[RequestOutput]] | None = None,
+        loop: Any = None,
     ) -> None:
         self.request_id = request_id
         self._collector = collector
         self._abort = abort
-        self._ensure_running = ensure_running
+        self._next_output = next_output or RequestOutputCollector.get
         self._loop = loop
         self._finished = False  # the finished output was handed out, or an error was raised
         self._num_yielded = 0  # outputs handed to the consumer
         self._closed = False
+        self._reading = False
 
     @property
     def finished(self) -> bool:
@@ -157,8 +210,12 @@ class GenerateOutputStream:
 
     @property
     def closed(self) -> bool:
-        """True after `aclose()`."""
+        """True after `aclose()` / `close()`."""
         return self._closed
+
+    def statistics(self) -> StreamStatistics:
+        """A frozen snapshot of this stream's state."""
+        return StreamStatistics(self.request_id, self._num_yielded, self._finished, self._closed, self._reading)
 
     def __aiter__(self) -> GenerateOutputStream:
         return self
@@ -168,15 +225,21 @@ class GenerateOutputStream:
             raise StreamClosedError(f"the output stream of request {self.request_id!r} is closed")
         if self._finished:
             raise StopAsyncIteration
-        self._ensure_running()
+        if self._reading:
+            raise StreamBusyError(
+                f"the output stream of request {self.request_id!r} is already iterated by another task"
+            )
+        self._reading = True
         try:
-            output = await self._collector.get()
-        except asyncio.CancelledError:
-            self._close_and_abort()
+            output = await self._next_output(self._collector)
+        except BaseException as e:
+            if isinstance(e, anyio.get_cancelled_exc_class()):
+                self._close_and_abort()
+            else:
+                self._finished = True
             raise
-        except BaseException:
-            self._finished = True
-            raise
+        finally:
+            self._reading = False
         if output.finished:
             self._finished = True
         self._num_yielded += 1
@@ -214,6 +277,10 @@ class GenerateOutputStream:
 
     async def aclose(self) -> None:
         """Close the stream; aborts the request in the engine if it is not finished. Idempotent."""
+        self.close()
+
+    def close(self) -> None:
+        """Sync twin of `aclose()` (call it on the event loop's thread). Idempotent."""
         self._close_and_abort()
 
     async def __aenter__(self) -> GenerateOutputStream:
@@ -237,5 +304,4 @@ class GenerateOutputStream:
         if self._closed or self._finished or self._loop is None:
             return
         self._closed = self._finished = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing is left to abort
-            self._loop.call_soon_threadsafe(self._abort, self.request_id)
+        call_soon_in_loop(self._loop, self._abort, self.request_id)

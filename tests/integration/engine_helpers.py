@@ -1,6 +1,6 @@
-"""Engine cores the engine-process tests build inside the engine process (`AsyncMPClient(core_factory=...)`).
+"""Engine cores the engine-process tests build inside the engine process (`EngineCoreClient(core_factory=...)`).
 
-They are module-level callables so the spawned engine process can import them by name. None imports torch.
+They are module-level callables so an engine process can import them by name. None imports torch.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ FAKE_TOKENS = [7, 8, 9]
 def make_fake_core(config: EngineConfig) -> FakeEngineCore:
     """Replays FAKE_TOKENS, a few milliseconds per step."""
     return FakeEngineCore(lambda request: FAKE_TOKENS, step_delay=0.005)
+
+
+def make_long_core(config: EngineConfig) -> FakeEngineCore:
+    """Replays FAKE_TOKENS for up to 16k tokens per request, one millisecond per step."""
+    return FakeEngineCore(lambda request: FAKE_TOKENS, step_delay=0.001, max_model_len=1 << 14)
 
 
 def make_failing_core(config: EngineConfig) -> FakeEngineCore:

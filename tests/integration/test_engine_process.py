@@ -27,7 +27,7 @@ import zmq
 
 from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, EngineGenerateError, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from asyncllm.engine.mp_client import AsyncMPClient
+from asyncllm.engine.client import EngineCoreClient
 from asyncllm.messages.engine import EngineCoreRequestType, SchedulerStats
 from asyncllm.model.tokenizer import Tokenizer
 from tests.integration.engine_helpers import FAKE_TOKENS
@@ -44,8 +44,8 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
-def fake_client(factory: str = "make_fake_core", **kw) -> AsyncMPClient:
-    return AsyncMPClient(FAKE_CONFIG, core_factory=f"{HELPERS}:{factory}", **kw)
+def fake_client(factory: str = "make_fake_core", **kw) -> EngineCoreClient:
+    return EngineCoreClient(FAKE_CONFIG, core_factory=f"{HELPERS}:{factory}", **kw)
 
 
 def is_gone(pid: int) -> bool:
@@ -105,7 +105,7 @@ async def test_garbage_frames_and_a_pickle_bomb_are_dropped(llm: AsyncLLM, tmp_p
 
     bomb = pickle.dumps(Bomb())
     client = llm._client
-    assert isinstance(client, AsyncMPClient)
+    assert isinstance(client, EngineCoreClient)
     identity = client._engine_identity
     hostile = [
         [identity, bomb],
@@ -143,7 +143,6 @@ async def test_utility_calls_cross_the_process_boundary(llm: AsyncLLM) -> None:
     assert isinstance(stats, SchedulerStats)
     assert stats.num_total_blocks == 128
     assert await client.call_utility_async("echo", 1, "x", [2.5]) == [1, "x", [2.5]]
-    assert await client.call_utility_async("reset_prefix_cache") in (True, False)
     (model_info,) = await llm.collective_rpc("get_model_info")  # one worker
     assert model_info[1] == 49152  # (max_model_len, vocab_size) from worker 0
     with pytest.raises(EngineGenerateError, match="unknown utility method"):
@@ -151,6 +150,19 @@ async def test_utility_calls_cross_the_process_boundary(llm: AsyncLLM) -> None:
     with pytest.raises(EngineGenerateError, match="no_such_method"):
         await llm.collective_rpc("no_such_method")
     llm.check_health()
+
+
+@module_loop
+async def test_reset_prefix_cache_makes_a_repeated_prompt_miss(llm: AsyncLLM) -> None:
+    prompt = {"prompt_token_ids": list(range(300, 340))}  # 40 tokens: two full 16-token blocks
+    await llm.generate(prompt, greedy(1)).collect()
+    repeated = await llm.generate(prompt, greedy(1)).collect()
+    assert repeated.num_cached_tokens == 32
+    assert await llm.reset_prefix_cache() is True
+    after_reset = await llm.generate(prompt, greedy(1)).collect()
+    assert after_reset.num_cached_tokens == 0
+    stats = await llm.get_scheduler_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 def test_frontend_process_does_not_load_torch(tmp_path: Path, model_path: str) -> None:
@@ -164,8 +176,7 @@ def test_frontend_process_does_not_load_torch(tmp_path: Path, model_path: str) -
                 outs = [o async for o in llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0))]
             print("torch" in sys.modules, len(outs[-1].outputs[0].token_ids))
 
-        if __name__ == "__main__":
-            asyncio.run(main())
+        asyncio.run(main())  # no `if __name__ == "__main__":` guard needed
     """
     path = tmp_path / "frontend.py"
     path.write_text(textwrap.dedent(script))
@@ -178,7 +189,7 @@ def test_frontend_process_does_not_load_torch(tmp_path: Path, model_path: str) -
 async def test_sigkill_with_two_live_streams_raises_engine_dead_within_5s(model_path: str) -> None:
     llm = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=True, num_kv_blocks=128))
     client = llm._client
-    assert isinstance(client, AsyncMPClient)
+    assert isinstance(client, EngineCoreClient)
     streams = [llm.generate(f"Count to a thousand, part {i}:", greedy(2000, ignore_eos=True)) for i in range(2)]
     for stream in streams:
         first = await asyncio.wait_for(stream.__anext__(), 30)
@@ -214,7 +225,7 @@ async def test_bad_model_file_error_reaches_the_user(tmp_path: Path) -> None:
     args = EngineArgs(model=str(bad), engine_process=True)
     config = args.create_engine_config()
     with pytest.raises(EngineDeadError, match=r"failed to start: \w+Error: \S"):
-        AsyncMPClient(config)
+        EngineCoreClient(config)
 
 
 # ---- scripted cores: the boundary alone --------------------------------------------------------------

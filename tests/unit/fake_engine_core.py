@@ -45,6 +45,7 @@ class FakeEngineCore:
         self.num_steps = 0
         self.aborted: list[str] = []
         self.shut_down = threading.Event()
+        self.failure_callbacks: list[Callable[[], None]] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id.startswith("refuse"):
@@ -87,11 +88,20 @@ class FakeEngineCore:
         used = len(self.running)
         return SchedulerStats(used, 0, NUM_BLOCKS - used, NUM_BLOCKS)
 
-    def echo(self, *args: Any) -> Any:
-        return args
+    def echo(self, *args: Any) -> list[Any]:
+        return list(args)
 
-    def raise_value_error(self) -> None:
-        raise ValueError("bad utility")
+    def reset_prefix_cache(self) -> bool:
+        return not self.running
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        raise ValueError(f"the fake core has no workers for {method!r}")
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        self.failure_callbacks.append(callback)
+
+    def check_health(self) -> None:
+        pass
 
     def shutdown(self) -> None:
         self.shut_down.set()

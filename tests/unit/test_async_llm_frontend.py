@@ -20,7 +20,7 @@ from asyncllm import (
     StreamClosedError,
 )
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from asyncllm.engine.client import InprocClient
+from asyncllm.engine.client import EngineCoreClient
 from asyncllm.messages.engine import EngineCoreRequest
 from tests.unit.fake_engine_core import NUM_BLOCKS, FakeEngineCore
 
@@ -46,7 +46,7 @@ def make_llm(tokenizer, **core_kw) -> tuple[AsyncLLM, list[FakeEngineCore]]:
         return cores[-1]
 
     config = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())
-    return AsyncLLM(config, tokenizer, InprocClient(config, core_factory=factory)), cores
+    return AsyncLLM(config, tokenizer, EngineCoreClient(config, in_thread=True, core_factory=factory)), cores
 
 
 @pytest_asyncio.fixture

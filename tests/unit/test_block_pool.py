@@ -93,3 +93,17 @@ def test_free_returns_all_blocks_tail_first() -> None:
     assert manager.get_block_ids("a") == []
     other = _request("b", 8)
     assert manager.allocate_slots(other, 8) == [3, 2, 1, 0]
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_held_then_forgets_every_hash():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.cache_full_block(blocks[0], b"h0")
+    assert pool.reset_prefix_cache() is False  # a request still holds blocks
+    assert pool.get_cached_block(b"h0") is blocks[0]
+    pool.free(reversed(blocks))
+    assert pool.get_cached_block(b"h0") is blocks[0]  # a free block keeps its hash until reset or eviction
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(b"h0") is None
+    assert blocks[0].block_hash is None
+    assert pool.num_cached_blocks == 0

@@ -1,4 +1,5 @@
-"""InprocClient around a scripted fake core: outputs, utility calls, idle blocking, sticky death."""
+"""EngineCoreClient (engine core in a thread, real sockets) around a scripted fake core: outputs, utility
+calls, idle blocking, sticky death."""
 
 from __future__ import annotations
 
@@ -9,21 +10,21 @@ import pytest
 
 from asyncllm import EngineDeadError, EngineGenerateError, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from asyncllm.engine.client import InprocClient
+from asyncllm.engine.client import EngineCoreClient
 from asyncllm.messages.engine import EngineCoreRequest, SchedulerStats
 from tests.unit.fake_engine_core import NUM_BLOCKS, FakeEngineCore
 
 CONFIG = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())
 
 
-def start_client(**kw) -> tuple[InprocClient, list[FakeEngineCore]]:
+def start_client(**kw) -> tuple[EngineCoreClient, list[FakeEngineCore]]:
     cores: list[FakeEngineCore] = []
 
     def factory(config: EngineConfig) -> FakeEngineCore:
         cores.append(FakeEngineCore(lambda req: [7, 8, 9], **kw))
         return cores[-1]
 
-    return InprocClient(CONFIG, core_factory=factory), cores
+    return EngineCoreClient(CONFIG, in_thread=True, core_factory=factory), cores
 
 
 def request(request_id: str, max_tokens: int = 3) -> EngineCoreRequest:
@@ -55,8 +56,8 @@ async def test_utility_call_returns_the_core_result() -> None:
         assert stats.num_total_blocks == NUM_BLOCKS
         assert await client.call_utility_async("echo", 1, "x") == [1, "x"]
         with pytest.raises(EngineGenerateError, match="unknown utility method"):
-            await client.call_utility_async("raise_value_error")
-        with pytest.raises(EngineGenerateError, match="AttributeError"):  # the fake core has no executor
+            await client.call_utility_async("add_request")  # a core method, but not a utility
+        with pytest.raises(EngineGenerateError, match="no workers"):
             await client.call_utility_async("collective_rpc", "get_model_info")
     finally:
         client.shutdown()
@@ -112,7 +113,7 @@ async def test_pending_utility_call_fails_when_the_engine_dies() -> None:
             release.wait(5)
             raise RuntimeError("boom")
 
-    client = InprocClient(CONFIG, core_factory=lambda config: SlowCore(lambda req: [1]))
+    client = EngineCoreClient(CONFIG, in_thread=True, core_factory=lambda config: SlowCore(lambda req: [1]))
     client.add_request(request("a"))
     await asyncio.to_thread(stepping.wait, 5)
     call = asyncio.create_task(client.call_utility_async("get_scheduler_stats"))
@@ -127,8 +128,8 @@ def test_core_construction_error_is_raised_by_the_constructor() -> None:
     def factory(config: EngineConfig) -> FakeEngineCore:
         raise FileNotFoundError("no model")
 
-    with pytest.raises(FileNotFoundError, match="no model"):
-        InprocClient(CONFIG, core_factory=factory)
+    with pytest.raises(EngineDeadError, match="failed to start: FileNotFoundError: no model"):
+        EngineCoreClient(CONFIG, in_thread=True, core_factory=factory)
 
 
 async def test_shutdown_is_idempotent_and_ends_waiters() -> None:

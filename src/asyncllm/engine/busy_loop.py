@@ -1,8 +1,10 @@
-"""The engine core's busy loop, shared by the background-thread client and the engine process.
+"""The engine core's busy loop: the one loop every launcher runs (engine process, or a thread of the caller).
 
-Each turn: take every queued input (block for the first one only when the core is idle, so an idle engine
-burns no CPU), then run one `EngineCore.step()` and emit its outputs. Inputs never run user code: ADD, ABORT
-and whitelisted UTILITY calls only.
+Each turn has two halves: `process_input_queue` (take every queued input; block for the first one only when the
+core is idle, so an idle engine burns no CPU) and `run_engine_step` (one `step()`, emit its outputs). Inputs
+never run user code: ADD, ABORT, UTILITY calls of `EngineCore` methods named in `UTILITY_METHODS`, SHUTDOWN,
+and EXECUTOR_FAILED (queued by the executor's failure callback when a worker dies). Follows vLLM v1's
+`EngineCoreProc.run_busy_loop` (`_process_input_queue`, `_process_engine_step`).
 """
 
 from __future__ import annotations
@@ -10,64 +12,102 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from asyncllm.engine.utility import call_utility_method
 from asyncllm.errors import ExecutorError
-from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityCall, UtilityResult
+from asyncllm.messages.engine import (
+    UTILITY_METHODS,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityCall,
+    UtilityResult,
+)
 
 logger = logging.getLogger(__name__)
 
 EngineInput = tuple[EngineCoreRequestType, Any]
 Emit = Callable[[EngineCoreOutputs], None]
-EXECUTOR_FAILED = "executor-failed"  # payload of the SHUTDOWN input queued when a worker dies
 
 
-def wake_on_executor_failure(core: Any, inputs: queue.Queue[EngineInput]) -> None:
-    """Make a worker death wake the busy loop (even when idle), which then raises `ExecutorError`."""
-    executor = getattr(core, "executor", None)
-    if executor is not None:
-        executor.register_failure_callback(lambda: inputs.put((EngineCoreRequestType.SHUTDOWN, EXECUTOR_FAILED)))
+class EngineCoreLike(Protocol):
+    """What the busy loop needs of a core (`EngineCore`, or a test double with the same methods)."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> EngineCoreOutputs: ...
+
+    def check_health(self) -> None: ...
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None: ...
 
 
-def run_busy_loop(core: Any, inputs: queue.Queue[EngineInput], emit: Emit) -> None:
+class ShutdownRequested(Exception):
+    """Internal: a SHUTDOWN input arrived; the busy loop returns."""
+
+
+def wake_on_executor_failure(core: EngineCoreLike, inputs: queue.Queue[EngineInput]) -> None:
+    """Make a worker death queue an EXECUTOR_FAILED input, which wakes the loop (even when idle)."""
+    core.register_failure_callback(lambda: inputs.put((EngineCoreRequestType.EXECUTOR_FAILED, None)))
+
+
+def run_busy_loop(core: EngineCoreLike, inputs: queue.Queue[EngineInput], emit: Emit) -> None:
     """Serve `inputs` and step `core` until a SHUTDOWN input arrives.
 
     Args:
-        core: an `EngineCore` (or a test double with the same methods); used from this thread only.
+        core: used from this thread only.
         inputs: (request type, payload) pairs: ADD -> EngineCoreRequest, ABORT -> list of ids,
-            UTILITY -> UtilityCall, SHUTDOWN -> ignored payload.
+            UTILITY -> UtilityCall, SHUTDOWN and EXECUTOR_FAILED -> None.
         emit: receives every non-empty step output, utility answer and failed-request notice.
     Raises:
-        ExecutorError: a worker died (see `wake_on_executor_failure`).
+        ExecutorError: a worker died (EXECUTOR_FAILED).
         Whatever `core.step()` raises: the caller declares the engine dead.
     """
-    while True:
-        block = not core.has_unfinished_requests()
+    try:
         while True:
-            try:
-                kind, payload = inputs.get(block=block)
-            except queue.Empty:
-                break
-            if kind is EngineCoreRequestType.SHUTDOWN:
-                if payload == EXECUTOR_FAILED:
-                    core.executor.check_health()  # raises the executor's own error when it has one
-                    raise ExecutorError("a worker died")
-                return
-            reply = handle_input(core, kind, payload)
-            if reply is not None:
-                emit(reply)
-            block = False
-        if core.has_unfinished_requests():
-            outputs = core.step()
-            if outputs.outputs or outputs.finished_requests:
-                emit(outputs)
+            process_input_queue(core, inputs, emit)
+            run_engine_step(core, emit)
+    except ShutdownRequested:
+        return
 
 
-def handle_input(core: Any, kind: EngineCoreRequestType, payload: Any) -> EngineCoreOutputs | None:
+def process_input_queue(core: EngineCoreLike, inputs: queue.Queue[EngineInput], emit: Emit) -> None:
+    """Apply every queued input; waits for one first when the core has nothing to do.
+
+    Raises:
+        ShutdownRequested: on SHUTDOWN.
+        ExecutorError: on EXECUTOR_FAILED (the executor's own reason when it has one).
+    """
+    block = not core.has_unfinished_requests()
+    while True:
+        try:
+            kind, payload = inputs.get(block=block)
+        except queue.Empty:
+            return
+        reply = handle_input(core, kind, payload)
+        if reply is not None:
+            emit(reply)
+        block = False
+
+
+def run_engine_step(core: EngineCoreLike, emit: Emit) -> None:
+    """Run one step if there is work and emit its outputs unless empty."""
+    if core.has_unfinished_requests():
+        outputs = core.step()
+        if outputs.outputs or outputs.finished_requests:
+            emit(outputs)
+
+
+def handle_input(core: EngineCoreLike, kind: EngineCoreRequestType, payload: Any) -> EngineCoreOutputs | None:
     """Apply one input to the core; returns what must be sent back (a utility answer, a failed request).
 
     A request whose ADD raises fails alone (`EngineCoreOutputs.failed_requests`); the engine keeps serving.
+    Raises:
+        ShutdownRequested, ExecutorError: see `process_input_queue`.
     """
     if kind is EngineCoreRequestType.ADD:
         try:
@@ -79,12 +119,20 @@ def handle_input(core: Any, kind: EngineCoreRequestType, payload: Any) -> Engine
         core.abort_requests(payload)
     elif kind is EngineCoreRequestType.UTILITY:
         return EngineCoreOutputs(utility_result=call_utility(core, payload))
+    elif kind is EngineCoreRequestType.SHUTDOWN:
+        raise ShutdownRequested()
+    elif kind is EngineCoreRequestType.EXECUTOR_FAILED:
+        core.check_health()  # raises the executor's own error when it has one
+        raise ExecutorError("a worker died")
     return None
 
 
-def call_utility(core: Any, call: UtilityCall) -> UtilityResult:
-    """Run a whitelisted utility method; an exception becomes `UtilityResult.error`."""
+def call_utility(core: object, call: UtilityCall) -> UtilityResult:
+    """Run `core.<call.method>(*call.args)` for a method named in `UTILITY_METHODS`; an exception (or an unknown
+    method) becomes `UtilityResult.error`."""
     try:
-        return UtilityResult(call.call_id, result=call_utility_method(core, call.method, call.args))
+        if call.method not in UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {call.method!r}; known: {sorted(UTILITY_METHODS)}")
+        return UtilityResult(call.call_id, result=getattr(core, call.method)(*call.args))
     except Exception as e:
         return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")

@@ -1,265 +1,403 @@
-"""The frontend's handle on the engine core: `EngineCoreClient`, and `InprocClient` (core in a thread).
+"""`EngineCoreClient`: the frontend's one handle on the engine core, the same in both modes and on every loop.
 
-`InprocClient` constructs and runs the `EngineCore` in one background thread, so a step never runs on the
-event loop. The thread's busy loop: take every queued input (blocking while the engine is idle, so an idle
-engine burns no CPU), run one `step()`, and hand non-empty outputs to the frontend. Utility calls
-(e.g. `get_scheduler_stats`) travel through the same input queue and come back as
-`EngineCoreOutputs.utility_result`, matched to a future by `call_id`.
+Sockets (ARCHITECTURE.md section 6): the client binds a ROUTER for requests and a PULL for outputs inside a
+private 0700 temp directory; the engine core (`EngineCoreProc`, started by `engine/launcher.py` in its own
+`python -m` process or in a background thread of this process) connects a DEALER and a PUSH. Requests are sent
+synchronously from the caller's thread (a send only queues the frames). Outputs are read by whichever task awaits
+one (`get_output_async`, `call_utility_async`): one at a time holds the read turn, waits for the PULL socket's
+file descriptor with `anyio.wait_readable` and drains it with `NOBLOCK`, re-checking `zmq.EVENTS` after every
+wake-up because ZeroMQ signals that descriptor edge-triggered; the others wait for it to pass the turn on. So
+the client works on asyncio and trio alike (anyio), with no reader task of its own.
 
-If the engine thread raises, the client is dead for good: pending and later `get_output_async()` and
-`call_utility_async()` raise `EngineDeadError`.
+Death: a watcher thread waits for the engine (process or thread) to end; if it ends unexpectedly the client is
+marked dead (`errored`, `check_health()`, `add_request()` raise) and an `ENGINE_CORE_DEAD` message is pushed into
+our own PULL socket, so every waiter fails within milliseconds even when no output flows. The engine core itself
+sends `[ENGINE_CORE_DEAD, reason]` when a step raises.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
-import queue
 import threading
-from abc import ABC, abstractmethod
+import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
+import anyio
+import msgspec
+import zmq
+
+from asyncllm import errors
+from asyncllm.engine.launcher import EngineLauncher, launch_engine
 from asyncllm.errors import EngineDeadError, EngineGenerateError
 from asyncllm.messages.engine import (
+    ENGINE_CORE_DEAD,
+    UTILITY_METHODS,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineHandshake,
     EngineReadyInfo,
     UtilityCall,
     UtilityResult,
 )
+from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.utils.loops import LoopBinding
+from asyncllm.utils.process import ChildProcess, make_ipc_dir, remove_ipc_dir
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
+    from asyncllm.engine.core_proc import CoreFactory
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
-JOIN_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 5.0
+POLL_INTERVAL_MS = 100
+DEATH_GRACE_S = 0.5  # the watcher lets the engine's own death message (with its reason) arrive first
+SHUT_DOWN = "the engine was shut down"
 
 
-class EngineCoreClient(ABC):
-    """How the frontend talks to an engine core, wherever it runs.
+class EngineCoreClient:
+    """Starts an engine core and talks to it over ZeroMQ with msgspec frames.
 
+    Args:
+        config: the engine configuration (crosses to the engine as msgpack in both modes).
+        in_thread: run the engine core in a background thread of this process (default:
+            `not config.parallel.engine_process`).
+        ready_timeout_s: seconds to wait for the engine's handshake (model loading included).
+        core_factory: builds the core in the engine (tests): "pkg.module:callable", or a callable in thread mode;
+            None = `EngineCore`.
     Attributes:
         ready_info: KV block count, max model length and vocabulary size reported by the ready engine.
+    Raises:
+        EngineDeadError: the engine failed to start or was not ready in time; the message carries the engine's
+            own error text. Start-up errors that are `asyncllm.errors` classes (e.g. `ModelNotFoundError`,
+            `ConfigError`, `ExecutorError`) are raised as that class.
     """
 
     ready_info: EngineReadyInfo
 
-    @abstractmethod
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        in_thread: bool | None = None,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+        core_factory: CoreFactory = None,
+    ) -> None:
+        self._closed = False
+        self._dead: EngineDeadError | None = None
+        self.ipc_dir = make_ipc_dir()
+        input_address, self._output_address = f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
+        self._ctx = zmq.Context(io_threads=1)
+        self._input = self._ctx.socket(zmq.ROUTER)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished engine raises, never drops
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy engine: queue without limit
+        self._input.bind(input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(self._output_address)
+        self._output_fd = int(self._output.getsockopt(zmq.FD))
+        self._send_lock = threading.Lock()
+        self._io_lock = threading.RLock()  # guards closing the output socket against a reader
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._outputs: deque[EngineCoreOutputs] = deque()
+        self._results: dict[int, UtilityResult] = {}
+        self._call_ids = itertools.count()
+        self._loop = LoopBinding("this AsyncLLM")
+        self._reading = False
+        self._turn_passed: anyio.Event | None = None
+        in_thread = not config.parallel.engine_process if in_thread is None else in_thread
+        self.launcher: EngineLauncher | None = None
+        try:
+            self.launcher = launch_engine(
+                config,
+                input_address,
+                self._output_address,
+                self.ipc_dir,
+                in_thread=in_thread,
+                core_factory=core_factory,
+            )
+            self._engine_identity = self._wait_for_handshake(ready_timeout_s)
+        except BaseException:
+            self._close_resources()
+            raise
+        self._watcher = threading.Thread(target=self._watch_engine, name="asyncllm-engine-watch", daemon=True)
+        self._watcher.start()
+        # Safety net for a client dropped without shutdown(): at interpreter exit, stop the engine, remove the dir.
+        self._leftovers = weakref.finalize(self, _clean_up_leftovers, self.launcher, self.ipc_dir)
+
+    # ---- state ---------------------------------------------------------------------------------------
+
+    @property
+    def process(self) -> ChildProcess | None:
+        """The engine process (process mode), or None (thread mode)."""
+        return getattr(self.launcher, "process", None)
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine died (sticky)."""
+        return self._dead is not None
+
+    def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine died or was shut down."""
+        self._ensure_alive()
+
+    def bind_to_current_loop(self) -> bool:
+        """Bind to the running event loop (rebinding after a previous loop ended); True when it changed.
+
+        Raises:
+            EventLoopError: another loop, still running in another thread, uses this client.
+        """
+        if not self._loop.bind():
+            return False
+        self._reading = False  # a reader of an ended loop is gone
+        self._turn_passed = None
+        return True
+
+    # ---- requests ------------------------------------------------------------------------------------
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Submit a request; returns at once. Raises `EngineDeadError` when the engine is dead."""
+        self._ensure_alive()
+        self._send(EngineCoreRequestType.ADD, request)
 
-    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests in the engine (unknown ids are ignored); the engine sends no output for them. Returns
+        at once; a dead or shut-down engine is ignored (it holds nothing any more)."""
+        if request_ids and not self._closed and not self.errored:
+            with contextlib.suppress(EngineDeadError):
+                self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        """Abort requests in the engine (unknown ids are ignored); the engine sends no output for them."""
+        """`abort_requests` for async callers."""
+        self.abort_requests(request_ids)
 
-    @abstractmethod
     async def get_output_async(self) -> EngineCoreOutputs:
         """Wait for the next non-empty batch of engine outputs.
 
         Raises:
             EngineDeadError: the engine died (sticky) or was shut down.
+            EventLoopError: another live event loop uses this client.
         """
+        await self._read_until(lambda: bool(self._outputs))
+        return self._outputs.popleft()
 
-    @abstractmethod
+    def get_outputs_nowait(self) -> list[EngineCoreOutputs]:
+        """Every batch of engine outputs that has arrived, without waiting (possibly none). Call it from the task
+        that just returned from `get_output_async()` (the read turn is free then)."""
+        if self._reading or self._closed or self._output.closed:
+            return []
+        with self._io_lock:
+            while self._output_has_message():
+                self._route(self._output.recv_multipart(zmq.NOBLOCK, copy=False))
+        ready = list(self._outputs)
+        self._outputs.clear()
+        return ready
+
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        """Call a utility method (`asyncllm.engine.utility`) inside the engine and return its result.
+        """Call `EngineCore.<method>(*args)` inside the engine; the result is decoded to the type
+        `UTILITY_METHODS[method]` names (the same in both modes).
 
         Raises:
-            EngineDeadError: the engine died (also while waiting).
-            EngineGenerateError: the call raised inside a live engine.
+            EngineGenerateError: unknown method (nothing is sent), or the call raised inside a live engine.
+            EngineDeadError: the engine died (also while waiting) or was shut down.
         """
-
-    @abstractmethod
-    def shutdown(self) -> None:
-        """Stop the engine and release its resources. Idempotent."""
-
-    @property
-    @abstractmethod
-    def errored(self) -> bool:
-        """True once the engine died (sticky)."""
-
-    def check_health(self) -> None:
-        """Raises `EngineDeadError` if the engine died."""
-        if self.errored:
-            raise EngineDeadError()
-
-
-class InprocClient(EngineCoreClient):
-    """Runs an `EngineCore` in one background thread of this process.
-
-    Args:
-        config: the engine configuration; the core is built inside the thread.
-        core_factory: builds the core (tests pass a fake); default `asyncllm.engine.core.EngineCore`.
-    Raises:
-        Whatever the core's constructor raises (e.g. `ModelNotFoundError`), re-raised here.
-    """
-
-    def __init__(self, config: EngineConfig, core_factory: Any = None) -> None:
-        self._inputs: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
-        self._outputs: deque[EngineCoreOutputs] = deque()
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self._pending_calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
-        self._call_ids = itertools.count()
-        self._lock = threading.Lock()  # guards _pending_calls and _dead against the engine thread
-        self._dead: BaseException | None = None
-        self._closed = False
-        self._ready = threading.Event()
-        self._init_error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run_engine, args=(config, core_factory), name="asyncllm-engine-core", daemon=True
-        )
-        self._thread.start()
-        self._wait_until_ready()
-
-    # ---- frontend side -------------------------------------------------------------------------------
-
-    @property
-    def errored(self) -> bool:
-        return self._dead is not None
-
-    def add_request(self, request: EngineCoreRequest) -> None:
         self._ensure_alive()
-        self._inputs.put((EngineCoreRequestType.ADD, request))
-
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids and not self._closed and not self.errored:
-            self._inputs.put((EngineCoreRequestType.ABORT, list(request_ids)))
-
-    async def get_output_async(self) -> EngineCoreOutputs:
-        waiter = self._register_waiter()
-        while True:
-            if self._outputs:
-                return self._outputs.popleft()
-            self._ensure_alive()
-            await waiter.wait()
-            waiter.clear()
-
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
+        if method not in UTILITY_METHODS:
+            raise EngineGenerateError(f"unknown utility method {method!r}; known: {sorted(UTILITY_METHODS)}")
         call_id = next(self._call_ids)
-        with self._lock:
-            self._ensure_alive()
-            self._pending_calls[call_id] = (loop, future)
-        self._inputs.put((EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args))))
-        return await future
+        try:
+            self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+            await self._read_until(lambda: call_id in self._results)
+            result = self._results.pop(call_id)
+        finally:
+            self._results.pop(call_id, None)
+        if result.error is not None:
+            raise EngineGenerateError(f"engine utility call {method} failed: {result.error}")
+        try:
+            return msgspec.convert(result.result, UTILITY_METHODS[method])
+        except msgspec.ValidationError as e:
+            raise EngineGenerateError(f"engine utility call {method} returned a bad result: {e}") from e
 
     def shutdown(self) -> None:
+        """Ask the engine to exit, wait (then force a process), close the sockets, remove the ipc directory.
+        Idempotent; callable from any thread."""
         if self._closed:
             return
         self._closed = True
-        self._inputs.put((EngineCoreRequestType.SHUTDOWN, None))
-        if self._thread is not threading.current_thread():
-            self._thread.join(JOIN_TIMEOUT_S)
-        self._fail_waiters(EngineDeadError("the engine was shut down"))
+        with contextlib.suppress(EngineDeadError, zmq.ZMQError):
+            self._send(EngineCoreRequestType.SHUTDOWN, None)
+        if self.launcher is not None:
+            self.launcher.stop(SHUTDOWN_TIMEOUT_S)
+        self._push_dead_message(SHUT_DOWN)  # wakes a reader blocked on another thread's loop
+        self._watcher.join(SHUTDOWN_TIMEOUT_S)
+        self._close_resources()
+        self._leftovers.detach()
+
+    # ---- start-up ------------------------------------------------------------------------------------
+
+    def _wait_for_handshake(self, timeout_s: float) -> bytes:
+        """Wait for the engine's handshake; returns its DEALER identity. Raises if it failed or ended."""
+        assert self.launcher is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._input.poll(POLL_INTERVAL_MS):
+                frames = self._input.recv_multipart()
+                try:
+                    identity, payload = frames
+                    handshake = msgspec.msgpack.decode(payload, type=EngineHandshake)
+                except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                    logger.error("dropped a malformed handshake (%d frames): %s", len(frames), e)
+                    continue
+                if handshake.ready_info is None:
+                    raise _startup_error(handshake)
+                self.ready_info = handshake.ready_info
+                return identity
+            if self.launcher.has_exited():
+                raise EngineDeadError(f"the engine core failed to start: {self.launcher.describe_exit()}")
+        raise EngineDeadError(f"the engine core was not ready within {timeout_s:.0f} s")
+
+    # ---- sending -------------------------------------------------------------------------------------
+
+    def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        with self._send_lock:  # the encoder and the socket belong to one thread at a time
+            frames: list[Any] = [self._engine_identity, kind.value]
+            if payload is not None:
+                frames += self._encoder.encode(payload)
+            if self._closed and kind is not EngineCoreRequestType.SHUTDOWN:
+                raise EngineDeadError(SHUT_DOWN)
+            try:
+                self._input.send_multipart(frames, copy=False)
+            except zmq.ZMQError as e:  # EHOSTUNREACH: the engine's DEALER is gone
+                raise EngineDeadError(f"cannot reach the engine core: {e}") from e
 
     def _ensure_alive(self) -> None:
         if self._dead is not None:
-            raise EngineDeadError() from self._dead
+            raise EngineDeadError(str(self._dead)) from self._dead
         if self._closed:
-            raise EngineDeadError("the engine was shut down")
+            raise EngineDeadError(SHUT_DOWN)
 
-    def _register_waiter(self) -> asyncio.Event:
-        loop = asyncio.get_running_loop()
-        if self._waiter is None or self._waiter[0] is not loop:
-            self._waiter = (loop, asyncio.Event())
-        return self._waiter[1]
+    # ---- receiving (on the caller's event loop) ------------------------------------------------------
 
-    def _wait_until_ready(self) -> None:
-        if not self._ready.wait(READY_TIMEOUT_S):
-            self.shutdown()
-            raise EngineDeadError(f"the engine core was not ready within {READY_TIMEOUT_S:.0f} s")
-        if self._init_error is not None:
-            raise self._init_error
+    async def _read_until(self, ready: Callable[[], bool]) -> None:
+        """Read outputs until `ready()`: take the read turn if free, else wait for the reader to pass it on."""
+        self.bind_to_current_loop()
+        while not ready():
+            self._ensure_alive()
+            if self._reading:
+                if self._turn_passed is None:
+                    self._turn_passed = anyio.Event()
+                await self._turn_passed.wait()
+                continue
+            self._reading = True
+            try:
+                await self._read_available()
+            finally:
+                self._reading = False
+                passed, self._turn_passed = self._turn_passed, None
+                if passed is not None:
+                    passed.set()
+                self._release_sockets()
 
-    # ---- engine thread -------------------------------------------------------------------------------
+    async def _read_available(self) -> None:
+        """Wait until the output socket has a message, then take every message it has (at least one)."""
+        while not self._output_has_message():
+            await anyio.wait_readable(self._output_fd)
+        with self._io_lock:
+            while self._output_has_message():
+                self._route(self._output.recv_multipart(zmq.NOBLOCK, copy=False))
 
-    def _run_engine(self, config: EngineConfig, core_factory: Any) -> None:
-        try:
-            core = self._build_core(config, core_factory)
-        except BaseException as e:
-            self._init_error = e
-            self._closed = True
-            self._ready.set()
+    def _output_has_message(self) -> bool:
+        """`zmq.EVENTS` says whether a message waits (the fd alone does not: it is edge-triggered)."""
+        with self._io_lock:
+            if self._output.closed:
+                raise EngineDeadError(str(self._dead or SHUT_DOWN))
+            return bool(int(self._output.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+    def _route(self, frames: list[zmq.Frame]) -> None:
+        if frames and frames[0].bytes == ENGINE_CORE_DEAD:
+            reason = frames[1].bytes.decode(errors="replace") if len(frames) > 1 else "unknown reason"
+            self._mark_dead(reason)
             return
-        self.ready_info = core.ready_info
-        wake_on_executor_failure(core, self._inputs)
-        self._ready.set()
         try:
-            run_busy_loop(core, self._inputs, self._emit)
-        except BaseException as e:
-            logger.exception("the engine core died")
-            self._mark_dead(e)
-        finally:
-            with contextlib.suppress(Exception):
-                core.shutdown()
-
-    @staticmethod
-    def _build_core(config: EngineConfig, core_factory: Any) -> Any:
-        if core_factory is None:
-            from asyncllm.engine.core import EngineCore
-
-            core_factory = EngineCore
-        return core_factory(config)
-
-    def _emit(self, outputs: EngineCoreOutputs) -> None:
-        """Engine thread -> loop: utility answers resolve their futures, everything else is queued."""
+            outputs: EngineCoreOutputs = self._decoder.decode([f.buffer for f in frames])
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            logger.error("dropped an undecodable output message: %s", e)
+            return
         if outputs.utility_result is not None:
-            self._resolve_utility(outputs)
-        else:
-            self._post(outputs)
+            self._results[outputs.utility_result.call_id] = outputs.utility_result
+        if outputs.outputs or outputs.finished_requests or outputs.failed_requests:
+            self._outputs.append(outputs)
 
-    def _post(self, outputs: EngineCoreOutputs) -> None:
-        self._outputs.append(outputs)
-        self._wake_waiter()
-
-    def _wake_waiter(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed
-                waiter[0].call_soon_threadsafe(waiter[1].set)
-
-    def _resolve_utility(self, outputs: EngineCoreOutputs) -> None:
-        result = outputs.utility_result
-        if result is None:
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is not None:
             return
-        with self._lock:
-            loop, future = self._pending_calls.pop(result.call_id, (None, None))
-        if loop is None or future is None:
+        if reason == SHUT_DOWN and self._closed:
+            return  # our own wake-up at shutdown: `_ensure_alive` says "shut down"
+        self._dead = EngineDeadError(f"the engine core died: {reason}; create a new AsyncLLM")
+        logger.error("%s", self._dead)
+
+    # ---- death watcher (thread) ----------------------------------------------------------------------
+
+    def _watch_engine(self) -> None:
+        assert self.launcher is not None
+        self.launcher.wait()
+        if self._closed:
             return
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_set_utility_result, future, result)
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while self._dead is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # a reader may be taking the engine's own death message (with its reason)
+        reason = self.launcher.describe_exit()
+        self._mark_dead(reason)
+        self._push_dead_message(reason)
 
-    def _mark_dead(self, error: BaseException) -> None:
-        with self._lock:
-            self._dead = error
-        self._fail_waiters(EngineDeadError())
+    def _push_dead_message(self, reason: str) -> None:
+        """Wake a reader through its own socket (thread-safe: a new socket owned by this thread)."""
+        with contextlib.suppress(zmq.ZMQError):
+            socket = self._ctx.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 1000)
+            socket.connect(self._output_address)
+            socket.send_multipart([ENGINE_CORE_DEAD, reason.encode()])
+            socket.close()
 
-    def _fail_waiters(self, error: EngineDeadError) -> None:
-        with self._lock:
-            pending = list(self._pending_calls.values())
-            self._pending_calls.clear()
-        for loop, future in pending:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_set_exception, future, error)
-        self._wake_waiter()
+    # ---- clean-up ------------------------------------------------------------------------------------
+
+    def _close_resources(self) -> None:
+        """Stop the engine if it still runs (failed start-up), remove the ipc directory, close the sockets (or
+        leave that to the reader still waiting on them: it is woken by the message `shutdown` pushed)."""
+        self._closed = True
+        if self.launcher is not None and not self.launcher.has_exited():
+            self.launcher.stop(0)
+        remove_ipc_dir(self.ipc_dir)
+        self._release_sockets()
+
+    def _release_sockets(self) -> None:
+        """Close both sockets and the context once the client is closed and no reader waits on the output fd."""
+        with self._send_lock, self._io_lock:
+            if not self._closed or self._reading or self._ctx.closed:
+                return
+            self._input.close(linger=0)
+            self._output.close(linger=0)
+            self._ctx.term()
 
 
-def _set_utility_result(future: asyncio.Future[Any], result: UtilityResult) -> None:
-    if future.done():
-        return
-    if result.error is not None:
-        future.set_exception(EngineGenerateError(f"engine utility call failed: {result.error}"))
-    else:
-        future.set_result(result.result)
+def _clean_up_leftovers(launcher: EngineLauncher, ipc_dir: str) -> None:
+    if not launcher.has_exited():
+        launcher.stop(0)
+    remove_ipc_dir(ipc_dir)
 
 
-def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
+def _startup_error(handshake: EngineHandshake) -> BaseException:
+    """The exception to raise for a failed start-up: the `asyncllm.errors` class it names, else EngineDeadError."""
+    message = f"the engine core failed to start: {handshake.error}"
+    error_class = getattr(errors, handshake.error_type or "", None)
+    if isinstance(error_class, type) and issubclass(error_class, errors.AsyncLLMError):
+        return error_class(message)
+    return EngineDeadError(message)

@@ -8,6 +8,8 @@ calls every method. Follows vLLM v1's `EngineCore` (vllm/v1/engine/core.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.executors import get_executor_class
@@ -83,8 +85,44 @@ class EngineCore:
         """True while a step has work: unfinished requests, or finished ones the workers must still drop."""
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
 
+    # ---- utilities (`messages.engine.UTILITY_METHODS` names these methods, and only these) -------------
+
     def get_scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's counts now (running, waiting, free and total KV blocks, prefix-cache counters)."""
         return self.scheduler.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix. Returns False (nothing changed) while requests hold KV cache blocks."""
+        return self.scheduler.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: list[Any] | tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        """Call `Worker.<method>(*args, **kwargs)` on every worker; one result per worker, by rank.
+
+        Raises:
+            ExecutorError: a worker raised, died, or did not answer within `timeout` seconds.
+        """
+        return self.executor.collective_rpc(method, tuple(args), kwargs, timeout, unique_reply_rank)
+
+    def echo(self, *args: Any) -> list[Any]:
+        """Return the arguments (round-trip probes of the client <-> core path)."""
+        return list(args)
+
+    # ---- health ------------------------------------------------------------------------------------------
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (from any thread) when a worker dies; the busy loop queues EXECUTOR_FAILED."""
+        self.executor.register_failure_callback(callback)
+
+    def check_health(self) -> None:
+        """Raises `ExecutorError` (the executor's reason) if a worker died."""
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stop the executor and its workers. Idempotent."""

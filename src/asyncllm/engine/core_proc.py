@@ -1,24 +1,28 @@
-"""`EngineCoreProc`: the engine core in its own process, serving one client over ZeroMQ.
+"""`EngineCoreProc`: the engine core serving one client over ZeroMQ, in its own process or in a thread.
 
-Threads: the main thread runs the busy loop (drain inputs, `EngineCore.step()`, queue outputs); an input thread
-receives and decodes request frames from the client's ROUTER (our DEALER) into a queue; an output thread
-encodes and sends `EngineCoreOutputs` to the client's PULL (our PUSH). Decoding and encoding never run on the
-step loop. Malformed frames (bad type byte, undecodable payload, pickles) are logged and dropped: the decoders
-are typed msgspec decoders, so nothing in a frame is ever executed.
+Two launchers, one code path: process mode runs it as `python -m asyncllm.engine.core_proc` (launch message on
+stdin, `main`); thread mode runs it in a background thread of the client's process (`engine/launcher.py`).
+Threads: the busy-loop thread (the process's main thread) runs the busy loop (drain inputs, `EngineCore.step()`,
+queue outputs); an input thread receives and decodes request frames from the client's ROUTER (our DEALER) into
+a queue; an output thread encodes and sends `EngineCoreOutputs` to the client's PULL (our PUSH). Decoding and
+encoding never run on the step loop. Malformed frames (bad type byte, undecodable payload, pickles) are logged
+and dropped: the decoders are typed msgspec decoders, so nothing in a frame is ever executed.
 
 Start-up: build the core, then send an `EngineHandshake` (ready info, or the start-up error) on the DEALER.
-Death: an exception in a step sends the single frame `ENGINE_CORE_DEAD` and exits with code 1.
+Death: an exception in a step sends `[ENGINE_CORE_DEAD, reason]` and stops (the process exits with code 1).
 Follows vLLM v1's `vllm/v1/engine/core.py` (`EngineCoreProc`).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-import multiprocessing
 import os
 import queue
+import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -27,50 +31,46 @@ import zmq
 from asyncllm.config import EngineConfig
 from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
 from asyncllm.messages.engine import (
+    CLIENT_REQUEST_TYPES,
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     EngineHandshake,
+    EngineLaunch,
     UtilityCall,
     UtilityResult,
 )
 from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
-from asyncllm.utils.process import die_with_parent
+from asyncllm.utils.process import die_with_parent, read_launch_message
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_LINGER_MS = 2000
+INPUT_POLL_MS = 100  # the input thread checks for shutdown this often while idle
 OUTPUT_FLUSH_TIMEOUT_S = 5.0
-_REQUEST_TYPES = {t.value: t for t in EngineCoreRequestType}
+_REQUEST_TYPES = {t.value: t for t in CLIENT_REQUEST_TYPES}
 _STOP = object()
+CoreFactory = str | Callable[[EngineConfig], Any] | None
 
 
-def run_engine_core(
-    config_bytes: bytes,
-    *,
-    input_address: str,
-    output_address: str,
-    ipc_dir: str,
-    parent_pid: int,
-    parent_is_main_thread: bool,
-    core_factory: str | None = None,
-) -> None:
-    """Entry point of the engine process (started by `AsyncMPClient`); never returns (exits the process).
+def main() -> None:
+    """Entry point of `python -m asyncllm.engine.core_proc`: read the `EngineLaunch` from stdin and serve."""
+    launch = msgspec.msgpack.decode(read_launch_message(), type=EngineLaunch)
+    run_engine_core(launch)
 
-    Args:
-        config_bytes: the `EngineConfig` as msgpack bytes.
-        input_address, output_address: the client's ROUTER and PULL `ipc://` addresses.
-        ipc_dir: the client's private socket directory (removed here if the parent dies).
-        parent_pid, parent_is_main_thread: to exit with the parent (see `die_with_parent`).
-        core_factory: "pkg.module:callable" building the core from the config (tests); default `EngineCore`.
+
+def run_engine_core(launch: EngineLaunch) -> None:
+    """Run an engine-core process (started by `EngineCoreClient`); never returns (exits the process).
+
+    Exits with the client's process (`die_with_parent`); exit code 0 after SHUTDOWN, 1 after a failed start-up or
+    a failed step.
     """
-    die_with_parent(parent_pid, parent_is_main_thread, ipc_dir)
-    multiprocessing.current_process().daemon = False  # the engine may start worker processes of its own
+    die_with_parent(launch.parent_pid, launch.parent_is_main_thread, launch.ipc_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
     exit_code = 1
     try:
-        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        proc = EngineCoreProc(config, input_address, output_address, core_factory)
+        config = msgspec.msgpack.decode(launch.config, type=EngineConfig)
+        proc = EngineCoreProc(config, launch.input_address, launch.output_address, launch.core_factory)
         exit_code = proc.run()
     except SystemExit as e:
         exit_code = e.code if isinstance(e.code, int) else 1
@@ -80,21 +80,25 @@ def run_engine_core(
 
 
 class EngineCoreProc:
-    """The busy loop plus its two I/O threads. Construction builds the core and performs the handshake.
+    """The busy loop plus its two I/O threads, in an engine process or in a background thread of the client's
+    process (the same code and frames in both). Construction builds the core and performs the handshake.
 
     Args:
         config: the engine config.
         input_address: where the client's ROUTER listens (we connect a DEALER).
         output_address: where the client's PULL listens (we connect a PUSH).
-        core_factory: "pkg.module:callable" or None for `EngineCore`.
+        core_factory: "pkg.module:callable", a callable (thread mode, tests), or None for `EngineCore`.
+    Raises:
+        SystemExit(1): the core failed to start (the handshake carried the error to the client).
     """
 
     def __init__(
-        self, config: EngineConfig, input_address: str, output_address: str, core_factory: str | None = None
+        self, config: EngineConfig, input_address: str, output_address: str, core_factory: CoreFactory = None
     ) -> None:
         self._ctx = zmq.Context(io_threads=1)
         self._inputs: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self._outputs: queue.Queue[Any] = queue.Queue()
+        self._stopping = threading.Event()
         input_socket = self._ctx.socket(zmq.DEALER)
         input_socket.setsockopt(zmq.LINGER, HANDSHAKE_LINGER_MS)
         input_socket.connect(input_address)
@@ -107,6 +111,7 @@ class EngineCoreProc:
             input_socket.close()
             self._ctx.term()
             raise SystemExit(1) from e
+        freeze_startup_heap()
         wake_on_executor_failure(self.core, self._inputs)
         input_socket.send(msgspec.msgpack.encode(EngineHandshake(ready_info=self.core.ready_info, pid=os.getpid())))
         self._input_thread = threading.Thread(
@@ -119,27 +124,26 @@ class EngineCoreProc:
         self._output_thread.start()
 
     def run(self) -> int:
-        """Serve until a SHUTDOWN request (returns 0) or a failed step (sends ENGINE_CORE_DEAD, returns 1)."""
+        """Serve until a SHUTDOWN request (returns 0) or a failed step (sends ENGINE_CORE_DEAD, returns 1).
+        Stops both I/O threads and the core before returning."""
         try:
-            self._busy_loop()
+            run_busy_loop(self.core, self._inputs, self._outputs.put)
             code = 0
-        except Exception:
+        except Exception as e:
             logger.exception("the engine core died")
-            self._outputs.put(ENGINE_CORE_DEAD)
+            self._outputs.put((ENGINE_CORE_DEAD, f"{type(e).__name__}: {e}"))
             code = 1
         finally:
             self._outputs.put(_STOP)
             self._output_thread.join(OUTPUT_FLUSH_TIMEOUT_S)
+            self._stopping.set()
+            self._input_thread.join(OUTPUT_FLUSH_TIMEOUT_S)
             try:
                 self.core.shutdown()
             except Exception:
                 logger.exception("engine core shutdown failed")
+            self._ctx.term()
         return code
-
-    # ---- busy loop (main thread) ---------------------------------------------------------------------
-
-    def _busy_loop(self) -> None:
-        run_busy_loop(self.core, self._inputs, self._outputs.put)
 
     # ---- I/O threads ---------------------------------------------------------------------------------
 
@@ -149,15 +153,15 @@ class EngineCoreProc:
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityCall),
         }
-        while True:
-            try:
-                frames = socket.recv_multipart(copy=False)
-            except zmq.ZMQError:
-                return  # the context was terminated
+        while not self._stopping.is_set():
+            if not socket.poll(INPUT_POLL_MS):
+                continue
+            frames = socket.recv_multipart(copy=False)
             try:
                 self._inputs.put(decode_request([f.buffer for f in frames], decoders))
             except Exception as e:
                 logger.warning("dropped a malformed request (%d frames): %s", len(frames), _brief(e))
+        socket.close(linger=0)
 
     def _send_outputs(self, address: str) -> None:
         socket = self._ctx.socket(zmq.PUSH)
@@ -168,8 +172,8 @@ class EngineCoreProc:
             item = self._outputs.get()
             if item is _STOP:
                 break
-            if item is ENGINE_CORE_DEAD:
-                socket.send(ENGINE_CORE_DEAD)
+            if isinstance(item, tuple):  # (ENGINE_CORE_DEAD, reason)
+                socket.send_multipart([item[0], item[1].encode()])
                 continue
             socket.send_multipart(encode_outputs(encoder, item), copy=False)
         socket.close()
@@ -206,16 +210,36 @@ def encode_outputs(encoder: MsgpackEncoder, outputs: EngineCoreOutputs) -> list[
         return encoder.encode(EngineCoreOutputs(utility_result=error))
 
 
-def _build_core(config: EngineConfig, core_factory: str | None) -> Any:
+def _build_core(config: EngineConfig, core_factory: CoreFactory) -> Any:
     if core_factory is None:
         from asyncllm.engine.core import EngineCore
 
         return EngineCore(config)
+    if callable(core_factory):
+        return core_factory(config)
     import importlib
 
     module_name, _, attr = core_factory.partition(":")
     return getattr(importlib.import_module(module_name), attr)(config)
 
 
+def freeze_startup_heap() -> None:
+    """In the process that loaded torch (engine process, or the client's process in thread mode): move every
+    object alive after start-up out of the cyclic collector's reach.
+
+    With torch imported, a full (generation 2) collection scans ~170k objects and holds the GIL for 60-90 ms
+    on a 2-core CPU, stalling the busy loop and the event loop alike. Frozen objects are never scanned again (they
+    are still freed by reference counting). vLLM does the same after start-up; see `gc.freeze` in the CPython
+    documentation. Without torch (scripted test cores) nothing is frozen.
+    """
+    if "torch" in sys.modules:
+        gc.collect()
+        gc.freeze()
+
+
 def _brief(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(error), error)).strip()[:200]
+
+
+if __name__ == "__main__":
+    main()

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ExecutorError
 from asyncllm.messages.engine import EngineReadyInfo
+from asyncllm.messages.rpc import RpcResponse, decode_result
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,21 @@ class Executor(ABC):
             0
         ]
         return result
+
+    @staticmethod
+    def gather_results(method: str, responses: Iterable[RpcResponse]) -> list[Any]:
+        """The one reply gatherer of every RPC executor: decode each rank's result (typed by
+        `messages.rpc.RESULT_TYPES`), stop at the first error, and return the results by rank.
+
+        Raises:
+            ExecutorError: a worker replied with an error ("worker <rank> failed in <method>: <error>").
+        """
+        results: dict[int, Any] = {}
+        for response in responses:
+            if response.error is not None:
+                raise ExecutorError(f"worker {response.rank} failed in {method}: {response.error}")
+            results[response.rank] = decode_result(method, response.result)
+        return [results[rank] for rank in sorted(results)]
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Call `callback()` (from any thread) when a worker dies."""

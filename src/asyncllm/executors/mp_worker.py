@@ -1,5 +1,7 @@
 """Entry point of one `mp` worker process: build a `Worker`, then serve RPCs until "shutdown".
 
+Started as `python -m asyncllm.executors.mp_worker` with a msgpack `WorkerLaunch` on stdin.
+
 Sockets (ZeroMQ, `ipc://` in the executor's private 0700 directory): a PULL for this rank's requests and a PUSH
 for replies to the executor. The first message is the start-up report (`call_id = READY_CALL_ID`, with an error
 text if the worker could not start). The process exits with its parent (the engine core) via `die_with_parent`.
@@ -15,33 +17,30 @@ import msgspec
 import zmq
 
 from asyncllm.config import EngineConfig
-from asyncllm.messages.rpc import READY_CALL_ID, REPLY_ALL, RpcRequest, RpcResponse, decode_args
-from asyncllm.utils.process import die_with_parent
+from asyncllm.executors.worker_rpc import run_rpc
+from asyncllm.messages.rpc import READY_CALL_ID, RpcRequest, RpcResponse, WorkerLaunch
+from asyncllm.utils.process import die_with_parent, read_launch_message
 
 logger = logging.getLogger(__name__)
 
 
-def run_worker(
-    config_bytes: bytes,
-    *,
-    rank: int,
-    request_address: str,
-    response_address: str,
-    distributed_init_method: str,
-    ipc_dir: str,
-    parent_pid: int,
-    parent_is_main_thread: bool,
-) -> None:
-    """Process target (spawn). Exits 0 after "shutdown", 1 if the worker could not start."""
-    die_with_parent(parent_pid, parent_is_main_thread, ipc_dir)
+def main() -> None:
+    """Entry point of `python -m asyncllm.executors.mp_worker`: read the `WorkerLaunch` from stdin and serve."""
+    run_worker(msgspec.msgpack.decode(read_launch_message(), type=WorkerLaunch))
+
+
+def run_worker(launch: WorkerLaunch) -> None:
+    """Build this rank's `Worker` and serve RPCs. Exits 0 after "shutdown", 1 if the worker could not start."""
+    rank = launch.rank
+    die_with_parent(launch.parent_pid, launch.parent_is_main_thread, launch.ipc_dir)
     ctx = zmq.Context(io_threads=1)
     requests = ctx.socket(zmq.PULL)
-    requests.connect(request_address)
+    requests.connect(launch.request_address)
     replies = ctx.socket(zmq.PUSH)
     replies.setsockopt(zmq.LINGER, 2000)
-    replies.connect(response_address)
+    replies.connect(launch.response_address)
     try:
-        worker = _start_worker(config_bytes, rank, distributed_init_method)
+        worker = _start_worker(launch.config, rank, launch.distributed_init_method)
     except Exception as e:
         logger.exception("worker %d failed to start", rank)
         replies.send(msgspec.msgpack.encode(RpcResponse(READY_CALL_ID, rank, error=f"{type(e).__name__}: {e}")))
@@ -57,7 +56,7 @@ def run_worker(
     ctx.term()
 
 
-def _start_worker(config_bytes: bytes, rank: int, distributed_init_method: str) -> Any:
+def _start_worker(config_bytes: bytes | msgspec.Raw, rank: int, distributed_init_method: str) -> Any:
     from asyncllm.worker.worker import Worker  # torch is imported here, in the worker process only
 
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
@@ -68,16 +67,12 @@ def _serve(worker: Any, rank: int, requests: zmq.Socket[Any], replies: zmq.Socke
     decoder = msgspec.msgpack.Decoder(RpcRequest)
     while True:
         request = decoder.decode(requests.recv())
-        response = RpcResponse(request.call_id, rank)
-        try:
-            args, kwargs = decode_args(request)
-            result = getattr(worker, request.method)(*args, **kwargs)
-            if request.reply_rank in (REPLY_ALL, rank):
-                response.result = msgspec.Raw(msgspec.msgpack.encode(result))
-        except Exception as e:
-            logger.exception("worker %d failed in %s", rank, request.method)
-            response.error = f"{type(e).__name__}: {e}"
-        if response.error is not None or request.reply_rank in (REPLY_ALL, rank):
+        response = run_rpc(worker, rank, request)
+        if response is not None:
             replies.send(msgspec.msgpack.encode(response))
         if request.method == "shutdown":
             return
+
+
+if __name__ == "__main__":
+    main()

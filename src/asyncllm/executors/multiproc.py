@@ -1,9 +1,9 @@
 """`MultiprocExecutor` (`distributed_executor_backend="mp"`): one worker process per tensor-parallel rank.
 
-Workers are started with the `spawn` context and get the config as msgpack bytes. Each call is one msgspec
-`RpcRequest` frame pushed to every worker over ZeroMQ (`ipc://` sockets in a private 0700 directory); replies
-come back on one PULL socket. At TP>1 the ranks form a gloo group (rendezvous file in the same directory) and
-all-reduce inside the forward pass; only rank 0 replies to `execute_model`.
+Workers are `python -m asyncllm.executors.mp_worker` subprocesses that read a msgpack `WorkerLaunch` on stdin.
+Each call is one msgspec `RpcRequest` frame pushed to every worker over ZeroMQ (`ipc://` sockets in a private
+0700 directory); replies come back on one PULL socket. At TP>1 the ranks form a gloo group (rendezvous file in
+the same directory) and all-reduce inside the forward pass; only rank 0 replies to `execute_model`.
 
 Failure: a watcher thread waits on the workers' process sentinels; when one exits unexpectedly the executor
 is marked failed, every registered failure callback runs (the engine core turns that into `EngineDeadError` in
@@ -21,8 +21,8 @@ import multiprocessing
 import os
 import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import wait
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
@@ -31,15 +31,21 @@ import zmq
 from asyncllm.distributed.parallel_state import check_tp_divides
 from asyncllm.errors import ExecutorError
 from asyncllm.executors.base import Executor
-from asyncllm.executors.mp_worker import run_worker
-from asyncllm.messages.rpc import READY_CALL_ID, REPLY_ALL, RpcResponse, decode_result, encode_request
-from asyncllm.utils.process import make_ipc_dir, remove_ipc_dir
+from asyncllm.messages.rpc import READY_CALL_ID, REPLY_ALL, RpcResponse, WorkerLaunch, encode_request
+from asyncllm.utils.process import (
+    ChildProcess,
+    launched_from_main_thread,
+    make_ipc_dir,
+    remove_ipc_dir,
+    start_module_process,
+)
 
 logger = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.1
 DEFAULT_RPC_TIMEOUT_S = 300.0
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 3.0
+WORKER_MODULE = "asyncllm.executors.mp_worker"
 
 
 class MultiprocExecutor(Executor):
@@ -64,7 +70,7 @@ class MultiprocExecutor(Executor):
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind(f"ipc://{self._ipc_dir}/replies")
         self._requests: list[zmq.Socket[Any]] = []
-        self.processes: list[BaseProcess] = []
+        self.processes: list[ChildProcess] = []
         try:
             self._start_workers()
             self.worker_pids = self._wait_ready()
@@ -76,29 +82,25 @@ class MultiprocExecutor(Executor):
         self._watcher.start()
 
     def _start_workers(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        config_bytes = msgspec.msgpack.encode(self.config)
-        init_method = f"file://{self._ipc_dir}/tp_store"
+        config = msgspec.Raw(msgspec.msgpack.encode(self.config))
         for rank in range(self.world_size):
             address = f"ipc://{self._ipc_dir}/requests_{rank}"
             socket = self._ctx.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 0)
             socket.bind(address)
             self._requests.append(socket)
-            kwargs = {
-                "rank": rank,
-                "request_address": address,
-                "response_address": f"ipc://{self._ipc_dir}/replies",
-                "distributed_init_method": init_method,
-                "ipc_dir": self._ipc_dir,
-                "parent_pid": os.getpid(),
-                "parent_is_main_thread": threading.current_thread() is threading.main_thread(),
-            }
-            process = context.Process(
-                target=run_worker, args=(config_bytes,), kwargs=kwargs, name=f"asyncllm-worker-{rank}", daemon=False
+            launch = WorkerLaunch(
+                config=config,
+                rank=rank,
+                request_address=address,
+                response_address=f"ipc://{self._ipc_dir}/replies",
+                distributed_init_method=f"file://{self._ipc_dir}/tp_store",
+                ipc_dir=self._ipc_dir,
+                parent_pid=os.getpid(),
+                parent_is_main_thread=launched_from_main_thread(),
             )
-            process.start()
-            self.processes.append(process)
+            encoded = msgspec.msgpack.encode(launch)
+            self.processes.append(start_module_process(WORKER_MODULE, encoded, f"asyncllm-worker-{rank}"))
 
     def _wait_ready(self) -> list[int]:
         """Wait for every rank's start-up report; returns the worker pids by rank."""
@@ -140,15 +142,16 @@ class MultiprocExecutor(Executor):
             for socket in self._requests:
                 socket.send(frame, copy=False)
             expected = self.world_size if reply_rank == REPLY_ALL else 1
-            results: dict[int, Any] = {}
-            while len(results) < expected:
-                response = self._receive(deadline, method)
-                if response.call_id != call_id:
-                    continue  # a late reply to an earlier call that timed out
-                if response.error is not None:
-                    raise ExecutorError(f"worker {response.rank} failed in {method}: {response.error}")
-                results[response.rank] = decode_result(method, response.result)
-        return [results[rank] for rank in sorted(results)]
+            return self.gather_results(method, self._responses_to(call_id, expected, deadline, method))
+
+    def _responses_to(self, call_id: int, expected: int, deadline: float, method: str) -> Iterator[RpcResponse]:
+        """Yield the `expected` replies to `call_id` (late replies to earlier, timed-out calls are dropped)."""
+        received = 0
+        while received < expected:
+            response = self._receive(deadline, method)
+            if response.call_id == call_id:
+                received += 1
+                yield response
 
     def _check_usable(self, method: str) -> None:
         if self._shutting_down.is_set():
@@ -192,13 +195,15 @@ class MultiprocExecutor(Executor):
                 with contextlib.suppress(zmq.ZMQError):
                     socket.send(frame, flags=zmq.NOBLOCK)
         _stop_all(self.processes, SHUTDOWN_TIMEOUT_S)
+        for process in self.processes:
+            process.close()
         for socket in [*self._requests, self._replies]:
             socket.close(linger=0)
         self._ctx.term()
         remove_ipc_dir(self._ipc_dir)
 
 
-def _stop_all(processes: list[BaseProcess], timeout_s: float) -> None:
+def _stop_all(processes: list[ChildProcess], timeout_s: float) -> None:
     """Wait up to `timeout_s` seconds for all to exit, then SIGTERM the rest, then SIGKILL (2 s each step, all
     processes at once: a rank stuck in a collective does not delay the others)."""
     deadline = time.monotonic() + timeout_s

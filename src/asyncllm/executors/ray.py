@@ -24,7 +24,7 @@ import msgspec
 from asyncllm.distributed.parallel_state import check_tp_divides
 from asyncllm.errors import ExecutorError, InvalidRequestError
 from asyncllm.executors.base import Executor
-from asyncllm.messages.rpc import REPLY_ALL, RpcResponse, decode_result, encode_request
+from asyncllm.messages.rpc import REPLY_ALL, RpcResponse, encode_request
 
 logger = logging.getLogger(__name__)
 DEFAULT_RPC_TIMEOUT_S = 300.0
@@ -150,15 +150,8 @@ class RayExecutor(Executor):
                 raise ExecutorError(f"Ray workers did not answer {method} in time") from e
             except ray.exceptions.RayError as e:
                 raise ExecutorError(f"a Ray worker died during {method}: {type(e).__name__}") from e
-        results: dict[int, Any] = {}
-        for data in frames:
-            if data is None:
-                continue
-            response = msgspec.msgpack.decode(data, type=RpcResponse)
-            if response.error is not None:
-                raise ExecutorError(f"worker {response.rank} failed in {method}: {response.error}")
-            results[response.rank] = decode_result(method, response.result)
-        return [results[rank] for rank in sorted(results)]
+        responses = (msgspec.msgpack.decode(data, type=RpcResponse) for data in frames if data is not None)
+        return self.gather_results(method, responses)
 
     def _watch_actors(self) -> None:
         ray = self._ray

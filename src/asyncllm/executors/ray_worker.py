@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 
 from asyncllm.config import EngineConfig
-from asyncllm.messages.rpc import REPLY_ALL, RpcRequest, RpcResponse, decode_args
+from asyncllm.executors.worker_rpc import run_rpc
+from asyncllm.messages.rpc import RpcRequest
 
 
 class RayWorkerWrapper:
@@ -44,19 +45,10 @@ class RayWorkerWrapper:
         return os.getpid()
 
     def execute(self, frame: bytes) -> bytes | None:
-        """Run one `RpcRequest`; returns `RpcResponse` bytes, or None when this rank need not reply."""
-        request = msgspec.msgpack.decode(frame, type=RpcRequest)
-        response = RpcResponse(request.call_id, self.rank)
-        try:
-            args, kwargs = decode_args(request)
-            result = getattr(self.worker, request.method)(*args, **kwargs)
-            if request.reply_rank in (REPLY_ALL, self.rank):
-                response.result = msgspec.Raw(msgspec.msgpack.encode(result))
-        except Exception as e:
-            response.error = f"{type(e).__name__}: {e}"
-        if response.error is None and request.reply_rank not in (REPLY_ALL, self.rank):
-            return None
-        return msgspec.msgpack.encode(response)
+        """Run one `RpcRequest` (`worker_rpc.run_rpc`); returns `RpcResponse` bytes, or None when this rank need
+        not reply."""
+        response = run_rpc(self.worker, self.rank, msgspec.msgpack.decode(frame, type=RpcRequest))
+        return None if response is None else msgspec.msgpack.encode(response)
 
     def wait_until_stopped(self) -> None:
         """Block until `stop()`; the executor watches this call to learn that the actor died."""

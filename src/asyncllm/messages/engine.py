@@ -28,12 +28,28 @@ class FinishReason(enum.IntEnum):
 
 
 class EngineCoreRequestType(enum.Enum):
-    """The first frame of every message to the engine core."""
+    """The first frame of every message to the engine core, and the kind of every busy-loop input.
+
+    EXECUTOR_FAILED is queued inside the engine by the executor's failure callback (a worker died); the engine
+    never accepts it from the wire (`CLIENT_REQUEST_TYPES`).
+    """
 
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x02"
     SHUTDOWN = b"\x03"
+    EXECUTOR_FAILED = b"\x04"
+
+
+CLIENT_REQUEST_TYPES = frozenset(
+    {
+        EngineCoreRequestType.ADD,
+        EngineCoreRequestType.ABORT,
+        EngineCoreRequestType.UTILITY,
+        EngineCoreRequestType.SHUTDOWN,
+    }
+)
+"""Request types a client may send; anything else on the wire is dropped as malformed."""
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -216,13 +232,15 @@ class EngineReadyInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
-"""The one output frame an engine process sends when it dies of an exception (it exits right after)."""
+"""First frame of the message an engine core sends when it dies of an exception (it stops right after); the
+second frame is the reason, UTF-8 ("ExceptionType: message")."""
 
 
 class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Payload of a UTILITY request: call `EngineCore.<method>(*args)` and answer with `UtilityResult(call_id)`.
 
-    Only methods named in `UTILITY_METHODS` are called; anything else is answered with an error.
+    Only `EngineCore` methods named in `UTILITY_METHODS` are called; the client refuses any other name before
+    sending, and the engine answers one that arrives anyway with an error.
     """
 
     call_id: int
@@ -234,9 +252,9 @@ UTILITY_METHODS: dict[str, Any] = {
     "get_scheduler_stats": SchedulerStats,
     "reset_prefix_cache": bool,
     "collective_rpc": list[Any],
-    "echo": Any,
+    "echo": list[Any],
 }
-"""Utility methods an engine process accepts, with the type their result is decoded to on the client."""
+"""The `EngineCore` methods a client may call, with the type their result is decoded to on the client."""
 
 
 class EngineHandshake(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -253,3 +271,24 @@ class EngineHandshake(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     error: str | None = None
     error_type: str | None = None
     pid: int = 0
+
+
+class EngineLaunch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What a launched engine core reads first (process mode: on stdin of `python -m asyncllm.engine.core_proc`).
+
+    Fields:
+        config: the `EngineConfig` as msgpack (decoded by the engine with its type).
+        input_address, output_address: the client's ROUTER and PULL addresses.
+        ipc_dir: the client's private socket directory (removed by the engine if the client's process dies).
+        parent_pid: the client's process id (the engine process exits when it is gone).
+        parent_is_main_thread: the client started the engine from its main thread (PR_SET_PDEATHSIG is safe).
+        core_factory: "pkg.module:callable" building the core from the config (tests); None = `EngineCore`.
+    """
+
+    config: msgspec.Raw
+    input_address: str
+    output_address: str
+    ipc_dir: str
+    parent_pid: int = 0
+    parent_is_main_thread: bool = False
+    core_factory: str | None = None

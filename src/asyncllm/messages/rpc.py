@@ -62,3 +62,25 @@ def decode_args(request: RpcRequest) -> tuple[list[Any], dict[str, Any]]:
 def decode_result(method: str, raw: msgspec.Raw) -> Any:
     """A reply's result, typed by `RESULT_TYPES[method]` when listed."""
     return msgspec.msgpack.decode(raw, type=RESULT_TYPES.get(method, Any))
+
+
+class WorkerLaunch(msgspec.Struct, array_like=True, gc=False):
+    """What an `mp` worker process reads on stdin (`python -m asyncllm.executors.mp_worker`).
+
+    Fields:
+        config: the `EngineConfig` as msgpack.
+        rank: this worker's tensor-parallel rank.
+        request_address, response_address: the executor's PUSH (requests) and PULL (replies) addresses.
+        distributed_init_method: the gloo rendezvous ("file://..." in the executor's socket directory).
+        ipc_dir: the executor's private socket directory.
+        parent_pid, parent_is_main_thread: to exit with the engine process (see `utils.process.die_with_parent`).
+    """
+
+    config: msgspec.Raw
+    rank: int
+    request_address: str
+    response_address: str
+    distributed_init_method: str
+    ipc_dir: str
+    parent_pid: int
+    parent_is_main_thread: bool

@@ -132,6 +132,20 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free_blocks[block.block_id] = block
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash, so no later request hits the prefix cache until blocks fill again.
+
+        Returns:
+            True when reset; False (nothing changed) while any block is held by a request: a held block's hash
+            must stay, or its request could not share it. Follows vLLM's `BlockPool.reset_prefix_cache`.
+        """
+        if self.num_free_blocks != self.num_total_blocks:
+            return False
+        for block in self._cached_blocks.values():
+            block.block_hash = None
+        self._cached_blocks.clear()
+        return True
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self._cached_blocks[block.block_hash]

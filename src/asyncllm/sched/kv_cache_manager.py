@@ -54,6 +54,10 @@ class KVCacheManager:
             return 0.0
         return self.num_prefix_cache_hits / self.num_prefix_cache_queries
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (see `BlockPool.reset_prefix_cache`); False while a request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached blocks that starts the request's tokens (nothing is taken yet).
 

@@ -97,6 +97,10 @@ class Scheduler:
         """True while finished or aborted requests are waiting to be reported to the workers."""
         return bool(self._finished_req_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while requests hold KV cache blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),

@@ -1,8 +1,11 @@
-"""Start and stop the engine-core process; its private socket directory; dying with the parent.
+"""Child processes of asyncllm: start them without re-importing the user's script, stop them, exit with the parent.
 
-The client side uses `make_ipc_dir`, `start_engine_process` and `stop_process`; the engine side calls
-`die_with_parent` first thing. Processes use the `spawn` context (a fresh interpreter: no copied locks, threads
-or torch state). The engine's configuration crosses as msgspec msgpack bytes, not as a pickled object.
+Engine-core and `mp` worker processes are started as `python -m <module>` subprocesses (a fresh interpreter
+that never imports the user's `__main__`, so no `if __name__ == "__main__":` guard is needed). Their launch
+arguments arrive as one msgspec msgpack message on stdin (no pickle). The parent watches each child through a
+Linux pidfd (`ChildProcess.sentinel`, readable once the child exited); the child calls `die_with_parent` first
+thing, so it exits when the parent dies (PR_SET_PDEATHSIG plus a parent-pid watcher) and removes the parent's
+private 0700 socket directory.
 """
 
 from __future__ import annotations
@@ -10,18 +13,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from multiprocessing.process import BaseProcess
-from typing import Any
-
-import msgspec
 
 logger = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -40,34 +39,72 @@ def remove_ipc_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def start_engine_process(target: Any, config: Any, **kwargs: Any) -> BaseProcess:
-    """Start `target(config_bytes, parent_pid=..., parent_is_main_thread=..., **kwargs)` in a spawned process.
+class ChildProcess:
+    """A `python -m module` child; the surface of `multiprocessing.Process` that asyncllm uses.
 
-    Args:
-        target: a module-level function (importable in the child).
-        config: a msgspec-encodable config (e.g. `EngineConfig`); passed as msgpack bytes.
-        kwargs: further plain arguments (strings, numbers).
-    Returns:
-        The started process (daemon: multiprocessing also ends it at a clean interpreter exit).
+    Attributes:
+        pid, name: the child's pid and a label for logs.
+        sentinel: a pidfd that becomes readable when the child exits (for `multiprocessing.connection.wait`).
     """
-    context = multiprocessing.get_context("spawn")
-    kwargs = dict(
-        kwargs,
-        parent_pid=os.getpid(),
-        parent_is_main_thread=threading.current_thread() is threading.main_thread(),
-    )
-    process = context.Process(
-        target=target, args=(msgspec.msgpack.encode(config),), kwargs=kwargs, name="asyncllm-engine-core", daemon=True
-    )
-    process.start()
-    return process
+
+    def __init__(self, popen: subprocess.Popen[bytes], name: str) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.name = name
+        self.sentinel = os.pidfd_open(popen.pid)
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while running; the exit code, or -signal number when a signal ended it."""
+        return self._popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to `timeout` seconds (None: forever) for the child to exit."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._popen.wait(timeout)
+
+    def terminate(self) -> None:
+        if self._popen.poll() is None:
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self._popen.poll() is None:
+            self._popen.kill()
+
+    def close(self) -> None:
+        """Release the pidfd (after the child exited)."""
+        with contextlib.suppress(OSError):
+            os.close(self.sentinel)
 
 
-def stop_process(process: BaseProcess, timeout_s: float) -> None:
+def start_module_process(module: str, launch_message: bytes, name: str) -> ChildProcess:
+    """Run `python -m module` with `launch_message` (msgpack bytes) on its stdin.
+
+    The child inherits this process's `sys.path` (through PYTHONPATH), so modules the caller can import (e.g. a
+    custom executor "pkg.mod:Class") import there too.
+    Returns:
+        The started child.
+    """
+    env = dict(os.environ)
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    popen = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, env=env)
+    assert popen.stdin is not None  # stdin=PIPE
+    with popen.stdin:
+        popen.stdin.write(launch_message)
+    return ChildProcess(popen, name)
+
+
+def read_launch_message() -> bytes:
+    """In the child: the launch message the parent wrote to stdin."""
+    return sys.stdin.buffer.read()
+
+
+def stop_process(process: ChildProcess, timeout_s: float) -> None:
     """Wait up to `timeout_s` seconds for `process` to exit, then SIGTERM it, then SIGKILL it; reap it."""
     process.join(timeout_s)
     if process.exitcode is None:
-        logger.warning("engine process %s did not exit within %.1f s: terminating it", process.pid, timeout_s)
+        logger.warning("process %s did not exit within %.1f s: terminating it", process.pid, timeout_s)
         process.terminate()
         process.join(2.0)
     if process.exitcode is None:
@@ -76,7 +113,7 @@ def stop_process(process: BaseProcess, timeout_s: float) -> None:
 
 
 def die_with_parent(parent_pid: int, parent_is_main_thread: bool, ipc_dir: str) -> None:
-    """Make this (engine) process exit soon after its parent dies, removing the parent's socket directory.
+    """Make this (child) process exit soon after its parent dies, removing the parent's socket directory.
 
     Linux: `prctl(PR_SET_PDEATHSIG, SIGTERM)` (only when the parent's main thread started us: the signal follows
     the thread, not the process). Everywhere: a daemon thread polls `os.getppid()` every 0.5 s. On SIGTERM the
@@ -93,6 +130,11 @@ def die_with_parent(parent_pid: int, parent_is_main_thread: bool, ipc_dir: str) 
     thread.start()
 
 
+def launched_from_main_thread() -> bool:
+    """Whether the calling thread is the main thread (PR_SET_PDEATHSIG is only safe then)."""
+    return threading.current_thread() is threading.main_thread()
+
+
 def _on_sigterm(parent_pid: int, ipc_dir: str) -> None:
     if os.getppid() != parent_pid:
         remove_ipc_dir(ipc_dir)
@@ -106,6 +148,6 @@ def _watch_parent(parent_pid: int, ipc_dir: str) -> None:
 
 
 def _exit_orphaned(ipc_dir: str) -> None:
-    logger.warning("the parent process died: the engine process exits")
+    logger.warning("the parent process died: this process exits")
     remove_ipc_dir(ipc_dir)
     os._exit(1)

@@ -1,0 +1,85 @@
+"""Which event loop is running (asyncio or trio, via `sniffio`), and whether a loop is still alive.
+
+An `AsyncLLM` keeps per-loop state (events, the output handler task); it binds to the loop that uses it and
+rebinds when that loop has ended (several `asyncio.run` calls in one script), but refuses a second live loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Any
+
+import sniffio
+
+from asyncllm.errors import EventLoopError
+
+
+def current_loop() -> Any:
+    """A token for the running event loop: the asyncio loop, or trio's `TrioToken`.
+
+    Raises:
+        sniffio.AsyncLibraryNotFoundError: no async library is running in this thread.
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token()
+    return asyncio.get_running_loop()
+
+
+def loop_is_alive(token: Any) -> bool:
+    """True while the loop behind `token` (from `current_loop`) still runs."""
+    if isinstance(token, asyncio.AbstractEventLoop):
+        return token.is_running() and not token.is_closed()
+    import trio
+
+    try:
+        token.run_sync_soon(_noop)
+    except trio.RunFinishedError:
+        return False
+    return True
+
+
+class LoopBinding:
+    """Remembers the one live event loop (and its thread) an object is used from.
+
+    `bind()` returns True when the binding changed (the caller then drops its per-loop state).
+    Raises:
+        EventLoopError: another event loop, still running in another thread, is bound.
+    """
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._loop: Any = None
+        self._thread: threading.Thread | None = None
+
+    def bind(self) -> bool:
+        loop = current_loop()
+        if loop is self._loop:
+            return False
+        if self._loop is not None and self._thread is not threading.current_thread() and loop_is_alive(self._loop):
+            thread_name = self._thread.name if self._thread is not None else "?"
+            raise EventLoopError(
+                f"{self._what} is in use by an event loop running in thread {thread_name!r}; use it from that loop"
+                " only (or create one per loop)"
+            )
+        self._loop, self._thread = loop, threading.current_thread()
+        return True
+
+
+def call_soon_in_loop(token: Any, callback: Any, *args: Any) -> None:
+    """Run `callback(*args)` soon on the loop behind `token`, from any thread; nothing if that loop has ended."""
+    if isinstance(token, asyncio.AbstractEventLoop):
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            token.call_soon_threadsafe(callback, *args)
+        return
+    import trio
+
+    with contextlib.suppress(trio.RunFinishedError):
+        token.run_sync_soon(callback, *args)
+
+
+def _noop() -> None:
+    pass

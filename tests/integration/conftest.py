@@ -1,0 +1,91 @@
+"""The one engine factory of the integration tests, and the helpers every file shares.
+
+`llm` is a real SmolLM2 engine per mode ("thread": the engine core in a background thread; "process": its own
+process), built once per module and shut down at its end; `backend` is the event loop a test body runs on
+("asyncio" or "trio"). Test bodies are plain `async def` functions run with `run(backend, body, ...)`
+(`anyio.run`): the project's pytest-asyncio runs in auto mode and would claim every `async def` test for
+asyncio, so the backend is chosen here. One `AsyncLLM` serves every loop of a module in turn (it rebinds when a
+loop has ended), which is itself part of the contract under test.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+from asyncllm import AsyncLLM, EngineArgs, RequestOutput, RequestOutputKind, SamplingParams
+from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from asyncllm.engine.client import EngineCoreClient
+
+MODES = ["thread", "process"]
+BACKENDS = ["asyncio", "trio"]
+FAKE_CONFIG = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())
+HELPERS = "tests.integration.engine_helpers"
+
+
+def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **kw: Any) -> SamplingParams:
+    """Greedy sampling of `max_tokens` tokens with the given output kind."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=kind, **kw)
+
+
+async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    """Every output of a stream, in order."""
+    return [out async for out in stream]
+
+
+async def wait_until_idle(llm: AsyncLLM, within: float = 5.0) -> None:
+    """Wait until the engine runs nothing and every KV block is free (fails after `within` seconds)."""
+    deadline = time.monotonic() + within
+    while True:
+        stats = await llm.get_scheduler_stats()
+        idle = stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+        if idle and stats.num_free_blocks == stats.num_total_blocks:
+            return
+        assert time.monotonic() < deadline, f"engine not idle after {within} s: {stats}"
+        await anyio.sleep(0.02)
+
+
+def run(backend: str, body: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """Run `body(*args)` in a fresh event loop of `backend`."""
+    return anyio.run(functools.partial(body, *args), backend=backend)
+
+
+def fake_llm(tokenizer: Any, mode: str, factory: str = "make_fake_core") -> AsyncLLM:
+    """An `AsyncLLM` on a scripted core (no model) in `mode`, over the real client and sockets."""
+    client = EngineCoreClient(FAKE_CONFIG, in_thread=mode == "thread", core_factory=f"{HELPERS}:{factory}")
+    return AsyncLLM(FAKE_CONFIG, tokenizer, client)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The event loop a test body runs on."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """Where the engine core runs."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def llm(mode: str, model_path: str) -> Iterator[AsyncLLM]:
+    """A real SmolLM2 engine in `mode` (128 KV blocks), shared by a module's tests."""
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=model_path, engine_process=mode == "process", num_kv_blocks=128)
+    )
+    yield engine
+    anyio.run(engine.shutdown)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: str) -> Any:
+    """The real SmolLM2 tokenizer (no engine)."""
+    from asyncllm.model.tokenizer import Tokenizer
+
+    return Tokenizer.load(model_path)
