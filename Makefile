@@ -9,9 +9,9 @@ test:           ## the whole test suite (real model on CPU; a few minutes)
 	@scripts/setup.sh dev
 	@.venv/bin/python -m pytest -q
 
-test-fast:      ## the suite without the slow end-to-end tests
+test-fast:      ## unit tests only: no real model weights, no engine on the real model (well under a minute)
 	@scripts/setup.sh dev
-	@.venv/bin/python -m pytest -q -m "not slow"
+	@.venv/bin/python -m pytest -q tests/unit -m "not slow"
 
 lint:           ## ruff and mypy on the sources
 	@scripts/setup.sh dev

@@ -78,7 +78,7 @@ class AsyncLLM:
             args: the engine arguments.
             stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`).
         Raises:
-            InvalidRequestError: bad engine arguments.
+            ConfigError: bad engine arguments.
             ModelNotFoundError: the model cannot be resolved.
             EngineDeadError: the engine process failed to start (the message carries the engine's error).
         """

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError
 
 LoadFormat = Literal["auto", "dummy"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -120,7 +120,7 @@ class EngineConfig:
 @dataclass(kw_only=True)
 class EngineArgs:
     """Arguments of an engine, as users write them. Unknown keys are rejected (TypeError from the
-    constructor, InvalidRequestError from `from_dict`).
+    constructor, ConfigError from `from_dict`).
 
     Fields:
         model: "smollm2-135m-instruct" (default; fetched once into the user cache), a `.gguf` path, or an HF
@@ -150,7 +150,7 @@ class EngineArgs:
         log_stats: log engine stats (throughput, queue, KV cache, prefix cache hits) periodically.
         stats_log_interval: seconds between two stats log lines (with `log_stats`).
     Raises:
-        InvalidRequestError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
+        ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
 
     model: str = DEFAULT_MODEL
@@ -164,7 +164,7 @@ class EngineArgs:
     seed: int = 0
     engine_process: bool = True
     load_format: LoadFormat = "auto"
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str | type = "uni"
     tensor_parallel_size: int = 1
     ray_address: str | None = None
     ray_placement_timeout_s: float = 60.0
@@ -179,19 +179,19 @@ class EngineArgs:
         """Build from a mapping, rejecting keys that are not fields.
 
         Raises:
-            InvalidRequestError: naming the unknown keys.
+            ConfigError: naming the unknown keys.
         """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise InvalidRequestError(f"unknown EngineArgs keys {unknown}; known keys: {sorted(known)}")
+            raise ConfigError(f"unknown EngineArgs keys {unknown}; known keys: {sorted(known)}")
         return cls(**values)
 
     def validate(self) -> None:
         """Check ranges.
 
         Raises:
-            InvalidRequestError: naming the field and its allowed range.
+            ConfigError: naming the field and its allowed range.
         """
         positive = {
             "block_size": self.block_size,
@@ -207,27 +207,25 @@ class EngineArgs:
         }
         for name, value in {**positive, **optional_positive}.items():
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise InvalidRequestError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 1")
+                raise ConfigError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 1")
         if self.load_format not in ("auto", "dummy"):
-            raise InvalidRequestError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
+            raise ConfigError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise InvalidRequestError(
-                f"EngineArgs.scheduling_policy={self.scheduling_policy!r}: must be 'fcfs' or 'priority'"
-            )
+            raise ConfigError(f"EngineArgs.scheduling_policy={self.scheduling_policy!r}: must be 'fcfs' or 'priority'")
         if not isinstance(self.ray_placement_timeout_s, (int, float)) or not self.ray_placement_timeout_s > 0:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"EngineArgs.ray_placement_timeout_s={self.ray_placement_timeout_s!r}: must be > 0 (seconds)"
             )
         if not isinstance(self.ray_cpus_per_worker, (int, float)) or not self.ray_cpus_per_worker > 0:
-            raise InvalidRequestError(f"EngineArgs.ray_cpus_per_worker={self.ray_cpus_per_worker!r}: must be > 0")
+            raise ConfigError(f"EngineArgs.ray_cpus_per_worker={self.ray_cpus_per_worker!r}: must be > 0")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
-            raise InvalidRequestError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
+            raise ConfigError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model to a local path (fetching the default model once), and split.
 
         Raises:
-            InvalidRequestError: bad values.
+            ConfigError: bad values.
             ModelNotFoundError: the model cannot be resolved or fetched.
         """
         from asyncllm.model.resolve import resolve_model_path
@@ -241,17 +239,50 @@ class EngineArgs:
             seed=self.seed,
         )
         cache = CacheConfig(
-            self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes, bool(self.enable_prefix_caching)
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=bool(self.enable_prefix_caching),
         )
-        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling_policy)
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduling_policy=self.scheduling_policy,
+        )
         parallel = ParallelConfig(
-            self.engine_process,
-            self.num_threads,
-            self.distributed_executor_backend,
-            self.tensor_parallel_size,
-            self.ray_address,
-            float(self.ray_placement_timeout_s),
-            float(self.ray_cpus_per_worker),
+            engine_process=self.engine_process,
+            num_threads=self.num_threads,
+            distributed_executor_backend=executor_backend_name(self.distributed_executor_backend, self.engine_process),
+            tensor_parallel_size=self.tensor_parallel_size,
+            ray_address=self.ray_address,
+            ray_placement_timeout_s=float(self.ray_placement_timeout_s),
+            ray_cpus_per_worker=float(self.ray_cpus_per_worker),
         )
-        observability = ObservabilityConfig(bool(self.log_stats), float(self.stats_log_interval))
-        return EngineConfig(model, cache, scheduler, parallel, observability)
+        observability = ObservabilityConfig(
+            log_stats=bool(self.log_stats), stats_log_interval=float(self.stats_log_interval)
+        )
+        return EngineConfig(
+            model=model, cache=cache, scheduler=scheduler, parallel=parallel, observability=observability
+        )
+
+
+def executor_backend_name(backend: str | type, engine_process: bool) -> str:
+    """`distributed_executor_backend` as the string the engine config carries: a name, or "module:Class" for an
+    executor class (the engine core imports it by that name, in its own process or in a thread).
+
+    Raises:
+        ConfigError: a class that cannot be imported by its module path (defined in a function, or, with
+            `engine_process=True`, in the script run as `__main__`, which the engine process does not import).
+    """
+    if isinstance(backend, str):
+        return backend
+    if not isinstance(backend, type):
+        raise ConfigError(f"distributed_executor_backend={backend!r}: expected a name or an Executor subclass")
+    module, qualname = backend.__module__, backend.__qualname__
+    where = "inside a function" if "<locals>" in qualname else "in the script run as __main__"
+    if "<locals>" in qualname or (module == "__main__" and engine_process):
+        raise ConfigError(
+            f"executor class {qualname} is defined {where}: the engine core imports it by name, so define it in an"
+            " importable module (or pass 'package.module:Class')"
+        )
+    return f"{module}:{qualname}"

@@ -17,6 +17,7 @@ import pytest
 
 from asyncllm import (
     AsyncLLM,
+    EngineArgs,
     EngineDeadError,
     EngineGenerateError,
     EventLoopError,
@@ -45,13 +46,15 @@ def test_streaming_gives_the_greedy_answer_and_one_final_output(llm: AsyncLLM, b
 def test_delta_outputs_merge_under_a_slow_consumer_to_the_cumulative_text(llm: AsyncLLM, backend: str) -> None:
     async def body() -> None:
         cumulative = (await collect(llm.generate(STORY, greedy(40, ignore_eos=True))))[-1].outputs[0]
-        deltas = []
-        async for out in llm.generate(STORY, greedy(40, RequestOutputKind.DELTA, ignore_eos=True)):
-            deltas.append(out)
-            await anyio.sleep(0.05)  # lag: several steps merge into one output
+        stream = llm.generate(STORY, greedy(40, RequestOutputKind.DELTA, ignore_eos=True))
+        deltas = [await stream.__anext__()]
+        with anyio.fail_after(120):  # lag until the engine finished the request: the rest merges into one slot
+            while (await llm.get_scheduler_stats()).num_running_reqs > 0:  # noqa: ASYNC110 (polls the engine)
+                await anyio.sleep(0.05)
+        deltas += await collect(stream)
         assert "".join(d.outputs[0].text for d in deltas) == cumulative.text
         assert [t for d in deltas for t in d.outputs[0].token_ids] == cumulative.token_ids
-        assert len(deltas) < 40
+        assert len(deltas) <= 3
 
     run(backend, body)
 
@@ -241,3 +244,25 @@ def test_sigkilled_engine_process_raises_engine_dead_within_5s(tokenizer, backen
         await llm.shutdown()
 
     run(backend, body)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_an_executor_class_as_backend_runs_in_the_engine_in_both_modes(model_path: str, mode: str) -> None:
+    from tests.integration.custom_executor import TaggedExecutor
+
+    args = EngineArgs(
+        model=model_path,
+        engine_process=mode == "process",
+        distributed_executor_backend=TaggedExecutor,
+        num_kv_blocks=64,
+    )
+    llm = AsyncLLM.from_engine_args(args)
+
+    async def body() -> None:
+        async with llm:
+            assert await llm.collective_rpc("get_model_info") == [[8192, 49152, "tagged"]]
+            outputs = await collect(llm.generate(PARIS, greedy(32)))
+            assert outputs[-1].outputs[0].text == PARIS_ANSWER
+
+    run("asyncio", body)

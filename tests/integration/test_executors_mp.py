@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from asyncllm import AsyncLLM, SamplingParams
 from asyncllm.config import ModelConfig
-from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
+from asyncllm.errors import ConfigError, EngineDeadError, EngineGenerateError
 from asyncllm.model.loader import load_model
 from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids, pid_alive, wait_gone
 from tests.reference import clear_prefix_len, greedy_margins
@@ -80,12 +80,12 @@ async def test_tp3_equals_tp1_where_the_choice_is_clear(model_path: str, uni_ids
 
 
 async def test_tp2_is_rejected_with_a_clear_error(model_path: str) -> None:
-    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=2 does not divide.*valid sizes.*\[1, 3\]"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 does not divide.*valid sizes.*\[1, 3\]"):
         AsyncLLM.from_engine_args(engine_args(model_path, distributed_executor_backend="mp", tensor_parallel_size=2))
 
 
 async def test_uni_rejects_tp_above_one(model_path: str) -> None:
-    with pytest.raises(InvalidRequestError, match="needs distributed_executor_backend='mp'"):
+    with pytest.raises(ConfigError, match="needs distributed_executor_backend='mp'"):
         AsyncLLM.from_engine_args(engine_args(model_path, tensor_parallel_size=3))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError
 from asyncllm.executors import get_executor_class
 from asyncllm.executors.base import Executor
 from asyncllm.executors.uniproc import UniProcExecutor
@@ -32,7 +32,7 @@ def test_ray_is_the_ray_executor() -> None:
 
 
 def test_unknown_name_lists_the_choices() -> None:
-    with pytest.raises(InvalidRequestError, match=r"unknown distributed_executor_backend 'gpu'.*'uni'"):
+    with pytest.raises(ConfigError, match=r"unknown distributed_executor_backend 'gpu'.*'uni'"):
         get_executor_class("gpu")
 
 
@@ -46,5 +46,23 @@ def test_unknown_name_lists_the_choices() -> None:
     ],
 )
 def test_bad_targets_are_rejected(backend: str | type[Executor], message: str) -> None:
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(ConfigError, match=message):
         get_executor_class(backend)
+
+
+def test_an_executor_class_becomes_an_importable_name_or_a_clear_config_error() -> None:
+    from asyncllm.config import executor_backend_name
+    from asyncllm.executors.uniproc import UniProcExecutor
+
+    assert executor_backend_name(UniProcExecutor, True) == "asyncllm.executors.uniproc:UniProcExecutor"
+    assert executor_backend_name("mp", True) == "mp"
+
+    class Local(UniProcExecutor):
+        pass
+
+    with pytest.raises(ConfigError, match="defined inside a function"):
+        executor_backend_name(Local, False)
+    Local.__module__, Local.__qualname__ = "__main__", "Local"
+    with pytest.raises(ConfigError, match="in the script run as __main__"):
+        executor_backend_name(Local, True)
+    assert executor_backend_name(Local, False) == "__main__:Local"  # thread mode imports it in this process

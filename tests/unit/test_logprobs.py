@@ -68,3 +68,15 @@ def test_processor_without_logprobs_keeps_nothing(hf: HFTokenizer) -> None:
     processor = LogprobsProcessor(hf, None, None)
     processor.update(LogprobsLists([[1]], [[-1.0]], [1]), LogprobsLists([[1]], [[-1.0]], [1]))
     assert (processor.logprobs, processor.prompt_logprobs, processor.cumulative_logprob(1)) == (None, None, None)
+
+
+def test_cumulative_logprob_is_a_running_sum_that_follows_truncation(hf: HFTokenizer) -> None:
+    processor = LogprobsProcessor(hf, num_logprobs=0, num_prompt_logprobs=None)
+    for value in (-0.5, -1.25, -2.0):
+        processor.update(LogprobsLists([[42]], [[value]], [1]), None)
+    assert processor.cumulative_logprob(3) == pytest.approx(-3.75)
+    assert processor.cumulative_logprob(2) == pytest.approx(-1.75)  # a held-back stop-string token not counted
+    processor.truncate(1)
+    assert processor.cumulative_logprob(3) == pytest.approx(-0.5)
+    processor.update(LogprobsLists([[42]], [[-0.25]], [1]), None)
+    assert processor.cumulative_logprob(2) == pytest.approx(-0.75)

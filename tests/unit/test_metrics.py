@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from tokenizers import Tokenizer as HFTokenizer
 
-from asyncllm import EngineArgs, InvalidRequestError, RequestOutputKind, SamplingParams
+from asyncllm import ConfigError, EngineArgs, RequestOutputKind, SamplingParams
 from asyncllm.async_llm import make_default_stat_loggers
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig
 from asyncllm.messages.engine import (
@@ -164,7 +164,7 @@ def test_default_stat_loggers_follow_log_stats() -> None:
     [("scheduling_policy", "lifo", "scheduling_policy"), ("stats_log_interval", 0, "stats_log_interval")],
 )
 def test_engine_args_reject_bad_scheduler_and_stats_options(key: str, value: object, match: str) -> None:
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(ConfigError, match=match):
         EngineArgs(**{key: value}).validate()  # type: ignore[arg-type]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncllm.config import SchedulerConfig
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError
 from asyncllm.messages.engine import EngineCoreEventType, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 from asyncllm.sampling_params import SamplingParams
@@ -299,7 +299,7 @@ def test_fcfs_ignores_priority() -> None:
 
 
 def test_unknown_policy_rejected() -> None:
-    with pytest.raises(InvalidRequestError, match="scheduling policy"):
+    with pytest.raises(ConfigError, match="scheduling policy"):
         _scheduler(policy="lifo")
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, get_tp_size
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.llama import LlamaDecoderLayer, rotary_cos_sin
@@ -98,7 +98,7 @@ def test_each_rank_holds_only_its_shard() -> None:
 def test_smollm2_head_counts_accept_tp3_and_reject_tp2() -> None:
     check_tp_divides(9, 3, 1536, 1)
     check_tp_divides(9, 3, 1536, 3)
-    with pytest.raises(InvalidRequestError, match=r"tensor_parallel_size=2 does not divide .*valid sizes.*\[1, 3\]"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 does not divide .*valid sizes.*\[1, 3\]"):
         check_tp_divides(9, 3, 1536, 2)
 
 

@@ -12,7 +12,7 @@ import datetime
 
 import torch
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError
 
 _TP_RANK = 0
 _TP_SIZE = 1
@@ -81,7 +81,7 @@ def check_tp_divides(num_attention_heads: int, num_key_value_heads: int, interme
     KV heads are never replicated: a TP size that does not divide the KV head count is rejected. SmolLM2-135M
     (9 query heads, 3 KV heads, 1536 MLP columns) runs at TP=1 or TP=3; TP=2 is rejected.
     Raises:
-        InvalidRequestError: naming the counts that `tp` does not divide and the sizes that would work.
+        ConfigError: naming the counts that `tp` does not divide and the sizes that would work.
     """
     counts = {
         "num_attention_heads": num_attention_heads,
@@ -91,6 +91,6 @@ def check_tp_divides(num_attention_heads: int, num_key_value_heads: int, interme
     bad = {name: n for name, n in counts.items() if n % tp}
     if bad:
         valid = [t for t in range(1, num_key_value_heads + 1) if all(n % t == 0 for n in counts.values())]
-        raise InvalidRequestError(
+        raise ConfigError(
             f"tensor_parallel_size={tp} does not divide the model's {bad}; valid sizes for this model: {valid}"
         )

@@ -30,7 +30,7 @@ class EngineCore:
         config: the engine config.
         executor_class: overrides `config.parallel.distributed_executor_backend` (tests, custom executors).
     Raises:
-        InvalidRequestError: unknown executor backend.
+        ConfigError: unknown executor backend.
         ExecutorError: a worker failed to start, load the model or allocate the cache.
     """
 

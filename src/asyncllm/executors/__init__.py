@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError
 from asyncllm.executors.base import Executor
 
 _BUILTIN = {
@@ -23,17 +23,17 @@ def get_executor_class(backend: str | type[Executor]) -> type[Executor]:
     Returns:
         The executor class.
     Raises:
-        InvalidRequestError: unknown name (listing the choices), or a
+        ConfigError: unknown name (listing the choices), or a
             "module:Class" that cannot be imported or is not an Executor subclass.
     """
     if isinstance(backend, type):
         if issubclass(backend, Executor):
             return backend
-        raise InvalidRequestError(f"executor class {backend!r} is not a subclass of asyncllm Executor")
+        raise ConfigError(f"executor class {backend!r} is not a subclass of asyncllm Executor")
     target = _BUILTIN.get(backend, backend)
     if ":" not in target:
         choices = [*_BUILTIN, "an Executor subclass", "'package.module:Class'"]
-        raise InvalidRequestError(f"unknown distributed_executor_backend {backend!r}; choices: {choices}")
+        raise ConfigError(f"unknown distributed_executor_backend {backend!r}; choices: {choices}")
     return _import_executor_class(target)
 
 
@@ -42,9 +42,9 @@ def _import_executor_class(target: str) -> type[Executor]:
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:
-        raise InvalidRequestError(f"cannot import executor {target!r}: {e}") from e
+        raise ConfigError(f"cannot import executor {target!r}: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, Executor)):
-        raise InvalidRequestError(f"executor {target!r} is not a subclass of asyncllm Executor")
+        raise ConfigError(f"executor {target!r} is not a subclass of asyncllm Executor")
     return cls
 
 

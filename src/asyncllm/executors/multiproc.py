@@ -52,7 +52,7 @@ class MultiprocExecutor(Executor):
     """`tensor_parallel_size` worker processes on this machine.
 
     Raises (construction):
-        InvalidRequestError: the TP size does not divide the model's heads / MLP columns.
+        ConfigError: the TP size does not divide the model's heads / MLP columns.
         ExecutorError: a worker failed to start or load the model (its error text), or start-up timed out.
     """
 

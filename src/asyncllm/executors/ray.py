@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from asyncllm.distributed.parallel_state import check_tp_divides
-from asyncllm.errors import ExecutorError, InvalidRequestError
+from asyncllm.errors import ConfigError, ExecutorError
 from asyncllm.executors.base import Executor
 from asyncllm.messages.rpc import REPLY_ALL, RpcResponse, encode_request
 
@@ -35,7 +35,7 @@ def _import_ray() -> Any:
     try:
         import ray
     except ImportError as e:
-        raise InvalidRequestError("distributed_executor_backend='ray' needs Ray: pip install 'asyncllm[ray]'") from e
+        raise ConfigError("distributed_executor_backend='ray' needs Ray: pip install 'asyncllm[ray]'") from e
     return ray
 
 
@@ -43,7 +43,7 @@ class RayExecutor(Executor):
     """`tensor_parallel_size` Ray actors, each holding one `Worker`.
 
     Raises (construction):
-        InvalidRequestError: Ray is not installed, or the TP size does not divide the model's heads.
+        ConfigError: Ray is not installed, or the TP size does not divide the model's heads.
         ExecutorError: the placement group's resources did not become available in time (naming them), or an
             actor failed to start or load the model.
     """

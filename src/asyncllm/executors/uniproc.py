@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncllm.errors import ExecutorError, InvalidRequestError
+from asyncllm.errors import ConfigError, ExecutorError
 from asyncllm.executors.base import Executor
 from asyncllm.worker.worker import Worker
 
@@ -13,15 +13,13 @@ class UniProcExecutor(Executor):
     """One worker, rank 0, in this process and thread.
 
     Raises (construction):
-        InvalidRequestError: tensor_parallel_size > 1 (use "mp").
+        ConfigError: tensor_parallel_size > 1 (use "mp").
     """
 
     def _init_executor(self) -> None:
         tp = self.config.parallel.tensor_parallel_size
         if tp != 1:
-            raise InvalidRequestError(
-                f"tensor_parallel_size={tp} needs distributed_executor_backend='mp'; 'uni' is TP=1"
-            )
+            raise ConfigError(f"tensor_parallel_size={tp} needs distributed_executor_backend='mp'; 'uni' is TP=1")
         self.worker: Worker | None = Worker(self.config, rank=0)
 
     def collective_rpc(

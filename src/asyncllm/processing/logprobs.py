@@ -17,14 +17,15 @@ class LogprobsProcessor:
         num_prompt_logprobs: `SamplingParams.prompt_logprobs` (None: no prompt logprobs).
     Attributes:
         logprobs: one dict per generated token, or None.
-        sampled_logprobs: the sampled token's logprob per generated token (for `cumulative_logprob`).
+        cumulative_sums: [num_tokens + 1] running sums of the sampled tokens' logprobs (`cumulative_sums[i]` = sum
+            over the first i tokens), so `cumulative_logprob` costs O(1) per output, not O(num_tokens).
         prompt_logprobs: [None, dict, ...] once the engine sent them, or None.
     """
 
     def __init__(self, tokenizer: HFTokenizer, num_logprobs: int | None, num_prompt_logprobs: int | None) -> None:
         self._tokenizer = tokenizer
         self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
-        self.sampled_logprobs: list[float] = []
+        self.cumulative_sums: list[float] = [0.0]
         self._wants_prompt_logprobs = num_prompt_logprobs is not None
         self.prompt_logprobs: PromptLogprobs | None = None
 
@@ -32,7 +33,8 @@ class LogprobsProcessor:
         """Append one engine step's logprobs."""
         if new_logprobs is not None and self.logprobs is not None:
             self.logprobs.extend(self._to_dicts(new_logprobs))
-            self.sampled_logprobs.extend(row[0] for row in new_logprobs.logprobs)
+            for row in new_logprobs.logprobs:
+                self.cumulative_sums.append(self.cumulative_sums[-1] + row[0])
         if new_prompt_logprobs is not None and self._wants_prompt_logprobs:
             self.prompt_logprobs = [None, *self._to_dicts(new_prompt_logprobs)]
 
@@ -40,13 +42,13 @@ class LogprobsProcessor:
         """Keep the first `num_tokens` entries (tokens after a stop string are dropped)."""
         if self.logprobs is not None:
             del self.logprobs[num_tokens:]
-            del self.sampled_logprobs[num_tokens:]
+            del self.cumulative_sums[num_tokens + 1 :]
 
     def cumulative_logprob(self, num_tokens: int) -> float | None:
         """Sum of the sampled logprobs of the first `num_tokens` tokens, or None without logprobs."""
         if self.logprobs is None:
             return None
-        return float(sum(self.sampled_logprobs[:num_tokens]))
+        return float(self.cumulative_sums[min(num_tokens, len(self.cumulative_sums) - 1)])
 
     def _to_dicts(self, lists: LogprobsLists) -> SampleLogprobs:
         unique_ids = sorted({t for row in lists.token_ids for t in row})

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError
 from asyncllm.sched.request import Request
 
 
@@ -126,10 +126,10 @@ def create_request_queue(policy: str = "fcfs") -> RequestQueue:
     """The waiting queue for a scheduling policy ("fcfs" or "priority").
 
     Raises:
-        InvalidRequestError: for an unknown policy.
+        ConfigError: for an unknown policy.
     """
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":
         return PriorityRequestQueue()
-    raise InvalidRequestError(f"unknown scheduling policy {policy!r}; choices: {list(SCHEDULING_POLICIES)}")
+    raise ConfigError(f"unknown scheduling policy {policy!r}; choices: {list(SCHEDULING_POLICIES)}")

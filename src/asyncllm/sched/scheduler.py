@@ -44,7 +44,7 @@ class Scheduler:
         enable_prefix_caching: reuse cached full blocks of shared prefixes.
     Raises:
         ValueError: if `max_model_len` does not fit in the KV cache.
-        InvalidRequestError: unknown scheduling policy.
+        ConfigError: unknown scheduling policy.
     """
 
     def __init__(

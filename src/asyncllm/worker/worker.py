@@ -33,7 +33,7 @@ class Worker:
         distributed_init_method: rendezvous URL of the TP group; required when tensor_parallel_size > 1.
     Raises:
         ModelNotFoundError, OSError, ValueError: from loading the model.
-        InvalidRequestError: the TP size does not divide the model's head counts.
+        ConfigError: the TP size does not divide the model's head counts.
         RuntimeError: the TP group did not form.
     """
 
