@@ -127,7 +127,9 @@ def test_a_second_task_iterating_one_stream_gets_a_clear_error_at_once(llm: Asyn
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(collect, stream)
-            await anyio.lowlevel.checkpoint()  # the first reader is now waiting inside the stream
+            with anyio.fail_after(30):
+                while not stream.statistics().reading:  # noqa: ASYNC110 (until the first reader waits in it)
+                    await anyio.sleep(0.001)
             with anyio.fail_after(1):
                 await second_reader()
         assert len(errors) == 1
