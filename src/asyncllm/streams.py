@@ -178,6 +178,8 @@ class GenerateOutputStream:
             engine outputs meanwhile); default `collector.get`.
         loop: the event loop (`utils.loops.current_loop()`) the request was submitted on; a garbage-collection
             abort is scheduled on it.
+        start: awaited once, at the first `__anext__`, before waiting for outputs (submits a long prompt after
+            tokenizing it off the loop); its errors raise from that first `__anext__`.
     Raises (from iteration):
         StreamClosedError: used after `aclose()`.
         StreamBusyError: another task is iterating it at the same time.
@@ -192,8 +194,10 @@ class GenerateOutputStream:
         abort: Callable[[str], None],
         next_output: Callable[[RequestOutputCollector], Awaitable[RequestOutput]] | None = None,
         loop: Any = None,
+        start: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.request_id = request_id
+        self._start = start
         self._collector = collector
         self._abort = abort
         self._next_output = next_output or RequestOutputCollector.get
@@ -231,6 +235,9 @@ class GenerateOutputStream:
             )
         self._reading = True
         try:
+            if self._start is not None:
+                start, self._start = self._start, None
+                await start()
             output = await self._next_output(self._collector)
         except BaseException as e:
             if isinstance(e, anyio.get_cancelled_exc_class()):

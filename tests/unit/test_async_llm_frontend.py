@@ -221,3 +221,20 @@ async def test_a_request_the_engine_refuses_raises_engine_generate_error_and_oth
     assert not llm.errored
     outputs = await collect(llm.generate("Hi", greedy()))
     assert outputs[-1].outputs[0].text == ANSWER
+
+
+async def test_a_long_prompt_is_tokenized_off_the_loop_and_errors_at_the_first_await(tokenizer) -> None:
+    from asyncllm.async_llm import LONG_PROMPT_CHARS
+
+    engine, _ = make_llm(tokenizer, max_model_len=1 << 12)
+    async with engine:
+        text = "word " * (LONG_PROMPT_CHARS // 5 + 10)
+        stream = engine.generate(text, greedy(3, ignore_eos=True))
+        assert stream.statistics().num_outputs_yielded == 0
+        outputs = await collect(stream)
+        assert outputs[-1].finished
+        assert outputs[-1].prompt_token_ids == tokenizer.encode(text)
+        too_long = engine.generate("word " * 5000, greedy(3))  # over max_model_len: raises at the first await
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await too_long.__anext__()
+        assert engine.is_running

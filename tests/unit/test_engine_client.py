@@ -68,7 +68,7 @@ async def test_abort_stops_outputs() -> None:
     try:
         client.add_request(request("a", max_tokens=1000))
         await asyncio.wait_for(client.get_output_async(), 5)
-        await client.abort_requests_async(["a"])
+        client.abort_requests(["a"])
         stats = await asyncio.wait_for(client.call_utility_async("get_scheduler_stats"), 5)
         assert stats.num_running_reqs == 0
         assert cores[0].aborted == ["a"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -102,6 +103,8 @@ class EngineCoreClient:
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(self._output_address)
+        self._wake_address = f"inproc://asyncllm-wake-{id(self)}-{os.getpid()}"
+        self._output.bind(self._wake_address)  # wake-ups: no socket file, so they survive removing the ipc dir
         self._output_fd = int(self._output.getsockopt(zmq.FD))
         self._send_lock = threading.Lock()
         self._io_lock = threading.RLock()  # guards closing the output socket against a reader
@@ -174,10 +177,6 @@ class EngineCoreClient:
         if request_ids and not self._closed and not self.errored:
             with contextlib.suppress(EngineDeadError):
                 self._send(EngineCoreRequestType.ABORT, list(request_ids))
-
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        """`abort_requests` for async callers."""
-        self.abort_requests(request_ids)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """Wait for the next non-empty batch of engine outputs.
@@ -363,7 +362,7 @@ class EngineCoreClient:
         with contextlib.suppress(zmq.ZMQError):
             socket = self._ctx.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 1000)
-            socket.connect(self._output_address)
+            socket.connect(self._wake_address)
             socket.send_multipart([ENGINE_CORE_DEAD, reason.encode()])
             socket.close()
 

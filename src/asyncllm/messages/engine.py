@@ -155,7 +155,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         return self.finish_reason is not None
 
 
-class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
     """Scheduler state after a step.
 
     Fields:

@@ -97,7 +97,7 @@ class RequestStateStats:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class FinishedRequestStats:
     """One finished request, for histograms and counters.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 from typing import Any
 
@@ -33,8 +34,7 @@ def loop_is_alive(token: Any) -> bool:
     """True while the loop behind `token` (from `current_loop`) still runs."""
     if isinstance(token, asyncio.AbstractEventLoop):
         return token.is_running() and not token.is_closed()
-    import trio
-
+    trio = sys.modules["trio"]  # a trio token exists: trio is imported (no import here: GC may run at exit)
     try:
         token.run_sync_soon(_noop)
     except trio.RunFinishedError:
@@ -75,8 +75,7 @@ def call_soon_in_loop(token: Any, callback: Any, *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed
             token.call_soon_threadsafe(callback, *args)
         return
-    import trio
-
+    trio = sys.modules["trio"]  # a trio token exists: trio is imported (no import here: GC may run at exit)
     with contextlib.suppress(trio.RunFinishedError):
         token.run_sync_soon(callback, *args)
 
