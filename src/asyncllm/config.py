@@ -8,6 +8,7 @@ default model once) and splits the arguments into `ModelConfig`, `CacheConfig`, 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -124,7 +125,7 @@ class EngineArgs:
 
     Fields:
         model: "smollm2-135m-instruct" (default; fetched once into the user cache), a `.gguf` path, or an HF
-            directory with config.json, *.safetensors and tokenizer.json.
+            directory with config.json, *.safetensors and tokenizer.json (paths as str or `pathlib.Path`).
         max_model_len: tokens per sequence at most; None = the model's context length.
         block_size: tokens per KV cache block.
         num_kv_blocks: KV cache blocks (override); None = sized from `kv_cache_memory_bytes`.
@@ -153,7 +154,7 @@ class EngineArgs:
         InvalidRequestError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
 
-    model: str = DEFAULT_MODEL
+    model: str | os.PathLike[str] = DEFAULT_MODEL
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -193,6 +194,8 @@ class EngineArgs:
         Raises:
             InvalidRequestError: naming the field and its allowed range.
         """
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise InvalidRequestError(f"EngineArgs.model={self.model!r}: must be a str or a path (os.PathLike)")
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
@@ -234,7 +237,7 @@ class EngineArgs:
 
         self.validate()
         model = ModelConfig(
-            model=self.model,
+            model=os.fspath(self.model),
             model_path=str(resolve_model_path(self.model)),
             load_format=self.load_format,
             max_model_len=self.max_model_len,
