@@ -259,6 +259,9 @@ class _SumModelExecutor(Executor):
     def _get_model_info(self) -> tuple[int, int]:
         return 96, FAKE_VOCAB
 
+    def _get_kv_cache_bytes(self) -> int:
+        return sum(t.nbytes for t in self.runner.kv_caches)
+
     def _execute_model(self, scheduler_output):  # type: ignore[no-untyped-def]
         return self.runner.execute_model(scheduler_output)
 
