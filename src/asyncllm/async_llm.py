@@ -9,9 +9,12 @@ OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import uuid
 import weakref
+from collections.abc import Generator
 from types import TracebackType
 from typing import Any
 
@@ -41,7 +44,10 @@ LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (~5 
 class AsyncLLM:
     """Streaming LLM inference on an engine core.
 
-    Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; use as `async with llm:` or call `shutdown()`.
+    Build inside a coroutine with `llm = await AsyncLLM.create(EngineArgs(...))` or `async with
+    AsyncLLM.create(EngineArgs(...)) as llm:` (start-up runs in a worker thread: the event loop keeps
+    running); from synchronous code with `AsyncLLM.from_engine_args(...)` (blocks). Use as `async with llm:`
+    or call `shutdown()`.
 
     Args:
         config: the engine configuration (for reference).
@@ -73,8 +79,24 @@ class AsyncLLM:
         self._finalizer = weakref.finalize(self, client.shutdown)
 
     @classmethod
+    def create(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> StartingAsyncLLM:
+        """Start an engine without blocking the event loop: `llm = await AsyncLLM.create(args)`, or
+        `async with AsyncLLM.create(args) as llm:` (shuts it down on exit).
+
+        Everything `from_engine_args` does (model resolution and first-time download, tokenizer loading, the
+        engine's start-up and handshake) runs in a worker thread (`anyio.to_thread`). Cancelling the await
+        cannot interrupt that thread: the engine it starts is shut down as soon as it is up.
+
+        Args and Raises: as `from_engine_args` (raised by the await).
+        """
+        return StartingAsyncLLM(cls, args, stat_loggers)
+
+    @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> AsyncLLM:
         """Resolve the model, load its tokenizer, and start the engine core (blocks until it is ready).
+
+        Blocks the calling thread for the whole start-up (seconds); inside a coroutine use `await
+        AsyncLLM.create(args)` instead.
 
         Args:
             args: the engine arguments.
@@ -352,6 +374,53 @@ class AsyncLLM:
     def _abort_closed_stream(self, request_id: str) -> None:
         """Called (on the loop thread) when a stream is closed or dropped unfinished: no output is sent."""
         self._abort_in_engine(self._output_processor.abort_requests([request_id], notify=False))
+
+
+class StartingAsyncLLM:
+    """What `AsyncLLM.create()` returns: await it for the `AsyncLLM`, or use it in `async with` (which also
+    shuts the engine down on exit). Awaitable once. Works on asyncio and trio."""
+
+    def __init__(self, cls: type[AsyncLLM], args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> None:
+        self._start = functools.partial(cls.from_engine_args, args, stat_loggers)
+        self._llm: AsyncLLM | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLLM]:
+        return self._start_in_thread().__await__()
+
+    async def __aenter__(self) -> AsyncLLM:
+        self._llm = await self._start_in_thread()
+        return self._llm
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._llm is not None:
+            await self._llm.shutdown()
+
+    async def _start_in_thread(self) -> AsyncLLM:
+        """Start in a worker thread; a cancelled await returns at once and the engine is stopped once it is up
+        (the thread cannot be interrupted)."""
+        lock = threading.Lock()
+        state: dict[str, Any] = {"abandoned": False, "llm": None}
+
+        def start() -> AsyncLLM:
+            llm = self._start()
+            with lock:
+                abandoned = state["abandoned"]
+                state["llm"] = llm
+            if abandoned:
+                llm._finalizer()
+            return llm
+
+        try:
+            return await anyio.to_thread.run_sync(start, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            with lock:
+                state["abandoned"] = True
+                llm = state["llm"]
+            if llm is not None:  # it finished just as we were cancelled: stop it here (shutdown blocks)
+                threading.Thread(target=llm._finalizer, name="asyncllm-abandoned-start", daemon=True).start()
+            raise
 
 
 def is_long_prompt(prompt: PromptType) -> bool:

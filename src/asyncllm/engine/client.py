@@ -92,20 +92,6 @@ class EngineCoreClient:
     ) -> None:
         self._closed = False
         self._dead: EngineDeadError | None = None
-        self.ipc_dir = make_ipc_dir()
-        input_address, self._output_address = f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
-        self._ctx = zmq.Context(io_threads=1)
-        self._input = self._ctx.socket(zmq.ROUTER)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished engine raises, never drops
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy engine: queue without limit
-        self._input.bind(input_address)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(self._output_address)
-        self._wake_address = f"inproc://asyncllm-wake-{id(self)}-{os.getpid()}"
-        self._output.bind(self._wake_address)  # wake-ups: no socket file, so they survive removing the ipc dir
-        self._output_fd = int(self._output.getsockopt(zmq.FD))
         self._send_lock = threading.Lock()
         self._io_lock = threading.RLock()  # guards closing the output socket against a reader
         self._encoder = MsgpackEncoder()
@@ -116,9 +102,11 @@ class EngineCoreClient:
         self._loop = LoopBinding("this AsyncLLM")
         self._reading = False
         self._turn_passed: anyio.Event | None = None
-        in_thread = not config.parallel.engine_process if in_thread is None else in_thread
         self.launcher: EngineLauncher | None = None
-        try:
+        in_thread = not config.parallel.engine_process if in_thread is None else in_thread
+        self.ipc_dir = make_ipc_dir()
+        try:  # every failure from here on removes the ipc directory (and whatever else was made)
+            input_address = self._open_sockets()
             self.launcher = launch_engine(
                 config,
                 input_address,
@@ -241,6 +229,24 @@ class EngineCoreClient:
         self._leftovers.detach()
 
     # ---- start-up ------------------------------------------------------------------------------------
+
+    def _open_sockets(self) -> str:
+        """Bind the ROUTER (requests) and PULL (outputs, plus an inproc wake-up address); returns the input
+        address."""
+        input_address, self._output_address = f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
+        self._ctx = zmq.Context(io_threads=1)
+        self._input = self._ctx.socket(zmq.ROUTER)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished engine raises, never drops
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy engine: queue without limit
+        self._input.bind(input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(self._output_address)
+        self._wake_address = f"inproc://asyncllm-wake-{id(self)}-{os.getpid()}"
+        self._output.bind(self._wake_address)  # wake-ups: no socket file, so they survive removing the ipc dir
+        self._output_fd = int(self._output.getsockopt(zmq.FD))
+        return input_address
 
     def _wait_for_handshake(self, timeout_s: float) -> bytes:
         """Wait for the engine's handshake; returns its DEALER identity. Raises if it failed or ended."""
@@ -370,21 +376,27 @@ class EngineCoreClient:
 
     def _close_resources(self) -> None:
         """Stop the engine if it still runs (failed start-up), remove the ipc directory, close the sockets (or
-        leave that to the reader still waiting on them: it is woken by the message `shutdown` pushed)."""
+        leave that to the reader still waiting on them: it is woken by the message `shutdown` pushed). Safe on a
+        partly built client (a start-up that failed half-way): it closes only what exists."""
         self._closed = True
-        if self.launcher is not None and not self.launcher.has_exited():
-            self.launcher.stop(0)
-        remove_ipc_dir(self.ipc_dir)
-        self._release_sockets()
+        try:
+            if self.launcher is not None and not self.launcher.has_exited():
+                self.launcher.stop(0)
+        finally:
+            remove_ipc_dir(self.ipc_dir)
+            self._release_sockets()
 
     def _release_sockets(self) -> None:
         """Close both sockets and the context once the client is closed and no reader waits on the output fd."""
         with self._send_lock, self._io_lock:
-            if not self._closed or self._reading or self._ctx.closed:
+            ctx = getattr(self, "_ctx", None)
+            if not self._closed or self._reading or ctx is None or ctx.closed:
                 return
-            self._input.close(linger=0)
-            self._output.close(linger=0)
-            self._ctx.term()
+            for name in ("_input", "_output"):
+                socket = getattr(self, name, None)
+                if socket is not None:
+                    socket.close(linger=0)
+            ctx.term()
 
 
 def _clean_up_leftovers(launcher: EngineLauncher, ipc_dir: str) -> None:
