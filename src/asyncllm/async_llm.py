@@ -14,6 +14,7 @@ import logging
 import threading
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Generator
 from types import TracebackType
 from typing import Any
@@ -37,7 +38,6 @@ from asyncllm.streams import GenerateOutputStream, Notifier, RequestOutputCollec
 from asyncllm.utils.loops import LoopBinding, current_loop
 
 logger = logging.getLogger(__name__)
-OUTPUT_CHUNK_SIZE = 256  # engine outputs processed between yields to the event loop
 LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (~5 ms of tokenizing and more)
 
 
@@ -72,6 +72,7 @@ class AsyncLLM:
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._notifier = Notifier()  # wakes streams waiting for outputs (and for the output-handling turn)
         self._handling = False  # a task is reading and processing engine outputs for every stream
+        self._pending_batches: deque[EngineCoreOutputs] = deque()  # received, not yet processed (in order)
         self._loop_binding = LoopBinding("this AsyncLLM")
         self._dead: BaseException | None = None
         self._shut_down = False
@@ -199,6 +200,7 @@ class AsyncLLM:
             InvalidRequestError: a duplicate in-flight request id (nothing is sent).
             EngineDeadError: the engine died.
         """
+        self._process_received_outputs_now()
         parent = ParentRequest(request) if request.sampling_params.n > 1 else None
         engine_requests = parent.child_requests if parent is not None else [request]
         for engine_id in [request.request_id, *(r.request_id for r in engine_requests)]:
@@ -332,9 +334,12 @@ class AsyncLLM:
             except BaseException as e:
                 self._on_output_handler_error(e)
                 return
-            with anyio.CancelScope(shield=True):  # every batch already here: a lagging consumer's outputs merge
-                for batch in [outputs, *self._client.get_outputs_nowait()]:
-                    await self._process_engine_outputs(batch)
+            self._pending_batches.append(outputs)
+            self._take_received_outputs()  # every batch already here: a lagging consumer's outputs merge
+            with anyio.CancelScope(shield=True):
+                while self._pending_batches:
+                    self._process_batch_now(self._pending_batches.popleft())
+                    await anyio.lowlevel.checkpoint()  # let other tasks run between engine steps
         finally:
             self._handling = False
             self._notifier.notify()
@@ -345,17 +350,25 @@ class AsyncLLM:
             self._dead = error
         self._output_processor.propagate_error(error if isinstance(error, EngineDeadError) else EngineDeadError())
 
-    async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+    def _take_received_outputs(self) -> None:
+        """Queue every engine output the client has received (none while another task is reading)."""
+        self._pending_batches.extend(self._client.get_outputs_nowait())
+
+    def _process_received_outputs_now(self) -> None:
+        """Before a new request is registered: process every received output, so that late outputs of an aborted
+        request can never be taken for those of a new request that reuses its id."""
+        self._take_received_outputs()
+        while self._pending_batches:
+            self._process_batch_now(self._pending_batches.popleft())
+
+    def _process_batch_now(self, outputs: EngineCoreOutputs) -> None:
+        """One engine step's outputs -> collectors (synchronously); stop-string hits -> engine aborts."""
         if outputs.failed_requests:
             failed = outputs.failed_requests.items()
             self._output_processor.fail_requests({i: EngineGenerateError(f"request {i!r}: {e}") for i, e in failed})
-        items = outputs.outputs
         iteration_stats = IterationStats() if self.stat_loggers else None
-        for start in range(0, len(items), OUTPUT_CHUNK_SIZE):
-            chunk = items[start : start + OUTPUT_CHUNK_SIZE]
-            result = self._output_processor.process_outputs(chunk, outputs.timestamp, iteration_stats)
-            self._abort_in_engine(result.reqs_to_abort)
-            await anyio.lowlevel.checkpoint()  # let other tasks run between chunks (and between engine steps)
+        result = self._output_processor.process_outputs(outputs.outputs, outputs.timestamp, iteration_stats)
+        self._abort_in_engine(result.reqs_to_abort)
         self._record_stats(outputs, iteration_stats)
 
     def _record_stats(self, outputs: EngineCoreOutputs, iteration_stats: IterationStats | None) -> None:

@@ -1,8 +1,8 @@
 """The one loop over engine outputs: detokenize, apply stop strings, logprobs, build `RequestOutput`s.
 
-Runs on the event loop (in the output handler task). Each in-flight engine request has one `RequestState`,
-owned here; an n > 1 request also has one `ParentRequest` shared by its children. State is removed when the
-request finishes or is aborted, so nothing per request outlives it.
+Runs on the event loop (in whichever waiting stream holds the output-handling turn). Each in-flight engine
+request has one `RequestState`, owned here; an n > 1 request also has one `ParentRequest` shared by its
+children. State is removed when the request finishes or is aborted, so nothing per request outlives it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which event loop is running (asyncio or trio, via `sniffio`), and whether a loop is still alive.
 
-An `AsyncLLM` keeps per-loop state (events, the output handler task); it binds to the loop that uses it and
+An `AsyncLLM` keeps per-loop state (events, the output-handling turn); it binds to the loop that uses it and
 rebinds when that loop has ended (several `asyncio.run` calls in one script), but refuses a second live loop.
 """
 
