@@ -74,7 +74,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf path or HF directory")
     add_engine_args(p, skip=frozenset({"seed"}))
 
@@ -116,14 +116,14 @@ def _run_serve(ns: argparse.Namespace) -> int:
 def _run_generate(ns: argparse.Namespace) -> int:
     from asyncllm.entrypoints.terminal import generate, make_sampling_params
 
-    params = make_sampling_params(ns.max_tokens, ns.temperature, ns.top_p, ns.seed)
+    params = make_sampling_params(ns.max_tokens, ns.temperature, ns.top_p, ns.sampling_seed)
     return asyncio.run(generate(engine_args_from(ns, ns.model), ns.prompt, ns.raw, params))
 
 
 def _run_chat(ns: argparse.Namespace) -> int:
     from asyncllm.entrypoints.terminal import chat, make_sampling_params
 
-    params = make_sampling_params(ns.max_tokens, ns.temperature, ns.top_p, ns.seed)
+    params = make_sampling_params(ns.max_tokens, ns.temperature, ns.top_p, ns.sampling_seed)
     return chat(engine_args_from(ns, ns.model), params, ns.system)
 
 

@@ -106,12 +106,16 @@ def _chat_loop(
 def _answer_interruptibly(
     loop: asyncio.AbstractEventLoop, llm: Any, history: list[dict[str, str]], params: SamplingParams
 ) -> str:
-    """Stream one answer; SIGINT cancels only this answer (the task), not the program."""
+    """Stream one answer; SIGINT cancels only this answer (the task), not the program. A line on stderr gives
+    the turn's prompt tokens (the whole history) and generated tokens."""
     parts: list[str] = []
+    counts = {"prompt": 0, "generated": 0}
 
     async def run() -> None:
         async with llm.generate(list(history), params) as stream:
             async for output in stream:
+                counts["prompt"] = len(output.prompt_token_ids)
+                counts["generated"] += len(output.outputs[0].token_ids)
                 parts.append(output.outputs[0].text)
                 sys.stdout.write(output.outputs[0].text)
                 sys.stdout.flush()
@@ -126,4 +130,5 @@ def _answer_interruptibly(
             sys.stdout.write(" [stopped]\n")
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+    print(f"[{counts['prompt']} prompt tokens, {counts['generated']} generated]", file=sys.stderr, flush=True)
     return "".join(parts)
