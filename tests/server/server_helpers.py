@@ -56,12 +56,19 @@ def start_server(*args: str, new_session: bool = False) -> ServerProcess:
 
     Args:
         new_session: run it in its own session and process group (to signal the group, as a terminal does).
+    Raises:
+        RuntimeError: the server exited or did not become healthy in time (with its log).
+    """
+    return start_http_process([console_script(), "serve", "--port", "0", *args], "/health", new_session)
+
+
+def start_http_process(cmd: list[str], ready_path: str, new_session: bool = False) -> ServerProcess:
+    """Start a uvicorn-based command (listening on port 0) and wait until `GET ready_path` answers 200.
 
     Raises:
         RuntimeError: the server exited or did not become healthy in time (with its log).
     """
     log = Path(tempfile.mkstemp(prefix="asyncllm-serve-", suffix=".log")[1])
-    cmd = [console_script(), "serve", "--port", "0", *args]
     with log.open("wb") as out:
         process = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=new_session
@@ -70,16 +77,16 @@ def start_server(*args: str, new_session: bool = False) -> ServerProcess:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"asyncllm serve exited with {process.returncode}:\n{server.log()}")
+            raise RuntimeError(f"{cmd[:2]} exited with {process.returncode}:\n{server.log()}")
         match = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", server.log())
         if match:
             server.base_url = match.group(1)
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{server.base_url}{ready_path}", timeout=5).status_code == 200:
                     return server
         time.sleep(0.3)
     stop_server(server)
-    raise RuntimeError(f"asyncllm serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{server.log()}")
+    raise RuntimeError(f"{cmd[:2]} did not become ready in {STARTUP_TIMEOUT_S} s:\n{server.log()}")
 
 
 def stop_server(server: ServerProcess, sig: int = signal.SIGTERM) -> int:

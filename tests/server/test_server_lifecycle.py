@@ -78,3 +78,26 @@ async def test_api_key_root_path_and_graceful_ctrl_c() -> None:
         wait_for(lambda: not any(is_alive(pid) for pid in children), timeout=30)
     finally:
         stop_server(server, signal.SIGKILL)
+
+
+def test_dead_engine_gives_503_and_the_server_still_exits_cleanly() -> None:
+    server = start_server()
+    try:
+        engines = [pid for pid in descendants(server.pid) if "spawn_main" in cmdline(pid)]
+        assert len(engines) == 1
+        os.kill(engines[0], signal.SIGKILL)
+        wait_for(lambda: httpx.get(f"{server.base_url}/health", timeout=30).status_code == 503, timeout=60)
+        response = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "service_unavailable"
+        assert stop_server(server) in (0, -signal.SIGTERM), server.log()
+    finally:
+        stop_server(server, signal.SIGKILL)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
