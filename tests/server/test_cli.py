@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import queue
+import signal
 import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 
@@ -73,3 +80,55 @@ def test_chat_keeps_history_and_exits_on_eof() -> None:
     assert generated1 > 0
     # the second prompt holds the first question, the first answer and the second question
     assert prompt2 > prompt1 + generated1
+
+
+@pytest.mark.slow
+def test_chat_ctrl_c_stops_only_the_current_answer() -> None:
+    cmd = [console_script(), "chat", "--max-tokens", "2000"]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    with subprocess.Popen(cmd, text=True, start_new_session=True, **pipes) as process:  # type: ignore[call-overload]
+        stderr_lines = read_in_background(process.stderr, lambda f: iter(f.readline, ""))
+        stdout_chunks = read_in_background(process.stdout, lambda f: iter(lambda: f.read(1), ""))
+        try:
+            process.stdin.write("Tell me a very long story about the sea.\n")
+            process.stdin.flush()
+            text = ""
+            while len(text) < 40:  # the answer is streaming
+                text += stdout_chunks.get(timeout=240)
+            os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole process group
+            first_turn = next_matching(stderr_lines, "prompt tokens")
+            generated = int(first_turn.split()[3])
+            assert 0 < generated < 2000
+            process.stdin.write("Thanks.\n")  # the chat goes on, with the stopped answer in its history
+            process.stdin.close()
+            second_turn = next_matching(stderr_lines, "prompt tokens")
+            assert int(second_turn.split()[0][1:]) > int(first_turn.split()[0][1:]) + generated - 1
+            assert process.wait(120) == 0
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    assert "[stopped]" in text + "".join(iter_queue(stdout_chunks))
+
+
+def read_in_background(stream: Any, items: Callable[[Any], Iterable[str]]) -> queue.Queue[str]:
+    """A daemon thread puts every item read from `stream` into the returned queue."""
+    out: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [out.put(item) for item in items(stream)], daemon=True).start()
+    return out
+
+
+def next_matching(lines: queue.Queue[str], needle: str, timeout: float = 240) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        if needle in line:
+            return line
+    raise TimeoutError(needle)
+
+
+def iter_queue(items: queue.Queue[str]) -> list[str]:
+    out = []
+    while not items.empty():
+        out.append(items.get_nowait())
+    return out
