@@ -180,7 +180,7 @@ def own_server(max_num_seqs: int) -> Iterator[str]:
     """Start `asyncllm serve` on a free loopback port; yields its base URL; SIGTERM at the end."""
     script = Path(sys.executable).parent / "asyncllm"
     log = Path(tempfile.mkstemp(prefix="asyncllm-bench-", suffix=".log")[1])
-    cmd = [str(script), "serve", "--port", "0", "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"]
+    cmd = [str(script), "serve", "--port", "0", "--max-num-seqs", str(max_num_seqs)]
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -232,6 +232,7 @@ async def main(args: argparse.Namespace) -> None:
         for n in args.concurrency:
             results.append(await run_http_level(base_url, n, args))
             print_table(results[-1:], {})
+            sys.stdout.flush()
     reference: dict[int, LevelResult] = {}
     if args.reference:
         async with reference_engine(max_seqs) as llm:

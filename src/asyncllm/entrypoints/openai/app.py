@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -91,7 +91,7 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
     app = FastAPI(title="asyncllm OpenAI-compatible server", root_path=config.root_path, lifespan=lifespan)
     install_error_handlers(app)
     if config.api_key:
-        app.middleware("http")(_make_auth_middleware(config.api_key))
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -195,24 +195,29 @@ def _tokenize(tokenizer: Any, body: TokenizeRequest) -> list[int]:
     return tokens
 
 
-def _make_auth_middleware(
-    api_key: str,
-) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Any]]:
-    expected = f"Bearer {api_key}".encode()
+class APIKeyMiddleware:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): `/v1/` requests need
+    `Authorization: Bearer <api_key>`, compared in constant time (`hmac.compare_digest`); else 401."""
 
-    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Any:
-        path = request.scope.get("path", "")
-        root = request.scope.get("root_path", "")
-        if path.removeprefix(root).startswith("/v1") and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and _is_v1(scope):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
                 error = APIError(
                     "missing or wrong API key",
                     HTTPStatus.UNAUTHORIZED,
                     code="invalid_api_key",
                     err_type="authentication_error",
                 )
-                return api_error_response(error)
-        return await call_next(request)
+                await api_error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
-    return check_api_key
+
+def _is_v1(scope: Any) -> bool:
+    path: str = scope.get("path", "")
+    return path.removeprefix(scope.get("root_path", "")).startswith("/v1")
