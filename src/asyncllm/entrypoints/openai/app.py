@@ -27,10 +27,9 @@ from asyncllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
 )
+from asyncllm.entrypoints.openai.responses import ModelCard, ModelList
 from asyncllm.entrypoints.openai.serving_base import ServingContext
 from asyncllm.entrypoints.openai.serving_chat import create_chat_completion
 from asyncllm.entrypoints.openai.serving_completion import create_completion

@@ -7,7 +7,7 @@ model distribution.
 
 from __future__ import annotations
 
-from asyncllm.entrypoints.openai.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from asyncllm.entrypoints.openai.responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from asyncllm.outputs import Logprob
 
 PositionLogprobs = dict[int, Logprob]

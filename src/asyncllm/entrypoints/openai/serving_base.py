@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 
 from asyncllm.entrypoints.openai.errors import APIError, error_body, to_api_error
-from asyncllm.entrypoints.openai.protocol import UsageInfo
+from asyncllm.entrypoints.openai.responses import UsageInfo
 from asyncllm.outputs import RequestOutput
 from asyncllm.streams import GenerateOutputStream
 

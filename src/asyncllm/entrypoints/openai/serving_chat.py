@@ -14,11 +14,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from asyncllm.entrypoints.openai.errors import to_api_error
 from asyncllm.entrypoints.openai.logprobs import to_chat_logprobs
-from asyncllm.entrypoints.openai.protocol import (
+from asyncllm.entrypoints.openai.protocol import ChatCompletionRequest
+from asyncllm.entrypoints.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,

@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from asyncllm.entrypoints.openai.errors import APIError
 from asyncllm.entrypoints.openai.logprobs import to_completion_logprobs
-from asyncllm.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, make_id
+from asyncllm.entrypoints.openai.protocol import CompletionRequest
+from asyncllm.entrypoints.openai.responses import CompletionChoice, CompletionResponse, make_id
 from asyncllm.entrypoints.openai.serving_base import (
     ServingContext,
     UsageCounter,
