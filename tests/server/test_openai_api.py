@@ -110,6 +110,50 @@ async def test_n2_streaming_indexes_and_both_finish(base_url: str) -> None:
     assert texts[1]
 
 
+async def test_completion_batch_of_prompts_with_n2(base_url: str) -> None:
+    prompts = ["The sky is", "Two plus two is"]
+    async with client(base_url) as oai:
+        full = await oai.completions.create(
+            model="smollm2-135m-instruct", prompt=prompts, max_tokens=6, temperature=0, n=2
+        )
+        stream = await oai.completions.create(
+            model="smollm2-135m-instruct", prompt=prompts, max_tokens=6, temperature=0, n=2, stream=True
+        )
+        texts: dict[int, str] = {}
+        finishes: dict[int, list[str]] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+                if choice.finish_reason:
+                    finishes.setdefault(choice.index, []).append(choice.finish_reason)
+        singles = [
+            await oai.completions.create(model="smollm2-135m-instruct", prompt=p, max_tokens=6, temperature=0)
+            for p in prompts
+        ]
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    expected = [singles[0].choices[0].text] * 2 + [singles[1].choices[0].text] * 2  # choice = prompt * n + i
+    assert [c.text for c in full.choices] == expected
+    assert [texts[i] for i in range(4)] == expected
+    assert finishes == {i: ["length"] for i in range(4)}
+    assert full.usage is not None
+    assert full.usage.completion_tokens == 4 * 6
+    assert full.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles if s.usage is not None)
+
+
+async def test_bad_prompt_in_a_batch_fails_it_and_aborts_the_others(base_url: str) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        body = {"prompt": ["fine", "word " * 9000], "max_tokens": 500, "ignore_eos": True}
+        response = await http.post(f"{base_url}/v1/completions", json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "prompt"
+
+    def engine_idle() -> bool:
+        stats = httpx.get(f"{base_url}/stats").json()
+        return stats["num_running_reqs"] + stats["num_waiting_reqs"] == 0
+
+    wait_for(engine_idle, timeout=30)  # the first prompt (500 tokens) was aborted, not left running
+
+
 async def test_logprobs_shapes(base_url: str) -> None:
     async with client(base_url) as oai:
         chat = await oai.chat.completions.create(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -75,21 +75,22 @@ def sse_error(error: BaseException, field_names: dict[str, str] | None = None) -
 
 
 class UsageCounter:
-    """Token counts of one request while it streams: prompt tokens and generated tokens per choice."""
+    """Token counts of one HTTP request while it streams: prompt tokens per prompt, generated tokens in all."""
 
     def __init__(self) -> None:
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
 
-    def add(self, output: RequestOutput) -> None:
-        """Count a DELTA output's new tokens."""
-        self.prompt_tokens = len(output.prompt_token_ids)
-        self.cached_tokens = output.num_cached_tokens
+    def add(self, output: RequestOutput, prompt_index: int = 0) -> None:
+        """Count a DELTA output's new tokens (`prompt_index`: which prompt of the HTTP request it answers)."""
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        self.cached_tokens[prompt_index] = output.num_cached_tokens
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
     def info(self) -> UsageInfo:
-        return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        prompt, cached = sum(self.prompt_tokens.values()), sum(self.cached_tokens.values())
+        return make_usage(prompt, self.completion_tokens, cached)
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
@@ -103,47 +104,99 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     )
 
 
-async def collect_or_abort(stream: GenerateOutputStream, request: Request, ctx: ServingContext) -> RequestOutput:
-    """Drain `stream` into its final output; abort it if the HTTP client disconnects first.
+async def collect_or_abort(
+    streams: list[GenerateOutputStream], request: Request, ctx: ServingContext
+) -> list[RequestOutput]:
+    """Drain each stream into its final output; abort them all if the HTTP client disconnects first.
 
     Raises:
-        APIError: 499-style cancellation is reported as 400 "client disconnected" (nobody reads it).
-        EngineDeadError, EngineGenerateError: from the stream.
+        APIError: the client disconnected (reported as 400; nobody reads it).
+        EngineDeadError, EngineGenerateError: from a stream.
     """
-    task = asyncio.ensure_future(stream.collect())
-    ctx.in_flight.add(stream.request_id)
+    task = asyncio.ensure_future(asyncio.gather(*(stream.collect() for stream in streams)))
+    ids = [stream.request_id for stream in streams]
+    ctx.in_flight.update(ids)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
-                return task.result()
+                return list(task.result())
             if await request.is_disconnected():
                 raise APIError("the client disconnected")
     finally:
-        ctx.in_flight.discard(stream.request_id)
+        ctx.in_flight.difference_update(ids)
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await close_streams(streams)
+
+
+async def close_streams(streams: list[GenerateOutputStream]) -> None:
+    """Close every stream (aborting the unfinished ones)."""
+    for stream in streams:
         await stream.aclose()
+
+
+async def merge_streams(streams: list[GenerateOutputStream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Outputs of several streams as they come, each with its stream's position in `streams`.
+
+    One task per stream feeds a queue of `len(streams)` slots, so a slow reader holds outputs back in the
+    streams (whose one-slot collectors merge DELTA outputs) rather than in memory here.
+
+    Raises:
+        The first error a stream raises (the other streams are left to the caller to close).
+    """
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, Exception | None]] = asyncio.Queue(len(streams))
+
+    async def pump(index: int, stream: GenerateOutputStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output, None))
+        except Exception as error:
+            await queue.put((index, None, error))
+            return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def stream_events(
     ctx: ServingContext,
-    stream: GenerateOutputStream,
-    to_events: Callable[[RequestOutput], list[str]],
+    streams: list[GenerateOutputStream],
+    to_events: Callable[[int, RequestOutput], list[str]],
     final_events: Callable[[], list[str]],
     field_names: dict[str, str] | None = None,
 ) -> AsyncIterator[str]:
-    """SSE text of one request: `to_events(output)` per engine output, then `final_events()`, then `[DONE]`.
+    """SSE text of one HTTP request: `to_events(stream_index, output)` per engine output (streams merged as
+    outputs come), then `final_events()`, then `[DONE]`.
 
-    An error after the first byte becomes an error event before `[DONE]`. The stream is closed (the request
+    An error after the first byte becomes an error event before `[DONE]`. Every stream is closed (its request
     aborted if unfinished) however this generator ends, including when the client disconnects.
     """
-    ctx.in_flight.add(stream.request_id)
+    ids = [stream.request_id for stream in streams]
+    ctx.in_flight.update(ids)
+    merged = merge_streams(streams)
     try:
-        async for output in stream:
-            for event in to_events(output):
+        async for index, output in merged:
+            for event in to_events(index, output):
                 yield event
         for event in final_events():
             yield event
@@ -152,8 +205,9 @@ async def stream_events(
     except Exception as error:
         yield sse_error(error, field_names)
     finally:
-        ctx.in_flight.discard(stream.request_id)
-        await stream.aclose()
+        ctx.in_flight.difference_update(ids)
+        await merged.aclose()
+        await close_streams(streams)
     yield SSE_DONE
 
 

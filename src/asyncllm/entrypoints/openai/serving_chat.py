@@ -61,9 +61,9 @@ async def create_chat_completion(llm: Any, ctx: ServingContext, request: ChatCom
         raise to_api_error(error, field_names(request)) from error
     if request.stream:
         writer = _ChatStreamWriter(request, request_id, model)
-        events = stream_events(ctx, stream, writer.events, writer.final_events, field_names(request))
+        events = stream_events(ctx, [stream], writer.events, writer.final_events, field_names(request))
         return StreamingResponse(events, media_type="text/event-stream")
-    final = await collect_or_abort(stream, raw, ctx)
+    (final,) = await collect_or_abort([stream], raw, ctx)
     return JSONResponse(content=_response(request, request_id, model, final).model_dump())
 
 
@@ -116,8 +116,8 @@ class _ChatStreamWriter:
         usage = self.usage.info() if self.request.continuous_usage_stats else None
         return sse(dump(ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice], usage=usage)))
 
-    def events(self, output: RequestOutput) -> list[str]:
-        self.usage.add(output)
+    def events(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        self.usage.add(output, prompt_index)
         events = []
         for completion in output.outputs:
             if completion.index not in self.started:

@@ -14,6 +14,7 @@ from asyncllm.entrypoints.openai.responses import CompletionChoice, CompletionRe
 from asyncllm.entrypoints.openai.serving_base import (
     ServingContext,
     UsageCounter,
+    close_streams,
     collect_or_abort,
     dump,
     make_usage,
@@ -22,31 +23,47 @@ from asyncllm.entrypoints.openai.serving_base import (
 )
 from asyncllm.outputs import CompletionOutput, RequestOutput
 from asyncllm.processing.input_processor import PromptType
+from asyncllm.streams import GenerateOutputStream
 
 
-def completion_prompt(request: CompletionRequest) -> PromptType:
-    """The one prompt of the request, as `AsyncLLM.generate()` takes it.
+def completion_prompts(request: CompletionRequest) -> list[PromptType]:
+    """The request's prompts, as `AsyncLLM.generate()` takes them (a batch gives several).
 
     Raises:
-        APIError: 400 for a batch of several prompts (not supported) or an unsupported field.
+        APIError: 400 for an empty prompt list or `best_of` other than `n`.
     """
     prompt = request.prompt
     if request.best_of is not None and request.best_of != request.n:
         raise APIError("best_of is not supported (only best_of == n)", param="best_of")
-    if isinstance(prompt, list):
-        if not prompt:
-            raise APIError("prompt is empty", param="prompt")
-        if isinstance(prompt[0], int):
-            return {"prompt_token_ids": prompt}
-        if len(prompt) > 1:
-            raise APIError("prompt: a batch of several prompts is not supported; send one per request", param="prompt")
-        single = prompt[0]
-        return single if isinstance(single, str) else {"prompt_token_ids": single}
-    return prompt
+    if not isinstance(prompt, list):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+async def submit(llm: Any, prompts: list[PromptType], params: Any, request_id: str) -> list[GenerateOutputStream]:
+    """`llm.generate()` each prompt (ids `<request_id>-<i>` for a batch); all or none are submitted.
+
+    Raises:
+        InvalidRequestError: a prompt or a field is invalid (earlier prompts of the batch are aborted).
+    """
+    streams: list[GenerateOutputStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(llm.generate(prompt, params, request_id=engine_id))
+    except BaseException:
+        await close_streams(streams)
+        raise
+    return streams
 
 
 async def create_completion(llm: Any, ctx: ServingContext, request: CompletionRequest, raw: Request) -> Any:
-    """Serve one completion request (streaming or not).
+    """Serve one completion request (streaming or not). With a batch of k prompts and `n` completions each,
+    choice `index` is `prompt_index * n + completion_index`.
 
     Raises:
         APIError: unknown model, unsupported field (400).
@@ -54,24 +71,26 @@ async def create_completion(llm: Any, ctx: ServingContext, request: CompletionRe
         EngineDeadError: the engine is dead (503).
     """
     model = ctx.check(request.model)
-    prompt = completion_prompt(request)
+    prompts = completion_prompts(request)
     params = request.to_sampling_params(request.max_tokens, request.logprobs)
     request_id = make_id("cmpl")
-    stream = llm.generate(prompt, params, request_id=request_id)
+    streams = await submit(llm, prompts, params, request_id)
     if request.stream:
         writer = _CompletionStreamWriter(request, request_id, model)
-        events = stream_events(ctx, stream, writer.events, writer.final_events)
+        events = stream_events(ctx, streams, writer.events, writer.final_events)
         return StreamingResponse(events, media_type="text/event-stream")
-    final = await collect_or_abort(stream, raw, ctx)
-    return JSONResponse(content=_response(request, request_id, model, final).model_dump())
+    finals = await collect_or_abort(streams, raw, ctx)
+    return JSONResponse(content=_response(request, request_id, model, finals).model_dump())
 
 
-def _choice(request: CompletionRequest, completion: CompletionOutput, text_offset: int) -> CompletionChoice:
+def _choice(
+    request: CompletionRequest, completion: CompletionOutput, text_offset: int, prompt_index: int
+) -> CompletionChoice:
     logprobs = None
     if request.logprobs is not None and completion.logprobs is not None:
         logprobs = to_completion_logprobs(completion.token_ids, completion.logprobs, request.logprobs, text_offset)
     return CompletionChoice(
-        index=completion.index,
+        index=prompt_index * request.n + completion.index,
         text=completion.text,
         logprobs=logprobs,
         finish_reason=completion.finish_reason,
@@ -79,14 +98,19 @@ def _choice(request: CompletionRequest, completion: CompletionOutput, text_offse
     )
 
 
-def _response(request: CompletionRequest, request_id: str, model: str, final: RequestOutput) -> CompletionResponse:
-    usage = final.usage
-    assert usage is not None  # collect() always sets it
+def _response(
+    request: CompletionRequest, request_id: str, model: str, finals: list[RequestOutput]
+) -> CompletionResponse:
+    usages = [final.usage for final in finals if final.usage is not None]  # collect() always sets it
     return CompletionResponse(
         id=request_id,
         model=model,
-        choices=[_choice(request, c, 0) for c in final.outputs],
-        usage=make_usage(usage.num_prompt_tokens, usage.num_generated_tokens, usage.num_cached_tokens),
+        choices=[_choice(request, c, 0, i) for i, final in enumerate(finals) for c in final.outputs],
+        usage=make_usage(
+            sum(u.num_prompt_tokens for u in usages),
+            sum(u.num_generated_tokens for u in usages),
+            sum(u.num_cached_tokens for u in usages),
+        ),
     )
 
 
@@ -98,16 +122,17 @@ class _CompletionStreamWriter:
         self.request_id = request_id
         self.model = model
         self.usage = UsageCounter()
-        self.text_offsets = [0] * request.n
+        self.text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
 
-    def events(self, output: RequestOutput) -> list[str]:
-        self.usage.add(output)
+    def events(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        self.usage.add(output, prompt_index)
         events = []
         for completion in output.outputs:
             if not completion.text and not completion.finished and self.request.logprobs is None:
                 continue
-            choice = _choice(self.request, completion, self.text_offsets[completion.index])
-            self.text_offsets[completion.index] += len(completion.text)
+            offset = self.text_offsets.get(prompt_index * self.request.n + completion.index, 0)
+            choice = _choice(self.request, completion, offset, prompt_index)
+            self.text_offsets[choice.index] = offset + len(completion.text)
             usage = self.usage.info() if self.request.continuous_usage_stats else None
             chunk = CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage)
             events.append(sse(dump(chunk)))
