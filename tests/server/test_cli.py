@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +39,13 @@ def test_serve_help_lists_server_and_engine_flags() -> None:
         "--kv-cache-memory-bytes",
     ):
         assert flag in result.stdout
+
+
+def test_serve_unknown_model_fails_fast_with_one_line(tmp_path: Path) -> None:
+    result = run("serve", str(tmp_path / "missing.gguf"), "--port", "0", timeout=60)
+    assert result.returncode == 1
+    assert "ModelNotFoundError" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_no_command_prints_usage_and_fails() -> None:

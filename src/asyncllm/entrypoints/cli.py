@@ -99,6 +99,9 @@ def _run_serve(ns: argparse.Namespace) -> int:
     from asyncllm.entrypoints.openai.server import run_server
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from asyncllm.model.resolve import resolve_model_path
+
+    resolve_model_path(ns.model)  # fails fast with one line (ModelNotFoundError); fetches a known model once
     config = ServerConfig(
         engine_args=engine_args_from(ns, ns.model),
         served_model_names=ns.served_model_name,
