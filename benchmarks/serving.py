@@ -207,8 +207,7 @@ def wait_ready(process: subprocess.Popen[bytes], log: Path, timeout: float = 300
 
 @contextlib.asynccontextmanager
 async def reference_engine(max_num_seqs: int) -> AsyncIterator[AsyncLLM]:
-    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, EngineArgs(max_num_seqs=max_num_seqs))
-    async with llm:
+    async with AsyncLLM.create(EngineArgs(max_num_seqs=max_num_seqs)) as llm:
         yield llm
 
 

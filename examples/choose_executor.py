@@ -30,7 +30,7 @@ async def run_layout(layout: str, args: argparse.Namespace) -> tuple[list[str], 
     if layout == "mp":
         extra["tensor_parallel_size"] = args.tensor_parallel_size
     start = time.perf_counter()
-    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, EngineArgs(model=args.model, **extra))
+    llm = await AsyncLLM.create(EngineArgs(model=args.model, **extra))
     startup = time.perf_counter() - start
     async with llm:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

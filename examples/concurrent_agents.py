@@ -45,8 +45,7 @@ async def run_agent(llm: AsyncLLM, index: int, args: argparse.Namespace) -> list
 
 
 async def main(args: argparse.Namespace) -> None:
-    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, EngineArgs(model=args.model))
-    async with llm:
+    async with AsyncLLM.create(EngineArgs(model=args.model)) as llm:  # starts without blocking the loop
         start = time.perf_counter()
         results = await asyncio.gather(*(run_agent(llm, i, args) for i in range(args.agents)))
         elapsed = time.perf_counter() - start

@@ -3,14 +3,14 @@
     python examples/fastapi_embed.py --port 8001
     curl -N "http://127.0.0.1:8001/ask?question=Why+is+the+sky+blue%3F&max_tokens=64"
 
-The engine starts before the app accepts requests (in a worker thread, so the event loop stays free) and stops
-when the app stops. A client that disconnects mid-answer closes the stream, which aborts its request.
+The engine starts before the app accepts requests (`AsyncLLM.create`: in a worker thread, so the event loop
+stays free) and stops when the app stops. A client that disconnects mid-answer closes the stream, which aborts
+its request.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -23,9 +23,9 @@ from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutputKin
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, EngineArgs(model="smollm2-135m-instruct"))
-    app.state.llm = llm
-    async with llm:  # shuts the engine down when the app stops
+    # create() starts the engine in a worker thread (the loop stays free); `async with` shuts it down at exit
+    async with AsyncLLM.create(EngineArgs(model="smollm2-135m-instruct")) as llm:
+        app.state.llm = llm
         yield
 
 

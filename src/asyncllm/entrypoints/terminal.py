@@ -55,7 +55,7 @@ async def generate(args: EngineArgs, prompt: str, raw: bool, params: SamplingPar
     """`asyncllm generate`: one answer to stdout, a timing line to stderr. Returns the exit code."""
     from asyncllm.async_llm import AsyncLLM
 
-    llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+    llm = await AsyncLLM.create(args)
     async with llm:
         engine_prompt: Any = prompt if raw else [{"role": "user", "content": prompt}]
         start = time.perf_counter()
@@ -68,11 +68,10 @@ async def generate(args: EngineArgs, prompt: str, raw: bool, params: SamplingPar
 
 def chat(args: EngineArgs, params: SamplingParams, system: str | None) -> int:
     """`asyncllm chat`: the interactive loop. Returns the exit code."""
-    from asyncllm.async_llm import AsyncLLM
 
     loop = asyncio.new_event_loop()
     try:
-        llm = loop.run_until_complete(asyncio.to_thread(AsyncLLM.from_engine_args, args))
+        llm = loop.run_until_complete(_start(args))
         history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         print("asyncllm chat: Ctrl-C stops an answer, Ctrl-D exits.", file=sys.stderr)
         try:
@@ -82,6 +81,12 @@ def chat(args: EngineArgs, params: SamplingParams, system: str | None) -> int:
     finally:
         loop.close()
     return 0
+
+
+async def _start(args: EngineArgs) -> Any:
+    from asyncllm.async_llm import AsyncLLM
+
+    return await AsyncLLM.create(args)
 
 
 def _chat_loop(

@@ -8,7 +8,6 @@ needs `Authorization: Bearer <key>` (compared in constant time with `hmac.compar
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import importlib.metadata
 import logging
@@ -61,15 +60,15 @@ class ServerConfig:
 
 
 async def start_engine(args: EngineArgs) -> Any:
-    """Start an `AsyncLLM` without blocking the event loop (model resolution and engine start-up run in a
-    worker thread).
+    """Start an `AsyncLLM` without blocking the event loop (`AsyncLLM.create`: model resolution and engine
+    start-up run in a worker thread).
 
     Raises:
         InvalidRequestError, ModelNotFoundError, EngineDeadError: as `AsyncLLM.from_engine_args`.
     """
     from asyncllm.async_llm import AsyncLLM
 
-    return await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+    return await AsyncLLM.create(args)
 
 
 def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
@@ -105,7 +104,7 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
 
 
 def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
-    names = config.served_model_names or [config.engine_args.model]
+    names = config.served_model_names or [str(config.engine_args.model)]
     return ServingContext(names=list(names), max_model_len=llm.config.model.max_model_len)
 
 
