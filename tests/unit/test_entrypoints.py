@@ -34,6 +34,7 @@ def test_every_engine_args_field_but_model_has_a_flag_with_help() -> None:
             continue
         assert "--" + f.name.replace("_", "-") in flags
         assert docs.get(f.name), f"no docstring line for EngineArgs.{f.name}"
+    assert "--max-num-seqs" in parser.format_help()  # every help text formats (a bare % in a docstring would not)
 
 
 def test_flags_parse_to_engine_args_of_the_right_types() -> None:

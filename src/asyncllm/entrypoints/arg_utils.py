@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
         flag = "--" + f.name.replace("_", "-")
         kwargs = _argparse_kwargs(hints[f.name])
         default = f.default
-        help_text = docs.get(f.name, "")
+        help_text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
         group.add_argument(flag, dest=f.name, default=default, help=f"{help_text} (default: {default!r})", **kwargs)
 
 
