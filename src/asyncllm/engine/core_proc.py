@@ -142,7 +142,9 @@ class EngineCoreProc:
                 self.core.shutdown()
             except Exception:
                 logger.exception("engine core shutdown failed")
-            self._ctx.term()
+            if not self._output_thread.is_alive() and not self._input_thread.is_alive():
+                self._ctx.term()  # else an I/O thread is stuck in ZeroMQ (a client that stopped reading): never
+                # block on it; the process exits anyway (`os._exit`), a thread leaves the context to the GC
         return code
 
     # ---- I/O threads ---------------------------------------------------------------------------------

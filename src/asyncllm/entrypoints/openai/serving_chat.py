@@ -63,7 +63,10 @@ async def create_chat_completion(llm: Any, ctx: ServingContext, request: ChatCom
         writer = _ChatStreamWriter(request, request_id, model)
         events = stream_events(ctx, [stream], writer.events, writer.final_events, field_names(request))
         return StreamingResponse(events, media_type="text/event-stream")
-    (final,) = await collect_or_abort([stream], raw, ctx)
+    try:
+        (final,) = await collect_or_abort([stream], raw, ctx)
+    except InvalidRequestError as error:  # a long prompt is tokenized off the loop: validated at the first await
+        raise to_api_error(error, field_names(request)) from error
     return JSONResponse(content=_response(request, request_id, model, final).model_dump())
 
 
