@@ -82,7 +82,8 @@ def record_input_absmax() -> Iterator[dict[int, torch.Tensor]]:
     """While active, every `linear` call records its input's per-channel max |x| ([in_features] float32),
     keyed by `id(weight)`, into the yielded dict (maxima over all calls)."""
     global _input_absmax
-    _input_absmax = stats = {}
+    stats: dict[int, torch.Tensor] = {}
+    _input_absmax = stats
     try:
         yield stats
     finally:
