@@ -25,7 +25,7 @@ from asyncllm.model.loader import load_model
 from asyncllm.model.tokenizer import Tokenizer
 from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids
 from tests.integration.test_engine_core import _assert_all_free, _assert_same_where_clear, _requests, _run
-from tests.integration.test_model_parity import CHATS
+from tests.integration.test_model_parity import CHATS, _Runner
 from tests.reference import clear_prefix_len, greedy_margins, next_token_logits
 
 LAST_POSITION_BOUND = 0.12  # relative logit error at the last prompt position (measured <= 0.074)
@@ -56,15 +56,37 @@ def test_int8_logit_error_against_fp32_on_the_parity_corpus(model_path: str, mod
         assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= MIN_TOP1_AGREEMENT, chat
 
 
+def test_int8_chunked_prefill_then_decode_is_close_to_one_prefill(model_path: str, models: tuple[Any, Any]) -> None:
+    """Chunking changes attention's fp32 summation order in the last bits; a per-row int8 rounding that lands
+    on the other side of .5 then moves later layers by one quantization step. Measured: max |diff| 1.30-1.39
+    logits (0.043-0.054 of the largest logit) against 5e-5 for fp32; the choice flips only at a near-tie."""
+    _, int8 = models
+    tokenizer = Tokenizer.load(model_path)
+    for chat in CHATS:
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": chat}]))
+        whole = next_token_logits(int8, ids)[-1]
+        runner = _Runner(int8, 1, len(ids))
+        runner.step([ids[:13]])
+        runner.step([ids[13:-2]])
+        runner.step([ids[-2:-1]])
+        chunked = runner.step([ids[-1:]])[0]
+        assert (whole - chunked).abs().max() <= 0.1 * whole.abs().max(), chat
+        top2 = whole.topk(2).values
+        if top2[0] - top2[1] > CLEAR_MARGIN:
+            assert int(chunked.argmax()) == int(whole.argmax()), chat
+
+
 def test_int8_follows_fp32_greedy_answers_where_the_choice_is_clear(model_path: str, models: tuple[Any, Any]) -> None:
     tokenizer = Tokenizer.load(model_path)
     fp32, int8 = models
     num_compared = 0
     for chat in CHATS:
         prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": chat}]))
-        ids = list(prompt)
-        for _ in range(16):
-            ids.append(int(next_token_logits(fp32, ids)[-1].argmax()))
+        ids, runner = list(prompt), _Runner(fp32, 1, len(prompt) + 16)
+        logits = runner.step([prompt])[0]
+        for _ in range(16):  # fp32 greedy answer, decoded step by step
+            ids.append(int(logits.argmax()))
+            logits = runner.step([ids[-1:]])[0]
         rows = slice(len(prompt) - 1, len(ids) - 1)
         ref, got = next_token_logits(fp32, ids)[rows], next_token_logits(int8, ids)[rows]
         top2 = ref.topk(2, dim=-1).values
@@ -83,8 +105,9 @@ async def test_int8_engine_completes_a_prompt(model_path: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_num_batched_tokens", [1024, 24])  # 24: prompts of up to 108 tokens are chunked
-def test_int8_batched_matches_alone_where_greedy_choice_is_clear(model_path: str, max_num_batched_tokens: int) -> None:
+@pytest.mark.timeout(1200)  # 32 real-model runs; minutes on a loaded 2-core machine
+def test_int8_batched_matches_alone_where_greedy_choice_is_clear(model_path: str) -> None:
+    max_num_batched_tokens = 24  # prompts of up to 108 tokens are prefilled in chunks, alone and batched
     args = EngineArgs(
         model=model_path,
         quantization="int8",

@@ -37,7 +37,7 @@ def _param(*shape: int) -> nn.Parameter:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight, over the last dim."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def rotary_cos_sin(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,10 +140,10 @@ class LlamaDecoderLayer(nn.Module):
         qkv = linear(x, self.qkv_proj)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, -1, d), cos, sin)
-        k = apply_rotary(k.view(n, -1, d), cos, sin)
-        write_kv_cache(kv_cache, k, v.view(n, -1, d), meta.slot_mapping)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rotary(qk.view(n, -1, d), cos, sin)  # q and k heads rotated in one pass
+        q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
+        write_kv_cache(kv_cache, k, v.view(n, -1, d), meta.slot_mapping, meta.slot_blocks)
         return all_reduce(linear(paged_attention(q, kv_cache, meta), self.o_proj))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:

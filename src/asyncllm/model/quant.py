@@ -70,11 +70,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8 quantization of `[rows, features]` float32 activations.
 
     Returns:
-        (int8 [rows, features], float32 [rows, 1] scales); a row of zeros gets scale 1.
+        (int8 [rows, features], float32 [rows, 1] scales); a row of zeros gets a tiny scale and stays zero.
     """
-    absmax = x.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-    return torch.round(x / scale).to(torch.int8), scale
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).mul_(1 / 127)
+    return x.div(scale).round_().to(torch.int8), scale
 
 
 @contextmanager
@@ -115,4 +114,4 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         return x @ weight
     qx, x_scale = quantize_rows(x)
     acc = torch._int_mm(qx, weight.qweight)  # int32 [rows, out]
-    return acc.float().mul_(x_scale).mul_(weight.scale)
+    return torch.mul(acc, x_scale).mul_(weight.scale)  # int32 * float32 -> float32
