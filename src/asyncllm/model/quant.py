@@ -114,4 +114,4 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         return x @ weight
     qx, x_scale = quantize_rows(x)
     acc = torch._int_mm(qx, weight.qweight)  # int32 [rows, out]
-    return torch.mul(acc, x_scale).mul_(weight.scale)  # int32 * float32 -> float32
+    return acc.float().mul_(x_scale).mul_(weight.scale)  # (a mixed int32 * float32 mul is 15% slower at 32 rows)
