@@ -123,7 +123,7 @@ async def measure_asyncllm(
     """{"quiet": {streams: tok/s}, "contended": {...}} for one engine configuration."""
     args = EngineArgs(model=path, quantization=quantization, max_num_seqs=max(streams))  # type: ignore[arg-type]
     results: dict[str, dict[int, float]] = {}
-    async with AsyncLLM.from_engine_args(args) as llm:
+    async with AsyncLLM.create(args) as llm:
         await run_asyncllm(llm, make_prompts(2), 8)  # warm-up
         for mode in ["quiet", "contended"] if contended else ["quiet"]:
             with cpu_hog(mode == "contended"):

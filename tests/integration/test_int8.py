@@ -99,7 +99,7 @@ def test_int8_follows_fp32_greedy_answers_where_the_choice_is_clear(model_path: 
 
 async def test_int8_engine_completes_a_prompt(model_path: str) -> None:
     args = EngineArgs(model=model_path, quantization="int8", engine_process=False, num_kv_blocks=64)
-    async with AsyncLLM.from_engine_args(args) as llm:
+    async with AsyncLLM.create(args) as llm:
         final = await llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0)).collect()
     assert final.outputs[0].text.startswith(" Paris")
 
@@ -132,7 +132,7 @@ def test_int8_batched_matches_alone_where_greedy_choice_is_clear(model_path: str
 @pytest.mark.mp
 def test_int8_tp3_equals_tp1_where_the_choice_is_clear(model_path: str, models: tuple[Any, Any]) -> None:
     async def run(**kw: Any) -> tuple[list[list[int]], list[list[int]]]:
-        async with AsyncLLM.from_engine_args(engine_args(model_path, quantization="int8", **kw)) as llm:
+        async with AsyncLLM.create(engine_args(model_path, quantization="int8", **kw)) as llm:
             prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
             return prompts, await greedy_ids(llm, PROMPTS)
 
