@@ -128,7 +128,13 @@ async def measure_asyncllm(
         for mode in ["quiet", "contended"] if contended else ["quiet"]:
             with cpu_hog(mode == "contended"):
                 await run_asyncllm(llm, make_prompts(max(streams)), 4)  # let the thread policy settle
-                results[mode] = {n: await run_asyncllm(llm, make_prompts(n), max_tokens) for n in streams}
+                results[mode] = {}
+                for n in streams:
+                    results[mode][n] = await run_asyncllm(llm, make_prompts(n), max_tokens)
+                    print(
+                        f"asyncllm {quantization or 'fp32'} {mode} {n} streams: {results[mode][n]:.1f} tok/s",
+                        flush=True,
+                    )
     return results
 
 
@@ -140,7 +146,10 @@ def measure_transformers(
     results: dict[str, dict[int, float]] = {}
     for mode in ["quiet", "contended"] if contended else ["quiet"]:
         with cpu_hog(mode == "contended"):
-            results[mode] = {n: run_transformers(model, tokenizer, make_prompts(n), max_tokens) for n in streams}
+            results[mode] = {}
+            for n in streams:
+                results[mode][n] = run_transformers(model, tokenizer, make_prompts(n), max_tokens)
+                print(f"HF fp32 {mode} {n} streams: {results[mode][n]:.1f} tok/s", flush=True)
     return results
 
 
