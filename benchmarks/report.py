@@ -50,8 +50,8 @@ def throughput_tables(t: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(profile: dict[str, Any], t: dict[str, Any], f: dict[str, Any]) -> str:
-    m = t["machine"]
+def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any]) -> str:
+    m = f["machine"]
     lines = [
         "# Benchmarks",
         "",
@@ -59,13 +59,18 @@ def render(profile: dict[str, Any], t: dict[str, Any], f: dict[str, Any]) -> str
         "to a reference measured in the same run on the same machine; only those ratios carry over between hosts.",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}.",
-        f"Load average (1, 5, 15 min) before the throughput run {t['load_before']}, after {t['load_after']}.",
         "",
         "## Throughput (`benchmarks/throughput.py`)",
         "",
         "asyncllm as a user runs it (`AsyncLLM`, engine process, default thread policy) against HF `transformers`",
         "`generate` (one padded batch, fp32, torch's default threads) on the same GGUF model and prompts.",
-        *throughput_tables(t),
+    ]
+    if t is None:
+        lines += ["", "Not measured yet (no benchmarks/results/throughput.json): run `make bench`."]
+    else:
+        lines += ["", f"Load average (1, 5, 15 min) before {t['load_before']}, after {t['load_after']}."]
+        lines += throughput_tables(t)
+    lines += [
         "",
         "## Where a decode step's time goes (`benchmarks/step_profile.py`)",
         "",
@@ -88,7 +93,8 @@ def render(profile: dict[str, Any], t: dict[str, Any], f: dict[str, Any]) -> str
         f"| {f['cpu_us_per_token']:.1f} | {f['wall_us_per_token']:.1f} | {f['tokens_per_s']:.0f}"
         f" | {f['max_event_loop_stall_ms']:.1f} ms |",
         "",
-        f"Load average before {f['load_before']}, after {f['load_after']}.",
+        f"Load average before {f['load_before']}, after {f['load_after']}; step profile: before"
+        f" {[round(x, 2) for x in profile['load_before']]}, after {[round(x, 2) for x in profile['load_after']]}.",
         "",
         (HERE / "analysis.md").read_text().rstrip(),
         "",
@@ -100,12 +106,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--contended", action="store_true")
+    parser.add_argument("--render-only", action="store_true", help="rewrite the doc from the saved JSON results")
     args = parser.parse_args()
-    profile = run("step_profile.py")
-    throughput = run(
-        "throughput.py", *(["--quick"] if args.quick else []), *(["--contended"] if args.contended else [])
-    )
-    frontend = run("frontend_overhead.py")
+    if args.render_only:
+        profile = json.loads((RESULTS / "step_profile.json").read_text())
+        frontend = json.loads((RESULTS / "frontend_overhead.json").read_text())
+        saved = RESULTS / "throughput.json"
+        throughput = json.loads(saved.read_text()) if saved.is_file() else None
+    else:
+        profile = run("step_profile.py")
+        flags = [*(["--quick"] if args.quick else []), *(["--contended"] if args.contended else [])]
+        throughput = run("throughput.py", *flags)
+        frontend = run("frontend_overhead.py")
     DOC.write_text(render(profile, throughput, frontend))
     print(f"wrote {DOC}")
 
