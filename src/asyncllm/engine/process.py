@@ -80,9 +80,13 @@ def die_with_parent(parent_pid: int, parent_is_main_thread: bool, ipc_dir: str) 
 
     Linux: `prctl(PR_SET_PDEATHSIG, SIGTERM)` (only when the parent's main thread started us: the signal follows
     the thread, not the process). Everywhere: a daemon thread polls `os.getppid()` every 0.5 s. On SIGTERM the
-    process raises `SystemExit` in its main thread so normal clean-up runs.
+    process raises `SystemExit` in its main thread so normal clean-up runs. SIGINT is ignored (and so is it in
+    the worker processes this one spawns, which inherit that): Ctrl-C in a terminal reaches the whole process
+    group, and the parent decides what it means (e.g. `asyncllm chat` stops one answer; `asyncllm serve` drains
+    and then shuts the engine down).
     """
     signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(parent_pid, ipc_dir))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux") and parent_is_main_thread:
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)

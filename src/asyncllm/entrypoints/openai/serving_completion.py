@@ -1,0 +1,145 @@
+"""`POST /v1/completions`: a `CompletionRequest` -> `AsyncLLM.generate()` -> one JSON body or SSE chunks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from asyncllm.entrypoints.openai.errors import APIError
+from asyncllm.entrypoints.openai.logprobs import to_completion_logprobs
+from asyncllm.entrypoints.openai.protocol import CompletionRequest
+from asyncllm.entrypoints.openai.responses import CompletionChoice, CompletionResponse, make_id
+from asyncllm.entrypoints.openai.serving_base import (
+    ServingContext,
+    UsageCounter,
+    close_streams,
+    collect_or_abort,
+    dump,
+    make_usage,
+    sse,
+    stream_events,
+)
+from asyncllm.outputs import CompletionOutput, RequestOutput
+from asyncllm.processing.input_processor import PromptType
+from asyncllm.streams import GenerateOutputStream
+
+
+def completion_prompts(request: CompletionRequest) -> list[PromptType]:
+    """The request's prompts, as `AsyncLLM.generate()` takes them (a batch gives several).
+
+    Raises:
+        APIError: 400 for an empty prompt list or `best_of` other than `n`.
+    """
+    prompt = request.prompt
+    if request.best_of is not None and request.best_of != request.n:
+        raise APIError("best_of is not supported (only best_of == n)", param="best_of")
+    if not isinstance(prompt, list):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [{"prompt_token_ids": prompt}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+
+async def submit(llm: Any, prompts: list[PromptType], params: Any, request_id: str) -> list[GenerateOutputStream]:
+    """`llm.generate()` each prompt (ids `<request_id>-<i>` for a batch); all or none are submitted.
+
+    Raises:
+        InvalidRequestError: a prompt or a field is invalid (earlier prompts of the batch are aborted).
+    """
+    streams: list[GenerateOutputStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(llm.generate(prompt, params, request_id=engine_id))
+    except BaseException:
+        await close_streams(streams)
+        raise
+    return streams
+
+
+async def create_completion(llm: Any, ctx: ServingContext, request: CompletionRequest, raw: Request) -> Any:
+    """Serve one completion request (streaming or not). With a batch of k prompts and `n` completions each,
+    choice `index` is `prompt_index * n + completion_index`.
+
+    Raises:
+        APIError: unknown model, unsupported field (400).
+        InvalidRequestError: out-of-range fields, prompt too long (400 via the error handlers).
+        EngineDeadError: the engine is dead (503).
+    """
+    model = ctx.check(request.model)
+    prompts = completion_prompts(request)
+    params = request.to_sampling_params(request.max_tokens, request.logprobs)
+    request_id = make_id("cmpl")
+    streams = await submit(llm, prompts, params, request_id)
+    if request.stream:
+        writer = _CompletionStreamWriter(request, request_id, model)
+        events = stream_events(ctx, streams, writer.events, writer.final_events)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await collect_or_abort(streams, raw, ctx)
+    return JSONResponse(content=_response(request, request_id, model, finals).model_dump())
+
+
+def _choice(
+    request: CompletionRequest, completion: CompletionOutput, text_offset: int, prompt_index: int
+) -> CompletionChoice:
+    logprobs = None
+    if request.logprobs is not None and completion.logprobs is not None:
+        logprobs = to_completion_logprobs(completion.token_ids, completion.logprobs, request.logprobs, text_offset)
+    return CompletionChoice(
+        index=prompt_index * request.n + completion.index,
+        text=completion.text,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )
+
+
+def _response(
+    request: CompletionRequest, request_id: str, model: str, finals: list[RequestOutput]
+) -> CompletionResponse:
+    usages = [final.usage for final in finals if final.usage is not None]  # collect() always sets it
+    return CompletionResponse(
+        id=request_id,
+        model=model,
+        choices=[_choice(request, c, 0, i) for i, final in enumerate(finals) for c in final.outputs],
+        usage=make_usage(
+            sum(u.num_prompt_tokens for u in usages),
+            sum(u.num_generated_tokens for u in usages),
+            sum(u.num_cached_tokens for u in usages),
+        ),
+    )
+
+
+class _CompletionStreamWriter:
+    """DELTA `RequestOutput`s of one request -> `text_completion` SSE chunks."""
+
+    def __init__(self, request: CompletionRequest, request_id: str, model: str) -> None:
+        self.request = request
+        self.request_id = request_id
+        self.model = model
+        self.usage = UsageCounter()
+        self.text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
+
+    def events(self, prompt_index: int, output: RequestOutput) -> list[str]:
+        self.usage.add(output, prompt_index)
+        events = []
+        for completion in output.outputs:
+            if not completion.text and not completion.finished and self.request.logprobs is None:
+                continue
+            offset = self.text_offsets.get(prompt_index * self.request.n + completion.index, 0)
+            choice = _choice(self.request, completion, offset, prompt_index)
+            self.text_offsets[choice.index] = offset + len(completion.text)
+            usage = self.usage.info() if self.request.continuous_usage_stats else None
+            chunk = CompletionResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage)
+            events.append(sse(dump(chunk)))
+        return events
+
+    def final_events(self) -> list[str]:
+        if not self.request.include_usage:
+            return []
+        chunk = CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=self.usage.info())
+        return [sse(dump(chunk))]
