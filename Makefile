@@ -1,5 +1,5 @@
 # The two commands a newcomer runs. Each does its own set-up (.venv, torch==2.13.0 CPU, install, model fetch).
-.PHONY: run test test-fast lint
+.PHONY: run test test-fast lint bench
 
 run:            ## stream a real answer from the default model (SmolLM2-135M-Instruct)
 	@scripts/setup.sh runtime
@@ -18,3 +18,7 @@ lint:           ## ruff and mypy on the sources
 	@.venv/bin/ruff check src tests benchmarks examples
 	@.venv/bin/ruff format --check src tests benchmarks examples
 	@.venv/bin/mypy
+
+bench:          ## speed benchmarks (quick, quiet and contended, ~8 min on a quiet machine) -> docs/benchmarks.md
+	@scripts/setup.sh dev
+	@.venv/bin/python benchmarks/report.py --quick --contended

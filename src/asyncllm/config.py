@@ -15,6 +15,7 @@ from typing import Any, Literal
 from asyncllm.errors import ConfigError
 
 LoadFormat = Literal["auto", "dummy"]
+Quantization = Literal["int8"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -29,6 +30,7 @@ class ModelConfig:
         load_format: "auto" (real weights) or "dummy" (random weights, same shapes; for fast tests).
         max_model_len: tokens per sequence (prompt + output) at most; None = the model's context length.
         seed: global seed (dummy weights, unseeded sampling).
+        quantization: None (float32 weights) or "int8" (int8 linear weights and LM head, see `model/quant.py`).
     """
 
     model: str
@@ -36,6 +38,7 @@ class ModelConfig:
     load_format: LoadFormat = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: Quantization | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,9 @@ class EngineArgs:
         engine_process: engine core in its own process (True, default: model work never competes with the
             caller's event loop, and a crash there cannot take the caller down) or in a background thread (False).
         load_format: "auto" or "dummy" (random weights).
+        quantization: None (float32, default) or "int8": every linear layer and the LM head run with int8
+            weights (per output channel) and int8 per-row dynamic activations; from float or GGUF checkpoints
+            (GGUF is dequantized, then requantized). See README "Speed" and docs/benchmarks.md.
         distributed_executor_backend: "uni" (model in the engine process, default), "mp" (one worker process
             per rank), "ray" (one Ray actor per rank; `asyncllm[ray]`), an `Executor` subclass or
             "package.module:Class". See docs/executors.md.
@@ -167,6 +173,7 @@ class EngineArgs:
     seed: int = 0
     engine_process: bool = True
     load_format: LoadFormat = "auto"
+    quantization: Quantization | None = None
     distributed_executor_backend: str | type = "uni"
     tensor_parallel_size: int = 1
     ray_address: str | None = None
@@ -215,6 +222,8 @@ class EngineArgs:
                 raise ConfigError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 1")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
+        if self.quantization not in (None, "int8"):
+            raise ConfigError(f"EngineArgs.quantization={self.quantization!r}: must be None or 'int8'")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"EngineArgs.scheduling_policy={self.scheduling_policy!r}: must be 'fcfs' or 'priority'")
         if not isinstance(self.ray_placement_timeout_s, (int, float)) or not self.ray_placement_timeout_s > 0:
@@ -242,6 +251,7 @@ class EngineArgs:
             load_format=self.load_format,
             max_model_len=self.max_model_len,
             seed=self.seed,
+            quantization=self.quantization,
         )
         cache = CacheConfig(
             block_size=self.block_size,

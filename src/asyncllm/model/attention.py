@@ -19,21 +19,29 @@ import torch.nn.functional as F
 from asyncllm.model.attention_metadata import AttentionGroup, AttentionMetadata
 
 
-def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values in the paged cache, in place.
+def write_kv_cache(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    slot_blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Store this step's keys and values in the paged cache, in place (one indexed write for both).
 
     Args:
         kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] float32; modified in place.
         key, value: [num_tokens, num_kv_heads, head_dim].
         slot_mapping: [num_tokens] int64 slot (block_id * block_size + offset) of each token.
+        slot_blocks: (block ids, offsets) of `slot_mapping`, [num_tokens] int64 each, if already computed
+            (`AttentionMetadata.slot_blocks`, once per step instead of once per layer).
     Raises:
         IndexError: if a slot is outside the cache.
     """
-    block_size = kv_cache.shape[2]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping % block_size
-    kv_cache[blocks, 0, offsets] = key
-    kv_cache[blocks, 1, offsets] = value
+    if slot_blocks is None:
+        block_size = kv_cache.shape[2]
+        slot_blocks = torch.div(slot_mapping, block_size, rounding_mode="floor"), slot_mapping % block_size
+    blocks, offsets = slot_blocks
+    kv_cache.permute(0, 2, 1, 3, 4)[blocks, offsets] = torch.stack((key, value), dim=1)
 
 
 def gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,12 +57,14 @@ class AttentionMetadata:
         slot_mapping: [num_tokens] int64; cache slot (block_id * block_size + offset) each token's K/V goes to.
         groups: one or two `AttentionGroup`s covering every sequence once.
         block_size: tokens per block.
+        slot_blocks: (block id, offset in block) of each slot, [num_tokens] int64 each (computed once per step).
     """
 
     num_tokens: int
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
     block_size: int
+    slot_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def build_attention_metadata(
@@ -101,7 +103,8 @@ def build_attention_metadata(
             groups.append(
                 _build_group(q[members], s[members], starts[members], tables[members], num_tokens, block_size)
             )
-    return AttentionMetadata(num_tokens, torch.from_numpy(slots), groups, block_size)
+    slot_blocks = (torch.from_numpy(slots // block_size), torch.from_numpy(slots % block_size))
+    return AttentionMetadata(num_tokens, torch.from_numpy(slots), groups, block_size, slot_blocks)
 
 
 def _pad_block_tables(block_tables: list[list[int]], seq_lens: np.ndarray, block_size: int) -> np.ndarray:

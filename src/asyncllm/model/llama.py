@@ -28,7 +28,8 @@ from torch import nn
 from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, get_tp_rank, get_tp_size
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention import paged_attention, write_kv_cache
-from asyncllm.model.attention_metadata import AttentionMetadata
+from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from asyncllm.model.quant import Weight, linear, quantize_int8, record_input_absmax, smoothing_scale
 from asyncllm.model.rope import rotary_cos_sin
 
 
@@ -38,7 +39,7 @@ def _param(*shape: int) -> nn.Parameter:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight, over the last dim."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,6 +53,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -72,12 +76,44 @@ class LlamaDecoderLayer(nn.Module):
         self.kv_size = arch.num_key_value_heads // tp_size * d
         self.inter_size = arch.intermediate_size // tp_size
         self.input_norm = _param(h)
-        self.qkv_proj = _param(h, self.q_size + 2 * self.kv_size)
+        self.qkv_proj: Weight = _param(h, self.q_size + 2 * self.kv_size)
         self.qkv_bias: nn.Parameter | None = _param(self.q_size + 2 * self.kv_size) if qkv_bias else None
-        self.o_proj = _param(self.q_size, h)
+        self.o_proj: Weight = _param(self.q_size, h)
         self.post_attention_norm = _param(h)
-        self.gate_up_proj = _param(h, 2 * self.inter_size)
-        self.down_proj = _param(self.inter_size, h)
+        self.gate_up_proj: Weight = _param(h, 2 * self.inter_size)
+        self.down_proj: Weight = _param(self.inter_size, h)
+
+    def smooth(self, input_absmax: dict[int, torch.Tensor]) -> None:
+        """Apply SmoothQuant factors (`model/quant.py`) to the four linear inputs, exactly in fp32: each input
+        channel of a weight is scaled by s and the tensor producing that input (norm weight, V columns, up
+        columns) by 1 / s. Needs the recorded input max |x| of every weight of this layer."""
+        qkv, o, gate_up, down = (cast(torch.Tensor, getattr(self, n)) for n in LINEAR_WEIGHTS)
+        s = smoothing_scale(input_absmax[id(qkv)], qkv.abs().amax(1))
+        self.input_norm.div_(s)
+        qkv.mul_(s[:, None])
+        s = smoothing_scale(input_absmax[id(gate_up)], gate_up.abs().amax(1))
+        self.post_attention_norm.div_(s)
+        gate_up.mul_(s[:, None])
+        s = smoothing_scale(input_absmax[id(down)], down.abs().amax(1))
+        gate_up[:, self.inter_size :].div_(s)  # up columns: silu(gate) * up is linear in up
+        down.mul_(s[:, None])
+        # o_proj's input channel (head h, dim j) is V column (h // per_kv, j) mixed by attention: one factor per
+        # KV head and dim, shared by the query heads of its group.
+        d, num_kv = self.arch.head_dim, self.kv_size // self.arch.head_dim
+        act = input_absmax[id(o)].view(num_kv, -1, d).amax(1)
+        s_kv = smoothing_scale(act.flatten(), o.abs().amax(1).view(num_kv, -1, d).amax(1).flatten())
+        v_cols = slice(self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)
+        qkv[:, v_cols].div_(s_kv)
+        if self.qkv_bias is not None:
+            self.qkv_bias[v_cols].div_(s_kv)
+        o.mul_(s_kv.view(num_kv, 1, d).expand(num_kv, self.q_size // self.kv_size, d).reshape(-1, 1))
+
+    def quantize_int8(self) -> None:
+        """Replace the four fused fp32 weights by int8 ones (this rank's shard, per output channel)."""
+        for name in LINEAR_WEIGHTS:
+            weight = getattr(self, name)
+            delattr(self, name)  # drop the Parameter registration before storing a non-Parameter
+            setattr(self, name, quantize_int8(weight))
 
     def forward(
         self,
@@ -96,18 +132,18 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         n, d = x.shape[0], self.arch.head_dim
-        qkv = x @ self.qkv_proj
+        qkv = linear(x, self.qkv_proj)
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, -1, d), cos, sin)
-        k = apply_rotary(k.view(n, -1, d), cos, sin)
-        write_kv_cache(kv_cache, k, v.view(n, -1, d), meta.slot_mapping)
-        return all_reduce(paged_attention(q, kv_cache, meta) @ self.o_proj)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rotary(qk.view(n, -1, d), cos, sin)  # q and k heads rotated in one pass
+        q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
+        write_kv_cache(kv_cache, k, v.view(n, -1, d), meta.slot_mapping, meta.slot_blocks)
+        return all_reduce(linear(paged_attention(q, kv_cache, meta), self.o_proj))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.gate_up_proj).chunk(2, dim=-1)
-        return all_reduce((F.silu(gate) * up) @ self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return all_reduce(linear(F.silu(gate) * up, self.down_proj))
 
     def load_weight(self, name: str, w: torch.Tensor) -> None:
         """Place one HF layer tensor (name after `model.layers.N.`, `[out, in]`) into the fused [in, out] params."""
@@ -133,7 +169,9 @@ class LlamaDecoderLayer(nn.Module):
             self.qkv_bias[start : start + width].copy_(w)
         elif name.endswith(".weight") and name[: -len(".weight")] in slots:
             param, start, width = slots[name[: -len(".weight")]]
-            target: torch.Tensor = getattr(self, param)
+            target = getattr(self, param)
+            if not isinstance(target, torch.Tensor):
+                raise RuntimeError(f"{param} is already quantized; load weights before quantizing")
             target[:, start : start + width].copy_(w.t())
         else:
             raise KeyError(f"unexpected layer weight {name!r}")
@@ -173,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(arch, qkv_bias, tp_rank, tp_size) for _ in range(arch.num_hidden_layers)
         )
         self.norm = _param(arch.hidden_size)
-        self.lm_head = _param(arch.hidden_size, arch.vocab_size)  # [in, out]
+        self.lm_head: Weight = _param(arch.hidden_size, arch.vocab_size)  # [in, out]
         # Tied: embeddings are columns of lm_head (no second 113 MB copy); untied: their own [vocab, hidden].
         self.embed_tokens: nn.Parameter | None = (
             None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
@@ -206,13 +244,55 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] int64 -> [num_tokens, hidden_size] float32 token embeddings."""
         if self.embed_tokens is None:
-            return self.lm_head.index_select(1, input_ids).t().contiguous()
+            return self._fp32_head().index_select(1, input_ids).t().contiguous()
         return self.embed_tokens[input_ids]
+
+    def _fp32_head(self) -> torch.Tensor:
+        if not isinstance(self.lm_head, torch.Tensor):
+            raise RuntimeError("the LM head is quantized; weights must be loaded before quantize_int8")
+        return self.lm_head
+
+    @torch.inference_mode()
+    def quantize_int8(self, calibration_ids: list[int]) -> None:
+        """Store every linear weight and the LM head as int8 per output channel (`model/quant.py`), after
+        SmoothQuant smoothing calibrated on one forward pass over `calibration_ids` (a few hundred tokens of
+        ordinary text). At TP=N every rank runs this together (the pass all-reduces) and quantizes its shard.
+        Embeddings stay float32: a tied model keeps a float32 `[vocab, hidden]` copy of the embedding table,
+        read only at the rows of the step's tokens.
+
+        Raises:
+            ValueError: `calibration_ids` is empty or longer than the model's context.
+        """
+        if not 0 < len(calibration_ids) <= self.arch.max_position_embeddings:
+            raise ValueError(f"calibration needs 1..{self.arch.max_position_embeddings} tokens")
+        head = self._fp32_head()
+        if self.embed_tokens is None:
+            self.embed_tokens = nn.Parameter(head.t().contiguous(), requires_grad=False)
+        with record_input_absmax() as input_absmax:
+            self._calibration_pass(calibration_ids)
+        for layer in self.layers:
+            cast(LlamaDecoderLayer, layer).smooth(input_absmax)
+        s = smoothing_scale(input_absmax[id(head)], head.abs().amax(1))
+        self.norm.div_(s)
+        head.mul_(s[:, None])
+        for layer in self.layers:
+            cast(LlamaDecoderLayer, layer).quantize_int8()
+        del self.lm_head
+        self.lm_head = quantize_int8(head)
+
+    def _calibration_pass(self, token_ids: list[int], block_size: int = 16) -> None:
+        """One prefill of `token_ids` in a scratch KV cache, then the LM head on every row."""
+        n, layer0 = len(token_ids), cast(LlamaDecoderLayer, self.layers[0])
+        num_blocks = -(-n // block_size)
+        shape = (num_blocks, 2, block_size, layer0.kv_size // self.arch.head_dim, self.arch.head_dim)
+        kv_caches = [torch.zeros(shape) for _ in self.layers]
+        meta = build_attention_metadata([n], [n], [list(range(num_blocks))], block_size)
+        self.compute_logits(self(torch.tensor(token_ids), torch.arange(n), kv_caches, meta))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden_size] -> [num_sampled, vocab_size] float32 logits."""
-        return hidden @ self.lm_head
+        return linear(hidden, self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -227,12 +307,12 @@ class LlamaForCausalLM(nn.Module):
     def _load_one(self, name: str, w: torch.Tensor) -> None:
         if name == "model.embed_tokens.weight":
             if self.embed_tokens is None:
-                self.lm_head.copy_(w.t())
+                self._fp32_head().copy_(w.t())
             else:
                 self.embed_tokens.copy_(w)
         elif name == "lm_head.weight":
             if self.embed_tokens is not None:  # tied models ignore a duplicated head
-                self.lm_head.copy_(w.t())
+                self._fp32_head().copy_(w.t())
         elif name == "model.norm.weight":
             self.norm.copy_(w)
         else:

@@ -170,6 +170,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
 
     `load_format="auto"` loads the checkpoint (GGUF dequantized to float32, or safetensors);
     `"dummy"` fills random weights of the right shapes from `model_config.seed` (no file I/O beyond metadata).
+    With `quantization="int8"` the loaded float32 weights (this TP rank's shard) are then requantized.
 
     Returns:
         The model in eval mode, float32, with attribute `arch: ModelArchConfig`.
@@ -187,7 +188,43 @@ def load_model(model_config: ModelConfig) -> nn.Module:
         _fill_dummy(model, model_config.seed)
     else:
         model.load_weights(weights)  # type: ignore[operator]
+    if model_config.quantization == "int8":
+        model.quantize_int8(_calibration_ids(model_config, arch))  # type: ignore[operator]
     return model.eval()
+
+
+# Calibration text for int8 smoothing (`model/quant.py`): a chat turn, prose, code and numbers, written for
+# this project. Activation outliers sit in fixed channels, so a few hundred ordinary tokens find them.
+CALIBRATION_MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant. Answer clearly and briefly."},
+    {"role": "user", "content": "What is the capital of France, and why do rivers flow towards the sea?"},
+    {
+        "role": "assistant",
+        "content": "The capital of France is Paris. Rivers flow downhill because gravity pulls water towards "
+        "lower ground, and the sea is the lowest ground a river can reach. Along the way a river gathers "
+        "rain, melted snow and smaller streams, carves valleys, and carries sand and mud that settle at "
+        "its mouth.\n\nHere is a small Python function:\n\ndef mean(values: list[float]) -> float:\n"
+        "    if not values:\n        raise ValueError('empty')\n    return sum(values) / len(values)\n\n"
+        "In 2024, 3 of 12 tests (25%) took 0.75 s each; the rest took 1,250 ms in total.",
+    },
+    {"role": "user", "content": "Thanks! Can you write a short poem about autumn leaves in the wind?"},
+]
+
+
+def _calibration_ids(model_config: ModelConfig, arch: ModelArchConfig) -> list[int]:
+    """Token ids of `CALIBRATION_MESSAGES` (chat template if the model has one, else plain text); a dummy
+    model (no tokenizer) gets a fixed spread of ids."""
+    if model_config.load_format == "dummy":
+        return [(7919 * i + 13) % arch.vocab_size for i in range(min(256, arch.max_position_embeddings))]
+    from asyncllm.errors import InvalidRequestError
+    from asyncllm.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(model_config.model_path)
+    try:
+        text = tokenizer.apply_chat_template(CALIBRATION_MESSAGES)
+    except InvalidRequestError:
+        text = "\n\n".join(m["content"] for m in CALIBRATION_MESSAGES)
+    return tokenizer.encode(text)[: arch.max_position_embeddings]
 
 
 def _iter_gguf_weights(path: pathlib.Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:

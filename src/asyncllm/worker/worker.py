@@ -1,7 +1,8 @@
 """`Worker`: one model replica with its KV cache, driven by an executor.
 
-It sets the torch thread count, loads the model, sizes and allocates the paged KV cache, and runs each step
-through its `ModelRunner`. Every public method is callable by name through `Executor.collective_rpc`.
+It sets the torch thread count (or adapts it to contention, `worker/thread_policy.py`), loads the model,
+sizes and allocates the paged KV cache, and runs each step through its `ModelRunner`. Every public method is
+callable by name through `Executor.collective_rpc`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
 from asyncllm.worker.kv_cache_sizing import allocate_zeroed, available_memory_bytes, default_num_kv_blocks
 from asyncllm.worker.model_runner import CausalLM, ModelRunner
+from asyncllm.worker.thread_policy import AdaptiveThreads
 
 
 class Worker:
@@ -47,6 +49,10 @@ class Worker:
             num_threads = 1  # N ranks share the machine's cores; oversubscription costs more than it gains
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        # num_threads=None on one rank: adapt between torch's default count and 1 by measured step time.
+        self.thread_policy = (
+            AdaptiveThreads(torch.get_num_threads()) if num_threads is None and torch.get_num_threads() > 1 else None
+        )
         if self.tp_size > 1:
             if distributed_init_method is None:
                 raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method")
@@ -105,8 +111,13 @@ class Worker:
         self.model.compute_logits(hidden)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one scheduled step; see `ModelRunner.execute_model`."""
-        return self.model_runner.execute_model(scheduler_output)
+        """Run one scheduled step; see `ModelRunner.execute_model`. Timed by the thread policy, if any."""
+        if self.thread_policy is None or scheduler_output.total_num_scheduled_tokens == 0:
+            return self.model_runner.execute_model(scheduler_output)
+        key = (scheduler_output.total_num_scheduled_tokens, len(scheduler_output.num_scheduled_tokens))
+        return cast(
+            ModelRunnerOutput, self.thread_policy.run(key, lambda: self.model_runner.execute_model(scheduler_output))
+        )
 
     def get_kv_cache_bytes(self) -> int:
         """Bytes of this rank's KV cache tensors (reserved; resident only where written)."""

@@ -1,0 +1,115 @@
+"""`AdaptiveThreads`: pick the torch intra-op thread count that makes steps fastest right now.
+
+torch's OpenMP threads wait for each other at the end of every parallel op. When another CPU-bound process
+takes one of the cores, one of our threads is descheduled for whole time slices and the rest wait on it:
+measured on a 2-core machine, a 2-thread step becomes about 4x slower while a 1-thread step loses far less
+(docs/benchmarks.md). No fixed count is right both quiet and contended, so the worker measures.
+
+Policy: steps are compared only with steps of the same size (scheduled tokens and rows), since a step's time
+depends on its size. The worker runs at the largest count. Every `probe_interval` steps (doubling after each
+probe that confirms the current count, up to `max_probe_interval`), and at once when a step takes more than
+`slowdown` x the fastest recent step of its size, it runs `probe_steps` steps at the other count; the count
+whose median step time for that size is lower by `hysteresis` wins. Quiet, the cost is the rare probe step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+StepKey = tuple[int, int]  # (scheduled tokens, sampled rows)
+
+
+class AdaptiveThreads:
+    """Switches `torch.set_num_threads` between `max_threads` and 1 by measured step time.
+
+    Args:
+        max_threads: the thread count when the machine is quiet (>= 2; with 1 there is nothing to adapt).
+        probe_interval: steps between two probes at first (doubles while probes confirm the choice).
+        max_probe_interval: the longest gap between probes, in steps.
+        probe_steps: steps run at the other count per probe.
+        slowdown: a step slower than this factor x the fastest recent step of its size triggers a probe.
+        hysteresis: the other count must be this much faster (fraction) to be chosen.
+        set_threads: sets the thread count (torch.set_num_threads; replaceable in tests).
+        clock: seconds (time.perf_counter).
+    Raises:
+        ValueError: max_threads < 2 or a non-positive interval.
+    """
+
+    def __init__(
+        self,
+        max_threads: int,
+        probe_interval: int = 32,
+        max_probe_interval: int = 512,
+        probe_steps: int = 3,
+        slowdown: float = 1.6,
+        hysteresis: float = 0.1,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if max_threads < 2 or probe_interval < 1 or probe_steps < 1:
+            raise ValueError("AdaptiveThreads needs max_threads >= 2 and positive probe sizes")
+        self.max_threads = max_threads
+        self.base_interval, self.max_interval = probe_interval, max_probe_interval
+        self.probe_steps, self.slowdown, self.hysteresis = probe_steps, slowdown, hysteresis
+        self._set_threads, self._clock = set_threads, clock
+        self.threads = max_threads  # the chosen count
+        self._interval = probe_interval
+        self._until_probe = probe_interval
+        self._probing = 0  # probe steps left
+        self._times: dict[int, dict[StepKey, deque[float]]] = {max_threads: {}, 1: {}}
+        self.num_switches = 0
+        set_threads(max_threads)
+
+    @property
+    def current(self) -> int:
+        """Threads the next step runs with."""
+        return self._other if self._probing else self.threads
+
+    @property
+    def _other(self) -> int:
+        return 1 if self.threads == self.max_threads else self.max_threads
+
+    def run(self, key: StepKey, step: Callable[[], object]) -> object:
+        """Run one step with the current thread count, time it and update the policy; returns its result."""
+        start = self._clock()
+        result = step()
+        self.record(key, self._clock() - start)
+        return result
+
+    def record(self, key: StepKey, seconds: float) -> None:
+        """Account one step of size `key` that took `seconds` at `self.current` threads."""
+        threads = self.current
+        history = self._times[threads].setdefault(key, deque(maxlen=8))
+        fastest = min(history, default=seconds)
+        history.append(seconds)
+        if self._probing:
+            self._probing -= 1
+            if self._probing == 0:
+                self._decide(key)
+            return
+        self._until_probe -= 1
+        if self._until_probe <= 0 or seconds > self.slowdown * fastest:
+            self._start_probe()
+
+    def _start_probe(self) -> None:
+        self._probing = self.probe_steps
+        self._times[self._other].clear()  # judge the other count on fresh steps only
+        self._set_threads(self._other)
+
+    def _decide(self, key: StepKey) -> None:
+        ours, theirs = self._times[self.threads].get(key), self._times[self._other].get(key)
+        if ours and theirs and statistics.median(theirs) < (1 - self.hysteresis) * statistics.median(ours):
+            self.threads = self._other
+            self._times[self.threads] = {key: deque(theirs, maxlen=8)}
+            self._times[self._other] = {}
+            self.num_switches += 1
+            self._interval = self.base_interval
+        else:
+            self._interval = min(2 * self._interval, self.max_interval)
+        self._until_probe = self._interval
+        self._set_threads(self.threads)
