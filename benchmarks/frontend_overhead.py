@@ -19,11 +19,10 @@ import pathlib
 import time
 from typing import Any
 
-from process_overhead import CONFIG  # benchmarks/ is on sys.path (the engine process imports the core too)
+from process_overhead import CONFIG, scripted_client  # benchmarks/ is on sys.path (the engine imports the core)
 from throughput import machine_info
 
 from asyncllm import AsyncLLM, SamplingParams
-from asyncllm.engine.mp_client import AsyncMPClient
 from asyncllm.model.resolve import resolve_model_path
 from asyncllm.model.tokenizer import Tokenizer
 
@@ -40,7 +39,7 @@ async def watch_stalls(stop: asyncio.Event, period: float = 0.005) -> float:
 
 async def run(num_streams: int, num_tokens: int) -> dict[str, float]:
     tokenizer = Tokenizer.load(str(resolve_model_path("smollm2-135m-instruct")))
-    client = AsyncMPClient(CONFIG, core_factory="process_overhead:make_scripted_core")
+    client = scripted_client(process=True)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     async with AsyncLLM(CONFIG, tokenizer, client) as llm:
 
