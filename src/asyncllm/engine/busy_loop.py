@@ -60,7 +60,7 @@ def run_busy_loop(core: Any, inputs: queue.Queue[EngineInput], emit: Emit) -> No
             block = False
         if core.has_unfinished_requests():
             outputs = core.step()
-            if outputs.outputs or outputs.finished_requests:
+            if outputs.outputs or outputs.finished_requests or outputs.failed_requests:
                 emit(outputs)
 
 
