@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import weakref
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -23,9 +24,11 @@ from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequest
 from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger, is_prometheus_available
 from asyncllm.metrics.stats import IterationStats
+from asyncllm.outputs import RequestOutput
 from asyncllm.processing.input_processor import InputProcessor, PromptType
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
+from asyncllm.processing.tool_calling import ToolChoice, plan_chat
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 
@@ -159,6 +162,35 @@ class AsyncLLM:
         return GenerateOutputStream(
             request.request_id, collector, self._abort_closed_stream, self._ensure_output_handler, loop
         )
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice = "auto",
+        parallel_tool_calls: bool = True,
+        tool_parser: str = "hermes",
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestOutput:
+        """Run one chat turn to the end, with optional tool calling (OpenAI's `tools` / `tool_choice`).
+
+        See `asyncllm.processing.tool_calling`: "required" or `{"type": "function", "function": {"name": ...}}`
+        force a call valid for the tool's parameter schema (structured outputs); "auto" parses the model's own
+        calls with `tool_parser`; "none" offers no tools.
+        Returns:
+            The final `RequestOutput`; each completion carries `tool_calls` (None when it called no tool).
+        Raises:
+            InvalidRequestError: bad messages, tools, tool_choice or parameters (nothing reaches the engine).
+            EngineGenerateError, EngineDeadError: as `generate()`'s stream.
+        """
+        plan = plan_chat(
+            self._tokenizer, messages, sampling_params, tools, tool_choice, parallel_tool_calls, tool_parser
+        )
+        output = await self.generate(plan.prompt, plan.sampling_params, request_id, priority).collect()
+        return plan.finish(output)
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; each open stream then ends with a final output (finish_reason "abort").

@@ -123,18 +123,31 @@ def assert_valid_json(text: str, schema: dict[str, Any]) -> None:
     jsonschema.validate(json.loads(text), schema)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def llm(model_path: str):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=False, num_kv_blocks=1024))
-    async with engine:
-        yield engine
+class Engines:
+    """The module's engines, started on first use: "thread" (engine core in a thread) and "process"."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.started: dict[str, AsyncLLM] = {}
+
+    def get(self, mode: str) -> AsyncLLM:
+        if mode not in self.started:
+            args = EngineArgs(model=self.model_path, engine_process=mode == "process", num_kv_blocks=1024)
+            self.started[mode] = AsyncLLM.from_engine_args(args)
+        return self.started[mode]
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def process_llm(model_path: str):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=True, num_kv_blocks=256))
-    async with engine:
-        yield engine
+async def engines(model_path: str):
+    pool = Engines(model_path)
+    yield pool
+    for engine in pool.started.values():
+        await engine.shutdown()
+
+
+@pytest.fixture
+def llm(engines: Engines) -> AsyncLLM:
+    return engines.get("thread")
 
 
 @pytest.mark.slow
@@ -158,8 +171,8 @@ KIND_CASES = [
 
 
 @pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.mp)])
-async def test_choice_regex_grammar_json_object(mode: str, request: pytest.FixtureRequest) -> None:
-    engine: AsyncLLM = request.getfixturevalue("llm" if mode == "thread" else "process_llm")
+async def test_choice_regex_grammar_json_object(mode: str, engines: Engines) -> None:
+    engine = engines.get(mode)
     # json_object has no size bound: a cut-off object is the model's, so give it room and check only finished ones
     streams = [engine.generate(chat(p), constrained(160, **so)) for p, so, _ in KIND_CASES]
     outputs = await asyncio.gather(*(s.collect() for s in streams))
@@ -234,3 +247,55 @@ async def test_preemption_during_constrained_generation_keeps_outputs_valid(mode
     for (_, schema), out in zip(cases, outputs, strict=True):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
         assert_valid_json(out.outputs[0].text, schema)
+
+
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "pattern": "^[0-9+*/() .-]{1,24}$"}},
+            "required": ["expression"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "description": "The current time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"enum": ["UTC", "Europe/Paris", "Asia/Tokyo"]}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOL_QUESTIONS = ["What is 12 times 7?", "What time is it in Paris?", "How much is 3 plus 4, divided by 2?"]
+
+
+@pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.mp)])
+async def test_forced_tool_calls_have_arguments_valid_for_the_tool_schema(mode: str, engines: Engines) -> None:
+    engine = engines.get(mode)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CALCULATOR, CLOCK)}
+    named = {"type": "function", "function": {"name": "clock"}}
+    runs = [(q, choice) for q in TOOL_QUESTIONS for choice in ("required", named)]
+    outputs = await asyncio.gather(
+        *(engine.chat(chat(q), params, tools=[CALCULATOR, CLOCK], tool_choice=c, parallel_tool_calls=False)
+          for q, c in runs)
+    )  # fmt: skip
+    for (question, choice), out in zip(runs, outputs, strict=True):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", f"{question!r} {choice}: {completion.text!r}"
+        (call,) = completion.tool_calls or [None]
+        assert call is not None
+        assert call.id.startswith("call_")
+        assert completion.text == ""
+        if choice == named:
+            assert call.name == "clock"
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
