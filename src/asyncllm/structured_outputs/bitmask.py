@@ -63,6 +63,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, allowed: tor
     Returns:
         A new [num_reqs, vocab_size] tensor; unconstrained rows are unchanged.
     """
-    logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits
+    if rows.shape[0] == logits.shape[0] and bool((rows == torch.arange(rows.shape[0])).all()):
+        return logits.masked_fill(~allowed, float("-inf"))  # every row constrained, in order
+    constrained = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, constrained)
