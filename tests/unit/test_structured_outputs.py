@@ -217,3 +217,25 @@ def test_grammar_state_sync_rolls_back_to_the_tokens_still_counted(tokenizer: To
     assert req.grammar.num_accepted == 1
     req.output_token_ids = []
     assert manager.make_bitmask([req]) == fresh != after_one
+
+
+def test_constrained_request_and_bitmask_cross_process_boundaries_intact() -> None:
+    """msgpack round trips: the frontend -> engine request, and the engine -> TP workers schedule (every rank
+    decodes the same mask)."""
+    import msgspec
+
+    from asyncllm.executors.rpc import RpcRequest, decode_args, encode_request
+    from asyncllm.sched.output import NewRequestData
+
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    params = SamplingParams(max_tokens=4, structured_outputs=so)
+    request = EngineCoreRequest("r", [1, 2], params, 2)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+    assert decoded.sampling_params == params
+    assert decoded.sampling_params.structured_outputs.key == so.key  # property order survives  # type: ignore[union-attr]
+    bitmask = GrammarBitmask.from_array(["r"], torch.tensor([[-1, 5, 0]], dtype=torch.int32).numpy())
+    schedule = SchedulerOutput([NewRequestData("r", [1, 2], params, [0])], grammar_bitmask=bitmask)
+    frame = encode_request(1, "execute_model", (schedule,), {}, -1)
+    (got,), _ = decode_args(msgspec.msgpack.decode(frame, type=RpcRequest))
+    assert got == schedule
+    assert torch.equal(got.grammar_bitmask.to_tensor(), torch.tensor([[-1, 5, 0]], dtype=torch.int32))
