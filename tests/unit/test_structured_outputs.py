@@ -142,6 +142,7 @@ def test_request_waits_for_its_grammar_without_blocks_while_others_run(tokenizer
         assert list(so.num_scheduled_tokens) == ["free"]
         assert so.grammar_bitmask is None
         assert scheduler.kv_cache_manager.get_block_ids("json") == []
+        assert scheduler.get_stats().num_waiting_reqs == 1  # counted as waiting while it compiles
         scheduler.update_from_output(so, _lowest_allowed(so, scheduler, 100))
     gate.set()
     tokens = _run(scheduler)

@@ -122,7 +122,7 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + self.num_waiting_for_grammar,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.kv_cache_manager.num_total_blocks,
             prefix_cache_hit_rate=self.kv_cache_manager.prefix_cache_hit_rate,
