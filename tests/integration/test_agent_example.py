@@ -19,6 +19,7 @@ def test_calculator_evaluates_arithmetic_only() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # three chat turns; minutes on a loaded 2-core machine
 @pytest.mark.asyncio
 async def test_agent_calls_both_tools_with_valid_arguments_and_answers(model_path: str) -> None:
     schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}

@@ -151,6 +151,7 @@ def llm(engines: Engines) -> AsyncLLM:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # minutes on a loaded 2-core machine
 async def test_json_schema_20_prompts_all_valid(llm: AsyncLLM) -> None:
     streams = [llm.generate(chat(p), constrained(json=schema)) for p, schema in JSON_PROMPTS]
     outputs = await asyncio.gather(*(s.collect() for s in streams))
@@ -214,6 +215,7 @@ async def test_bad_constraints_fail_at_submission_naming_the_problem(llm: AsyncL
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 async def test_constrained_and_free_batch_together_free_equal_solo(llm: AsyncLLM, model_path: str) -> None:
     free_prompts = [f"Write a sentence about the number {i}." for i in range(16)]
     free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -278,6 +280,7 @@ CLOCK = {
 TOOL_QUESTIONS = ["What is 12 times 7?", "What time is it in Paris?", "How much is 3 plus 4, divided by 2?"]
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.mp)])
 async def test_forced_tool_calls_have_arguments_valid_for_the_tool_schema(mode: str, engines: Engines) -> None:
     engine = engines.get(mode)
