@@ -46,7 +46,7 @@ async def time_to_first_token(llm: AsyncLLM, token_ids: list[int]) -> tuple[floa
 async def main(prefix_tokens: int, trials: int, num_threads: int | None) -> None:
     model = str(resolve_model_path("smollm2-135m-instruct"))
     args = EngineArgs(model=model, num_kv_blocks=512, num_threads=num_threads)
-    async with AsyncLLM.from_engine_args(args) as llm:
+    async with AsyncLLM.create(args) as llm:
         tokenizer = llm.get_tokenizer()
         question_a = tokenizer.encode(" Question: what was decided about the bridge?", add_special_tokens=False)
         question_b = tokenizer.encode(" Question: when is the autumn fair?", add_special_tokens=False)

@@ -128,7 +128,7 @@ async def bench_scripted(tokenizer: Tokenizer, num_steps: int) -> dict[str, list
 async def bench_model(model_path: str, num_tokens: int) -> dict[str, list[float]]:
     rows: dict[str, list[float]] = {}
     for process in (False, True):
-        llm = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=process, num_kv_blocks=512))
+        llm = await AsyncLLM.create(EngineArgs(model=model_path, engine_process=process, num_kv_blocks=512))
         async with llm:
             prompt = lambda i: f"Write a long story about the sea (version {i})."  # noqa: E731
             rows["process" if process else "thread"] = [

@@ -73,7 +73,7 @@ def load_transformers(path: str):
 async def main(args: argparse.Namespace) -> None:
     path = str(resolve_model_path(args.model))
     results: dict[int, tuple[float, float | None]] = {}
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=path, engine_process=False, max_num_seqs=64))
+    llm = await AsyncLLM.create(EngineArgs(model=path, engine_process=False, max_num_seqs=64))
     async with llm:
         await run_asyncllm(llm, make_prompts(2), 8)  # warm-up
         for n in args.concurrency:

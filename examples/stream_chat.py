@@ -25,12 +25,12 @@ def parse_args() -> argparse.Namespace:
 
 
 async def main(args: argparse.Namespace) -> None:
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=args.model))  # the engine core runs in its own process
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, output_kind=RequestOutputKind.DELTA
     )
     messages = [{"role": "user", "content": args.prompt}]
-    async with llm:
+    # The engine core runs in its own process; create() starts it without blocking this event loop.
+    async with AsyncLLM.create(EngineArgs(model=args.model)) as llm:
         print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
         start = time.perf_counter()
         num_tokens = 0

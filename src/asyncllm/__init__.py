@@ -6,6 +6,7 @@ from asyncllm.errors import (
     EngineDeadError,
     EngineGenerateError,
     InvalidRequestError,
+    ModelNotFoundError,
     StreamClosedError,
     StreamIncompleteError,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "GenerateOutputStream",
     "InvalidRequestError",
     "Logprob",
+    "ModelNotFoundError",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
@@ -31,7 +33,28 @@ __all__ = [
     "StructuredOutputsParams",
     "ToolCall",
     "Usage",
+    "__version__",
 ]
+
+
+def _read_version() -> str:
+    """The installed distribution's version; from a source checkout without metadata, pyproject.toml's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("asyncllm")
+    except PackageNotFoundError:
+        import pathlib
+        import re
+
+        pyproject = (pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+        match = re.search(r'^version\s*=\s*"([^"]+)"', pyproject, re.MULTILINE)  # tomllib needs Python 3.11
+        if match is None:
+            raise RuntimeError("asyncllm has no package metadata and pyproject.toml names no version") from None
+        return match[1]
+
+
+__version__ = _read_version()
 
 
 def __getattr__(name: str) -> object:
@@ -44,4 +67,9 @@ def __getattr__(name: str) -> object:
         from asyncllm.streams import GenerateOutputStream
 
         return GenerateOutputStream
-    raise AttributeError(name)
+    raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazily imported names (AsyncLLM, GenerateOutputStream) appear for tab completion too.
+    return sorted(set(globals()) | set(__all__))

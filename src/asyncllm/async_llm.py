@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
+import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -39,7 +41,10 @@ OUTPUT_CHUNK_SIZE = 256  # engine outputs processed between yields to the event 
 class AsyncLLM:
     """Streaming LLM inference on an engine core.
 
-    Build with `AsyncLLM.from_engine_args(EngineArgs(...))`; use as `async with llm:` or call `shutdown()`.
+    Build inside a coroutine with `llm = await AsyncLLM.create(EngineArgs(...))` or `async with
+    AsyncLLM.create(EngineArgs(...)) as llm:` (start-up runs in a worker thread: the event loop keeps
+    running); from synchronous code with `AsyncLLM.from_engine_args(...)` (blocks). Use as `async with llm:`
+    or call `shutdown()`.
 
     Args:
         config: the engine configuration (for reference).
@@ -70,8 +75,24 @@ class AsyncLLM:
         self._finalizer = weakref.finalize(self, client.shutdown)
 
     @classmethod
+    def create(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> StartingAsyncLLM:
+        """Start an engine without blocking the event loop: `llm = await AsyncLLM.create(args)`, or
+        `async with AsyncLLM.create(args) as llm:` (shuts it down on exit).
+
+        Everything `from_engine_args` does (model resolution and first-time download, tokenizer loading, the
+        engine's start-up and handshake) runs in a worker thread (`asyncio.to_thread`). Cancelling the await
+        cannot interrupt that thread: the engine it starts is shut down as soon as it is up.
+
+        Args and Raises: as `from_engine_args` (raised by the await).
+        """
+        return StartingAsyncLLM(cls, args, stat_loggers)
+
+    @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> AsyncLLM:
         """Resolve the model, load its tokenizer, and start the engine core (blocks until it is ready).
+
+        Blocks the calling thread for the whole start-up (seconds); inside a coroutine use `await
+        AsyncLLM.create(args)` instead.
 
         Args:
             args: the engine arguments.
@@ -316,6 +337,44 @@ class AsyncLLM:
         task = loop.create_task(self._abort_in_engine(aborted))
         self._background_tasks.add(task)
         task.add_done_callback(self._background_tasks.discard)
+
+
+class StartingAsyncLLM:
+    """What `AsyncLLM.create()` returns: await it for the `AsyncLLM`, or use it in `async with` (which also
+    shuts the engine down on exit). Awaitable once."""
+
+    def __init__(self, cls: type[AsyncLLM], args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> None:
+        self._start = functools.partial(cls.from_engine_args, args, stat_loggers)
+        self._llm: AsyncLLM | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLLM]:
+        return self._start_in_thread().__await__()
+
+    async def __aenter__(self) -> AsyncLLM:
+        self._llm = await self._start_in_thread()
+        return self._llm
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._llm is not None:
+            await self._llm.shutdown()
+
+    async def _start_in_thread(self) -> AsyncLLM:
+        future = asyncio.get_running_loop().run_in_executor(None, self._start)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_shut_down_abandoned)  # the thread cannot be interrupted: stop what it starts
+            raise
+
+
+def _shut_down_abandoned(future: asyncio.Future[AsyncLLM]) -> None:
+    """Stop an engine whose `create()` was cancelled while it started (in a thread: shutdown blocks)."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    llm = future.result()
+    threading.Thread(target=llm._finalizer, name="asyncllm-abandoned-start", daemon=True).start()
 
 
 async def _run_output_handler(client: EngineCoreClient, llm_ref: weakref.ref[AsyncLLM]) -> None:

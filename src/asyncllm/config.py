@@ -8,6 +8,7 @@ default model once) and splits the arguments into `ModelConfig`, `CacheConfig`, 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -44,13 +45,14 @@ class CacheConfig:
     Fields:
         block_size: tokens per KV cache block.
         num_kv_blocks: force this many blocks; None = size from `kv_cache_memory_bytes`.
-        kv_cache_memory_bytes: memory budget of the KV cache over all layers, in bytes.
+        kv_cache_memory_bytes: memory budget of the KV cache over all layers, in bytes; None = the default size
+            (`max_num_seqs` sequences of `max_model_len` tokens, capped by a fraction of available memory).
         enable_prefix_caching: reuse the KV blocks of a prompt prefix another request computed.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
 
 
@@ -124,11 +126,12 @@ class EngineArgs:
 
     Fields:
         model: "smollm2-135m-instruct" (default; fetched once into the user cache), a `.gguf` path, or an HF
-            directory with config.json, *.safetensors and tokenizer.json.
+            directory with config.json, *.safetensors and tokenizer.json (paths as str or `pathlib.Path`).
         max_model_len: tokens per sequence at most; None = the model's context length.
         block_size: tokens per KV cache block.
         num_kv_blocks: KV cache blocks (override); None = sized from `kv_cache_memory_bytes`.
-        kv_cache_memory_bytes: KV cache budget in bytes (default 1 GiB).
+        kv_cache_memory_bytes: KV cache budget in bytes; None (default) = enough for `max_num_seqs` sequences
+            of `max_model_len` tokens, capped by 5% of the memory available at start (see the README).
         max_num_seqs: concurrent running requests at most.
         max_num_batched_tokens: tokens per step at most.
         num_threads: torch threads per worker; None = torch's default.
@@ -153,11 +156,11 @@ class EngineArgs:
         InvalidRequestError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
 
-    model: str = DEFAULT_MODEL
+    model: str | os.PathLike[str] = DEFAULT_MODEL
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     num_threads: int | None = None
@@ -193,16 +196,18 @@ class EngineArgs:
         Raises:
             InvalidRequestError: naming the field and its allowed range.
         """
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise InvalidRequestError(f"EngineArgs.model={self.model!r}: must be a str or a path (os.PathLike)")
         positive = {
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
         optional_positive = {
             "max_model_len": self.max_model_len,
             "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "num_threads": self.num_threads,
         }
         for name, value in {**positive, **optional_positive}.items():
@@ -234,7 +239,7 @@ class EngineArgs:
 
         self.validate()
         model = ModelConfig(
-            model=self.model,
+            model=os.fspath(self.model),
             model_path=str(resolve_model_path(self.model)),
             load_format=self.load_format,
             max_model_len=self.max_model_len,

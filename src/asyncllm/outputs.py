@@ -111,7 +111,7 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         prompt_logprobs: with `SamplingParams.prompt_logprobs=k`, one entry per prompt token (None first);
             in DELTA streams only in the first output that has them.
-        usage: token counts; set by `GenerateOutputStream.collect()`.
+        usage: token counts; set on the finished output (streamed or from `GenerateOutputStream.collect()`).
         metrics: the request's timing so far (see `RequestMetrics` for clocks); None if not tracked.
     """
 

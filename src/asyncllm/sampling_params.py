@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import NoReturn
 
 import msgspec
 
@@ -97,7 +98,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """Check every field's type and range.
 
         Raises:
-            InvalidRequestError: naming the field and its allowed range.
+            InvalidRequestError: naming the field and its allowed range, or the expected type (e.g.
+                "must be a number (int or float), got str").
         """
         self._validate_counts()
         self._validate_sampling()
@@ -156,24 +158,24 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _check_int("seed", self.seed, -(1 << 63), "an integer or None")
 
     def _validate_sampling(self) -> None:
-        if not _is_number(self.temperature) or not self.temperature >= 0.0:
+        if not _check_number("temperature", self.temperature) >= 0.0:
             _bad("temperature", self.temperature, ">= 0")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < _check_number("top_p", self.top_p) <= 1.0:
             _bad("top_p", self.top_p, "in (0, 1]")
         _check_int("top_k", self.top_k, -1, "-1, 0 (disabled) or >= 1")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= _check_number("min_p", self.min_p) <= 1.0:
             _bad("min_p", self.min_p, "in [0, 1]")
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
+            if not -2.0 <= _check_number(name, value) <= 2.0:
                 _bad(name, value, "in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+        if not _check_number("repetition_penalty", self.repetition_penalty) > 0.0:
             _bad("repetition_penalty", self.repetition_penalty, "> 0 (1 disables it)")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
-                if not _is_number(bias) or math.isnan(bias):
+                if math.isnan(_check_number("logit_bias", bias, {token_id: bias})):
                     _bad("logit_bias", {token_id: bias}, "token id -> a number")
 
     def _validate_token_lists(self) -> None:
@@ -194,10 +196,19 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _check_number(field: str, value: object, shown: object = None) -> float:
+    """`value` as a float; raises InvalidRequestError naming the field and the expected type if it is no number."""
+    if not _is_number(value):
+        _bad(field, value if shown is None else shown, f"a number (int or float), got {type(value).__name__}")
+    return float(value)  # type: ignore[arg-type]
+
+
 def _check_int(field: str, value: object, minimum: int, allowed: str | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _bad(field, value, f"an integer, got {type(value).__name__}")
+    if value < minimum:
         _bad(field, value, allowed or f"an integer >= {minimum}")
 
 
-def _bad(field: str, value: object, allowed: str) -> None:
+def _bad(field: str, value: object, allowed: str) -> NoReturn:
     raise InvalidRequestError(f"SamplingParams.{field}={value!r} is invalid: must be {allowed}")

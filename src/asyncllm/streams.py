@@ -98,6 +98,8 @@ def merge_outputs(into: RequestOutput, new: RequestOutput, aggregate: bool) -> N
         into.prompt_logprobs = new.prompt_logprobs
     if new.metrics is not None:
         into.metrics = new.metrics
+    if new.usage is not None:
+        into.usage = new.usage
 
 
 def _copy_completion(completion: CompletionOutput) -> CompletionOutput:
@@ -116,10 +118,13 @@ def _append_completion(old: CompletionOutput, new: CompletionOutput) -> None:
 
 
 class GenerateOutputStream:
-    """Async iterator over one request's `RequestOutput`s; the last one has `finished=True`.
+    """Async iterator over one request's `RequestOutput`s; the last one has `finished=True` and `usage` set.
 
-    Closing it (`aclose()`, leaving `async with`, cancelling the consuming task, or dropping it unfinished,
-    e.g. by breaking out of `async for`) aborts the request in the engine.
+    What aborts an unfinished request in the engine: `aclose()`, leaving `async with llm.generate(...) as
+    stream:` (however the block is left), cancelling the task that awaits the next output, and
+    `AsyncLLM.abort(request_id)` - always, at once. Leaving `async for` with `break` cannot be seen by Python:
+    it aborts only when the stream object is garbage-collected, which is at once if nothing else refers to it
+    (`async for out in llm.generate(...)`) and not while a variable still holds it (`stream = llm.generate(...)`).
 
     Args:
         request_id: the request this stream belongs to.
@@ -148,6 +153,7 @@ class GenerateOutputStream:
         self._loop = loop
         self._finished = False  # the finished output was handed out, or an error was raised
         self._num_yielded = 0  # outputs handed to the consumer
+        self._num_tokens: dict[int, int] = {}  # completion index -> tokens generated so far (for `usage`)
         self._closed = False
 
     @property
@@ -177,10 +183,23 @@ class GenerateOutputStream:
         except BaseException:
             self._finished = True
             raise
+        self._count_tokens(output)
         if output.finished:
             self._finished = True
+            output.usage = Usage(
+                num_prompt_tokens=len(output.prompt_token_ids),
+                num_generated_tokens=sum(self._num_tokens.values()),
+                num_cached_tokens=output.num_cached_tokens,
+            )
         self._num_yielded += 1
         return output
+
+    def _count_tokens(self, output: RequestOutput) -> None:
+        """Track each completion's generated token count (DELTA outputs carry only the new tokens)."""
+        delta = self._collector.output_kind == RequestOutputKind.DELTA
+        for completion in output.outputs:
+            before = self._num_tokens.get(completion.index, 0) if delta else 0
+            self._num_tokens[completion.index] = before + len(completion.token_ids)
 
     async def collect(self) -> RequestOutput:
         """Drain the stream into the request's final output.
@@ -205,11 +224,6 @@ class GenerateOutputStream:
                 merge_outputs(result, output, aggregate)
         if result is None or not result.finished:
             raise StreamIncompleteError(f"the output stream of request {self.request_id!r} ended unfinished")
-        result.usage = Usage(
-            num_prompt_tokens=len(result.prompt_token_ids),
-            num_generated_tokens=sum(len(c.token_ids) for c in result.outputs),
-            num_cached_tokens=result.num_cached_tokens,
-        )
         return result
 
     async def aclose(self) -> None:

@@ -41,3 +41,8 @@ class PickyCore(FakeEngineCore):
 
 def make_picky_core(config: EngineConfig) -> FakeEngineCore:
     return PickyCore(lambda request: FAKE_TOKENS, step_delay=0.005)
+
+
+def make_broken_core(config: EngineConfig) -> FakeEngineCore:
+    """Fails to build: the engine answers the handshake with this error."""
+    raise ValueError("this core is broken on purpose")

@@ -45,6 +45,8 @@ TINY_LLAMA = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
     "tie_word_embeddings": True,
 }
 
@@ -256,6 +258,9 @@ class _SumModelExecutor(Executor):
 
     def _get_model_info(self) -> tuple[int, int]:
         return 96, FAKE_VOCAB
+
+    def _get_kv_cache_bytes(self) -> int:
+        return sum(t.nbytes for t in self.runner.kv_caches)
 
     def _execute_model(self, scheduler_output):  # type: ignore[no-untyped-def]
         return self.runner.execute_model(scheduler_output)

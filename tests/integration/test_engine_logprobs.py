@@ -27,6 +27,8 @@ TINY_LLAMA = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
     "tie_word_embeddings": True,
 }
 

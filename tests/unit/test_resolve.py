@@ -48,10 +48,21 @@ def test_hf_directory_resolves_to_itself(tmp_path: pathlib.Path) -> None:
     assert resolve_model_path(str(tmp_path)) == tmp_path.resolve()
 
 
-@pytest.mark.parametrize("bad", ["no-such-model", "/no/such/file.gguf", "README.md"])
+@pytest.mark.parametrize("bad", ["no-such-model", "README.md"])
 def test_unknown_name_or_path_raises(bad: str) -> None:
     with pytest.raises(ModelNotFoundError, match="not found"):
         resolve_model_path(bad)
+
+
+@pytest.mark.parametrize("as_path", [False, True])
+def test_missing_gguf_file_is_reported_as_a_missing_file(tmp_path: pathlib.Path, as_path: bool) -> None:
+    missing = tmp_path / "no" / "model.gguf"
+    with pytest.raises(ModelNotFoundError, match=f"model file '{missing}' does not exist"):
+        resolve_model_path(missing if as_path else str(missing))
+
+
+def test_gguf_path_given_as_pathlib_path_resolves(model_path: str) -> None:
+    assert resolve_model_path(pathlib.Path(model_path)) == pathlib.Path(model_path).resolve()
 
 
 def test_incomplete_hf_directory_raises(tmp_path: pathlib.Path) -> None:

@@ -38,13 +38,46 @@ from asyncllm import InvalidRequestError, RequestOutputKind, SamplingParams
         ({"prompt_logprobs": 99}, r"prompt_logprobs=99 is invalid: must be None or an integer in \[0, 20\]"),
         ({"stream_interval": 0}, r"stream_interval=0 is invalid: must be an integer >= 1"),
         ({"output_kind": 7}, r"output_kind=7 is invalid: must be a RequestOutputKind"),
-        ({"seed": "x"}, r"seed='x' is invalid: must be an integer or None"),
+        ({"seed": "x"}, r"seed='x' is invalid: must be an integer, got str"),
+        ({"seed": -(1 << 64)}, r"is invalid: must be an integer or None"),
     ],
 )
 def test_invalid_values_raise_naming_field_and_range(kwargs: dict, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match) as info:
         SamplingParams(**kwargs)
     assert isinstance(info.value, ValueError)
+
+
+NUMBER_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+INT_FIELDS = ["n", "max_tokens", "top_k", "min_tokens", "logprobs", "prompt_logprobs", "stream_interval", "seed"]
+
+
+@pytest.mark.parametrize("field", NUMBER_FIELDS)
+@pytest.mark.parametrize("value", ["0.5", None, [0.5]])
+def test_wrong_type_for_a_number_field_names_field_and_type(field: str, value: object) -> None:
+    with pytest.raises(
+        InvalidRequestError, match=rf"SamplingParams\.{field}=.* must be a number \(int or float\), got "
+    ):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+def test_wrong_type_for_an_integer_field_names_field_and_type(field: str) -> None:
+    with pytest.raises(
+        InvalidRequestError, match=rf"SamplingParams\.{field}='3' is invalid: must be an integer, got str"
+    ):
+        SamplingParams(**{field: "3"})
+    with pytest.raises(
+        InvalidRequestError, match=rf"SamplingParams\.{field}=2.0 is invalid: must be an integer, got float"
+    ):
+        SamplingParams(**{field: 2.0})
+
+
+def test_logit_bias_value_of_the_wrong_type_names_the_type() -> None:
+    with pytest.raises(
+        InvalidRequestError, match=r"logit_bias=\{3: '1'\} is invalid: must be a number \(int or float\), got str"
+    ):
+        SamplingParams(logit_bias={3: "1"})
 
 
 def test_validate_catches_values_set_after_construction() -> None:

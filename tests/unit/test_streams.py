@@ -266,3 +266,39 @@ async def test_collect_merges_n_completions_by_index(lag: bool) -> None:
     assert got == [(0, "ab", [1, 3], "stop"), (1, "xy", [0, 2], "stop")]
     assert result.usage is not None
     assert result.usage.num_generated_tokens == 4
+
+
+@pytest.mark.parametrize("consume_every", [1, 5])
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+async def test_last_streamed_output_carries_usage(hf: HFTokenizer, kind: RequestOutputKind, consume_every: int) -> None:
+    processor = OutputProcessor(hf)
+    collector = RequestOutputCollector(kind)
+    processor.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(output_kind=kind)), None, collector)
+    stream = GenerateOutputStream("r", collector, Aborts(), loop=asyncio.get_running_loop())
+    ids = hf.encode(TEXT).ids
+
+    async def produce() -> None:
+        for i, token in enumerate(ids):
+            reason = FinishReason.LENGTH if i == len(ids) - 1 else None
+            processor.process_outputs([EngineCoreOutput("r", [token], reason, num_cached_tokens=2)])
+            if i % consume_every == 0:
+                await asyncio.sleep(0)
+
+    producer = asyncio.create_task(produce())
+    outputs = [o async for o in stream]
+    await producer
+    assert outputs[-1].finished
+    assert outputs[-1].usage == Usage(num_prompt_tokens=3, num_generated_tokens=len(ids), num_cached_tokens=2)
+    assert all(o.usage is None for o in outputs[:-1])
+
+
+async def test_last_streamed_output_counts_n_completions() -> None:
+    stream, _ = make_stream(RequestOutputKind.DELTA)
+    parts = [(1, [7, 8], False), (0, [5], False), (1, [9], True), (0, [6], True)]
+    for i, (index, ids, done) in enumerate(parts):
+        completion = CompletionOutput(index, "t", ids, "stop" if done else None)
+        stream._collector.put(RequestOutput("r", None, [1, 2], [completion], finished=i == len(parts) - 1))
+        if i % 2 == 1:
+            last = [o async for o in stream][-1] if i == len(parts) - 1 else await stream.__anext__()
+    assert last.finished
+    assert last.usage == Usage(num_prompt_tokens=2, num_generated_tokens=5, num_cached_tokens=0)

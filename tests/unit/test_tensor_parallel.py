@@ -12,7 +12,8 @@ from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, ge
 from asyncllm.errors import InvalidRequestError
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.llama import LlamaDecoderLayer, rotary_cos_sin
+from asyncllm.model.llama import LlamaDecoderLayer
+from asyncllm.model.rope import rotary_cos_sin
 
 ARCH = ModelArchConfig(
     architecture="qwen2",  # with q/k/v biases, so bias sharding is covered too
@@ -66,7 +67,7 @@ def attention_and_mlp(layer: LlamaDecoderLayer, x: torch.Tensor) -> tuple[torch.
     num_blocks = 2
     cache = torch.zeros(num_blocks, 2, block_size, layer.kv_size // ARCH.head_dim, ARCH.head_dim)
     meta = build_attention_metadata([n], [n], [[0, 1]], block_size)
-    cos, sin = rotary_cos_sin(ARCH.head_dim, ARCH.max_position_embeddings, ARCH.rope_theta)
+    cos, sin = rotary_cos_sin(ARCH.rope_inv_freq(), ARCH.max_position_embeddings)
     positions = torch.arange(n)
     with torch.inference_mode():
         attn = layer._attention(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), cache, meta)

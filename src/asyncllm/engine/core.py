@@ -49,6 +49,7 @@ class EngineCore:
             config.cache.block_size,
             self.ready_info.max_model_len,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            kv_cache_bytes=self.executor.get_kv_cache_bytes(),
             structured_output_manager=self.structured_output_manager,
         )
 

@@ -72,36 +72,8 @@ class AsyncMPClient(EngineCoreClient):
         self._closed = False
         self._dead: EngineDeadError | None = None
         self.ipc_dir = make_ipc_dir()
-        input_address, output_address = f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
-        self._output_address = output_address
-        self._ctx = zmq.asyncio.Context(io_threads=1)
-        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
-        self._input = self._sync_ctx.socket(zmq.ROUTER)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished engine raises, never drops
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy engine: queue without limit
-        self._input.bind(input_address)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(output_address)
-        self._send_lock = threading.Lock()
-        self._encoder = MsgpackEncoder()
-        self._decoder = MsgpackDecoder(EngineCoreOutputs)
-        self._outputs: deque[EngineCoreOutputs] = deque()
-        self._waiter: asyncio.Event | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._pending_calls: dict[int, tuple[str, asyncio.Future[Any]]] = {}
-        self._call_ids = itertools.count()
-        self.process = start_engine_process(
-            run_engine_core,
-            config,
-            input_address=input_address,
-            output_address=output_address,
-            ipc_dir=self.ipc_dir,
-            core_factory=core_factory,
-        )
-        try:
-            self._engine_identity = self._wait_for_handshake(ready_timeout_s)
+        try:  # every failure from here on removes the ipc directory (and whatever else was made)
+            self._start(config, ready_timeout_s, core_factory)
         except BaseException:
             self._close_resources()
             raise
@@ -165,6 +137,38 @@ class AsyncMPClient(EngineCoreClient):
         self._leftovers.detach()
 
     # ---- start-up ------------------------------------------------------------------------------------
+
+    def _start(self, config: EngineConfig, ready_timeout_s: float, core_factory: str | None) -> None:
+        """Bind the sockets in `ipc_dir`, start the engine process, wait for its handshake."""
+        input_address, output_address = f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
+        self._output_address = output_address
+        self._ctx = zmq.asyncio.Context(io_threads=1)
+        self._sync_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
+        self._input = self._sync_ctx.socket(zmq.ROUTER)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished engine raises, never drops
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy engine: queue without limit
+        self._input.bind(input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_address)
+        self._send_lock = threading.Lock()
+        self._encoder = MsgpackEncoder()
+        self._decoder = MsgpackDecoder(EngineCoreOutputs)
+        self._outputs: deque[EngineCoreOutputs] = deque()
+        self._waiter: asyncio.Event | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending_calls: dict[int, tuple[str, asyncio.Future[Any]]] = {}
+        self._call_ids = itertools.count()
+        self.process = start_engine_process(
+            run_engine_core,
+            config,
+            input_address=input_address,
+            output_address=output_address,
+            ipc_dir=self.ipc_dir,
+            core_factory=core_factory,
+        )
+        self._engine_identity = self._wait_for_handshake(ready_timeout_s)
 
     def _wait_for_handshake(self, timeout_s: float) -> bytes:
         """Wait for the engine's handshake; returns its DEALER identity. Raises if it failed or died."""
@@ -331,18 +335,28 @@ class AsyncMPClient(EngineCoreClient):
     # ---- clean-up ------------------------------------------------------------------------------------
 
     def _close_resources(self) -> None:
-        """Stop the process if it still runs (failed start-up), close the sockets, remove the ipc directory."""
+        """Stop the process if it still runs (failed start-up), close the sockets, remove the ipc directory.
+
+        Safe on a partly built client (a start-up that failed half-way): it closes only what exists.
+        """
         self._closed = True
-        if self.process.exitcode is None:
-            stop_process(self.process, 0)
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._ctx.term()
-        for fd in (getattr(self, "_stop_r", None), getattr(self, "_stop_w", None)):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        remove_ipc_dir(self.ipc_dir)
+        try:
+            process = getattr(self, "process", None)
+            if process is not None and process.exitcode is None:
+                stop_process(process, 0)
+            for name in ("_input", "_output"):
+                socket = getattr(self, name, None)
+                if socket is not None:
+                    socket.close(linger=0)
+            ctx = getattr(self, "_ctx", None)
+            if ctx is not None:
+                ctx.term()
+            for fd in (getattr(self, "_stop_r", None), getattr(self, "_stop_w", None)):
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        finally:
+            remove_ipc_dir(self.ipc_dir)
 
 
 def _clean_up_leftovers(process: Any, ipc_dir: str) -> None:

@@ -152,6 +152,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         num_preemptions: preemptions since start.
         num_prefix_cache_queries: tokens looked up in the prefix cache since start.
         num_prefix_cache_hits: of those, tokens found cached, since start.
+        block_size: tokens per KV cache block.
+        kv_cache_bytes: bytes of the KV cache tensors over all workers (reserved at start; resident memory
+            grows as blocks are first written, see `worker/kv_cache_sizing.py`).
     """
 
     num_running_reqs: int = 0
@@ -163,6 +166,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    block_size: int = 0
+    kv_cache_bytes: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

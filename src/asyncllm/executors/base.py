@@ -63,6 +63,10 @@ class Executor(ABC):
         """Allocate `num_blocks` KV cache blocks in every worker."""
         self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
 
+    def get_kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache over all workers (each holds its shard)."""
+        return int(sum(self.collective_rpc("get_kv_cache_bytes")))
+
     def get_ready_info(self, num_blocks: int) -> EngineReadyInfo:
         """Model facts the frontend needs (max_model_len, vocab_size) plus the block count."""
         max_model_len, vocab_size = self.collective_rpc("get_model_info", unique_reply_rank=0)[0]

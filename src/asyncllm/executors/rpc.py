@@ -17,7 +17,11 @@ REPLY_ALL = -1
 READY_CALL_ID = -1  # the worker's start-up report uses this call id
 
 ARG_TYPES: dict[str, Any] = {"execute_model": tuple[SchedulerOutput]}
-RESULT_TYPES: dict[str, Any] = {"execute_model": ModelRunnerOutput, "get_model_info": tuple[int, int]}
+RESULT_TYPES: dict[str, Any] = {
+    "execute_model": ModelRunnerOutput,
+    "get_model_info": tuple[int, int],
+    "get_kv_cache_bytes": int,
+}
 
 
 class RpcRequest(msgspec.Struct, array_like=True, gc=False):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from asyncllm.model.rope import Llama3RopeScaling, rope_inv_freq
+
 
 @dataclass(frozen=True)
 class ModelArchConfig:
@@ -23,6 +27,9 @@ class ModelArchConfig:
         max_position_embeddings: the model's context length, tokens.
         tie_word_embeddings: LM head shares the token embedding.
         bos_token_id, eos_token_id: special ids (None when absent).
+        rope_scaling: Llama 3 frequency scaling (HF `rope_type: "llama3"`), None for plain RoPE.
+        rope_freq_divisors: per-frequency divisors, [head_dim // 2] (a GGUF `rope_freqs` tensor, which
+            llama.cpp's converter writes for Llama 3 scaling), None when absent.
     """
 
     architecture: str
@@ -39,6 +46,15 @@ class ModelArchConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    rope_scaling: Llama3RopeScaling | None = None
+    rope_freq_divisors: tuple[float, ...] | None = None
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies, [head_dim // 2] float64, radians per token, with any scaling applied."""
+        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        if self.rope_freq_divisors is not None:
+            inv_freq = inv_freq / torch.tensor(self.rope_freq_divisors, dtype=torch.float64)
+        return inv_freq
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV cache block over all layers (float32 K and V)."""

@@ -11,7 +11,8 @@ two row-parallel outputs are summed over ranks (`parallel_state.all_reduce`). Em
 replicated, so every rank computes the same logits. At TP=1 no collective runs.
 
 Sources: Llama (Touvron et al., 2023); RMSNorm (Zhang & Sennrich, 2019); rotary position embedding,
-RoFormer (Su et al., 2021), in HF's "rotate half" layout; SwiGLU MLP (Shazeer, 2020); GQA (Ainslie et al., 2023).
+RoFormer (Su et al., 2021), in HF's "rotate half" layout, with Llama 3 frequency scaling (model/rope.py);
+SwiGLU MLP (Shazeer, 2020); GQA (Ainslie et al., 2023).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, ge
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import AttentionMetadata
+from asyncllm.model.rope import rotary_cos_sin
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -37,13 +39,6 @@ def _param(*shape: int) -> nn.Parameter:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich, 2019): x / sqrt(mean(x^2) + eps) * weight, over the last dim."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def rotary_cos_sin(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each [max_positions, head_dim // 2] float32 (RoFormer, Su et al., 2021)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -183,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Parameter | None = (
             None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
         )
-        cos, sin = rotary_cos_sin(arch.head_dim, arch.max_position_embeddings, arch.rope_theta)
+        cos, sin = rotary_cos_sin(arch.rope_inv_freq(), arch.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

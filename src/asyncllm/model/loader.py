@@ -21,8 +21,9 @@ from torch import nn
 
 from asyncllm.config import ModelConfig
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.gguf_metadata import read_gguf_header
+from asyncllm.model.gguf_metadata import GGUFTensorInfo, read_gguf_header
 from asyncllm.model.registry import HF_MODEL_TYPES, get_model_class
+from asyncllm.model.rope import read_hf_rope
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _GGUF_LAYER_NAMES = {
@@ -42,20 +43,28 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
     """Architecture hyper-parameters from a `.gguf` file's metadata or an HF directory's config.json.
 
+    A hyper-parameter the checkpoint lacks is an error unless the format itself defines its value (GGUF spec:
+    `head_count_kv` = `head_count`, `key_length` = `embedding_length / head_count`; llama.cpp: `rope.freq_base`
+    = 10000; HF `LlamaConfig`/`Qwen2Config`: `num_key_value_heads` = `num_attention_heads`, `head_dim` =
+    `hidden_size / num_attention_heads`). HF `tie_word_embeddings`, when absent, is read from the checkpoint:
+    tied exactly when no `lm_head.weight` is stored.
+
     Raises:
-        ValueError: the path is neither, a required key is missing, or the model uses RoPE scaling.
+        ValueError: the path is neither, a required key is missing, or a RoPE variant that cannot be honoured.
     """
     path = pathlib.Path(model_path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         metadata, tensors = read_gguf_header(path)
-        tied = all(t.name != "output.weight" for t in tensors)  # no separate LM head: tied to token_embd
-        return _arch_from_gguf(metadata, tied)
+        return _arch_from_gguf(metadata, tensors, path)
     if (path / "config.json").is_file():
-        return _arch_from_hf(json.loads((path / "config.json").read_text()))
+        cfg = json.loads((path / "config.json").read_text())
+        if "tie_word_embeddings" not in cfg:
+            cfg["tie_word_embeddings"] = "lm_head.weight" not in _safetensors_names(path)
+        return _arch_from_hf(cfg)
     raise ValueError(f"{model_path}: not a .gguf file or a directory with config.json")
 
 
-def _arch_from_gguf(meta: dict[str, Any], tied: bool) -> ModelArchConfig:
+def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: pathlib.Path) -> ModelArchConfig:
     arch = meta["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
@@ -65,6 +74,8 @@ def _arch_from_gguf(meta: dict[str, Any], tied: bool) -> ModelArchConfig:
         return value
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // heads)
+    _check_gguf_rope(meta, arch, head_dim)
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     return ModelArchConfig(
         architecture=arch,
@@ -74,40 +85,84 @@ def _arch_from_gguf(meta: dict[str, Any], tied: bool) -> ModelArchConfig:
         num_hidden_layers=get("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),  # llama.cpp's default when the key is absent
         max_position_embeddings=get("context_length"),
-        tie_word_embeddings=tied,
+        tie_word_embeddings=all(t.name != "output.weight" for t in tensors),  # no LM head: tied to token_embd
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        rope_freq_divisors=_read_rope_freqs(tensors, path, head_dim),
     )
+
+
+def _check_gguf_rope(meta: dict[str, Any], arch: str, head_dim: int) -> None:
+    """Reject GGUF RoPE metadata this model cannot honour (ggml docs: `rope.scaling.type`, `rope.dimension_count`).
+
+    Llama 3 scaling is stored by llama.cpp's converter as a `rope_freqs` tensor (read by `_read_rope_freqs`), with
+    no scaling type; linear/YaRN scaling types and partial rotary dimensions are rejected.
+    """
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none":
+        raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported (only 'none')")
+    dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if dims != head_dim:
+        raise ValueError(f"GGUF {arch}.rope.dimension_count {dims} != head_dim {head_dim}: partial RoPE unsupported")
+
+
+def _read_rope_freqs(tensors: list[GGUFTensorInfo], path: pathlib.Path, head_dim: int) -> tuple[float, ...] | None:
+    """The float32 `rope_freqs.weight` tensor ([head_dim // 2] per-frequency divisors) if the file has one."""
+    info = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    if info is None:
+        return None
+    if info.ggml_type != 0 or info.shape != (head_dim // 2,):  # 0: GGML_TYPE_F32
+        raise ValueError(
+            f"GGUF rope_freqs.weight: type {info.ggml_type}, shape {info.shape}; need F32 [{head_dim // 2}]"
+        )
+    data = np.fromfile(path, dtype="<f4", count=head_dim // 2, offset=info.offset)
+    return tuple(float(x) for x in data)
 
 
 def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
-    model_type = cfg.get("model_type", "llama")
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ValueError(f"config.json lacks required key {key!r}")
+        return cfg[key]
+
+    model_type = need("model_type")
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
-    if cfg.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not supported (plain RoPE only)")
-    heads = cfg["num_attention_heads"]
+    heads = need("num_attention_heads")
+    rope_theta, rope_scaling = read_hf_rope(cfg)
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
         architecture=HF_MODEL_TYPES[model_type],
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
+        vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"),
+        intermediate_size=need("intermediate_size"),
+        num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
+        rms_norm_eps=float(need("rms_norm_eps")),
+        rope_theta=rope_theta,
+        max_position_embeddings=need("max_position_embeddings"),
+        tie_word_embeddings=bool(need("tie_word_embeddings")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        rope_scaling=rope_scaling,
     )
+
+
+def _safetensors_names(path: pathlib.Path) -> set[str]:
+    """Tensor names stored in an HF directory's *.safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def load_model(model_config: ModelConfig) -> nn.Module:
@@ -143,6 +198,8 @@ def _iter_gguf_weights(path: pathlib.Path, arch: ModelArchConfig) -> Iterator[tu
     _, infos = read_gguf_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain views: no memmap overhead
     for info in infos:
+        if info.name == "rope_freqs.weight":  # RoPE divisors, read into the arch config
+            continue
         qtype = GGMLQuantizationType(info.ggml_type)
         block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
         shape = [int(n) for n in reversed(info.shape)]  # ggml lists the fastest-varying dim first

@@ -54,23 +54,26 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 _FETCH_TIMEOUT_S = 600
 
 
-def resolve_model_path(model: str) -> pathlib.Path:
+def resolve_model_path(model: str | os.PathLike[str]) -> pathlib.Path:
     """Resolve a model name, a `.gguf` file path or an HF model directory to a local path.
 
     Args:
-        model: a known name (see `KNOWN_MODELS`, case-insensitive), a path to a `.gguf` file, or a directory
-            with config.json, *.safetensors and tokenizer.json.
+        model: a known name (see `KNOWN_MODELS`, case-insensitive), a path (str or `os.PathLike`) to a `.gguf`
+            file, or a directory with config.json, *.safetensors and tokenizer.json.
     Returns:
         The local path (the cached GGUF file for a known name; the given path, resolved, otherwise).
     Raises:
-        ModelNotFoundError: unknown name or unusable path; or, for a known name not yet cached, the fetch
-            failed (e.g. offline) or the file's checksum does not match.
+        ModelNotFoundError: unknown name or unusable path (a missing `.gguf` file is named as such); or, for a
+            known name not yet cached, the fetch failed (e.g. offline) or the file's checksum does not match.
     """
+    model = os.fspath(model)
     known = KNOWN_MODELS.get(model.strip().lower())
     if known is not None:
         return ensure_cached(known)
     path = pathlib.Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"model file {str(path)!r} does not exist (or is not a file)")
         return path.resolve()
     if path.is_dir() and _is_hf_dir(path):
         return path.resolve()

@@ -46,6 +46,7 @@ class Scheduler:
         max_model_len: prompt + output tokens per request at most; must fit in the cache
             (`num_kv_blocks * block_size >= max_model_len`) or a lone request could never finish.
         enable_prefix_caching: reuse cached full blocks of shared prefixes.
+        kv_cache_bytes: bytes of the KV cache over all workers (reported in the stats only).
         structured_output_manager: compiles grammars and keeps matchers; None rejects constrained requests.
     Raises:
         ValueError: if `max_model_len` does not fit in the KV cache.
@@ -59,6 +60,7 @@ class Scheduler:
         block_size: int,
         max_model_len: int,
         enable_prefix_caching: bool = False,
+        kv_cache_bytes: int = 0,
         structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         if num_kv_blocks * block_size < max_model_len:
@@ -66,6 +68,7 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = block_size
+        self.kv_cache_bytes = kv_cache_bytes
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.policy = config.scheduling_policy
@@ -129,6 +132,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prefix_cache_queries=self.kv_cache_manager.num_prefix_cache_queries,
             num_prefix_cache_hits=self.kv_cache_manager.num_prefix_cache_hits,
+            block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_bytes,
         )
 
     def schedule(self) -> SchedulerOutput:

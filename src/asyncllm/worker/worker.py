@@ -17,6 +17,7 @@ from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
 from asyncllm.sched.output import ModelRunnerOutput, SchedulerOutput
+from asyncllm.worker.kv_cache_sizing import allocate_zeroed, available_memory_bytes, default_num_kv_blocks
 from asyncllm.worker.model_runner import CausalLM, ModelRunner
 
 
@@ -62,20 +63,29 @@ class Worker:
         return self.arch.num_key_value_heads // self.tp_size
 
     def determine_num_kv_blocks(self) -> int:
-        """Blocks to allocate: `CacheConfig.num_kv_blocks` if set, else the memory budget divided by the bytes
-        of one block over all layers (>= 1). The budget is the engine's total: at TP=N each rank holds 1/N of
-        every block, so the block count does not depend on N."""
+        """Blocks to allocate (>= 1): `CacheConfig.num_kv_blocks` if set; else `kv_cache_memory_bytes` divided
+        by the bytes of one block over all layers; else the default size (`kv_cache_sizing.default_num_kv_blocks`:
+        `max_num_seqs` sequences of `max_model_len` tokens, capped by a fraction of available memory). Budgets
+        are the engine's total: at TP=N each rank holds 1/N of every block (and counts 1/N of the available
+        memory), so the block count does not depend on N."""
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        return max(1, cache.kv_cache_memory_bytes // self.arch.kv_cache_bytes_per_block(cache.block_size))
+        bytes_per_block = self.arch.kv_cache_bytes_per_block(cache.block_size)
+        if cache.kv_cache_memory_bytes is not None:
+            return max(1, cache.kv_cache_memory_bytes // bytes_per_block)
+        max_model_len, _ = self.get_model_info()
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        return default_num_kv_blocks(
+            max_num_seqs, max_model_len, cache.block_size, bytes_per_block, available_memory_bytes()
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads / tp_size, head_dim] float32 tensor per
-        layer (this rank's KV heads only)."""
+        layer (this rank's KV heads only), on lazily committed memory (`kv_cache_sizing.allocate_zeroed`)."""
         arch = self.arch
         shape = (num_blocks, 2, self.config.cache.block_size, self.num_local_kv_heads, arch.head_dim)
-        self.model_runner.kv_caches = [torch.zeros(shape, dtype=torch.float32) for _ in range(arch.num_hidden_layers)]
+        self.model_runner.kv_caches = [allocate_zeroed(shape) for _ in range(arch.num_hidden_layers)]
         self.warm_up()
 
     @torch.inference_mode()
@@ -97,6 +107,10 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step; see `ModelRunner.execute_model`."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def get_kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache tensors (reserved; resident only where written)."""
+        return sum(t.nbytes for t in self.model_runner.kv_caches)
 
     def get_model_info(self) -> tuple[int, int]:
         """(max_model_len, vocab_size): max_model_len is the configured value capped by the model's context."""

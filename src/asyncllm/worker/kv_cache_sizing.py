@@ -1,0 +1,62 @@
+"""How many KV cache blocks to allocate, and the lazily committed, zero-filled memory that holds them.
+
+Default size (no `num_kv_blocks`, no `kv_cache_memory_bytes`): enough blocks for what the configuration can
+use, `max_num_seqs` sequences of `max_model_len` tokens each, capped by `KV_CACHE_MEMORY_FRACTION` of the
+memory available when the engine starts (`MemAvailable` in /proc/meminfo, Linux `proc(5)`).
+
+The cache is allocated with an anonymous `mmap` (POSIX: zero-filled, pages committed on first write), so a
+block costs resident memory only once a request first writes into it; `torch.zeros` would touch every page at
+start. Blocks are handed out least-recently-freed first (`sched/block_pool.py`), so under varied traffic the
+resident size grows towards the full cache over time.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+
+import torch
+
+KV_CACHE_MEMORY_FRACTION = 0.05  # of the memory available at start-up, for the default-sized KV cache
+
+
+def available_memory_bytes() -> int:
+    """Memory available for new allocations without swapping, in bytes (`MemAvailable`; else free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_num_kv_blocks(
+    max_num_seqs: int, max_model_len: int, block_size: int, bytes_per_block: int, available_bytes: int
+) -> int:
+    """Blocks for `max_num_seqs` full-length sequences, capped by `KV_CACHE_MEMORY_FRACTION * available_bytes`.
+
+    Args:
+        max_num_seqs: sequences running at once at most.
+        max_model_len: tokens per sequence at most.
+        block_size: tokens per block.
+        bytes_per_block: bytes of one block over all layers (this rank's share).
+        available_bytes: memory available now, bytes.
+    Returns:
+        At least 1 block.
+    """
+    wanted = max_num_seqs * math.ceil(max_model_len / block_size)
+    cap = int(KV_CACHE_MEMORY_FRACTION * available_bytes) // bytes_per_block
+    return max(1, min(wanted, cap))
+
+
+def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero-filled tensor of `shape` on anonymous mmap memory: resident only where it has been written."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes)  # the tensor keeps a reference to the buffer
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

@@ -1,0 +1,122 @@
+"""KV cache sizing: the default follows the configuration (capped by available memory), the explicit knobs
+still win, the stats report block size and bytes, and the cache costs resident memory only once written."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+
+from asyncllm import AsyncLLM, EngineArgs, SamplingParams
+from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from asyncllm.engine.core import EngineCore
+from asyncllm.model.loader import read_arch_config
+from asyncllm.worker import kv_cache_sizing
+from asyncllm.worker.kv_cache_sizing import allocate_zeroed, default_num_kv_blocks
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block_size * kv_heads * head_dim * float32
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(path)
+
+
+def _core(model_path: str, cache: CacheConfig, max_num_seqs: int = 4, max_model_len: int | None = 200) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            ModelConfig("tiny", model_path, load_format="dummy", max_model_len=max_model_len),
+            cache,
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
+            ParallelConfig(num_threads=1),
+        )
+    )
+
+
+def _rss_bytes() -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_default_size_is_max_num_seqs_full_sequences_capped_by_memory() -> None:
+    assert default_num_kv_blocks(4, 200, 16, 1000, available_bytes=10**12) == 4 * 13
+    cap = int(kv_cache_sizing.KV_CACHE_MEMORY_FRACTION * 10**8) // 1000
+    assert default_num_kv_blocks(64, 8192, 16, 1000, available_bytes=10**8) == cap
+    assert default_num_kv_blocks(64, 8192, 16, 1000, available_bytes=0) == 1
+
+
+@pytest.mark.parametrize(
+    ("cache", "max_num_seqs", "expected_blocks"),
+    [
+        (CacheConfig(block_size=16), 4, 4 * math.ceil(200 / 16)),  # the default: what the configuration can use
+        (CacheConfig(block_size=16), 2, 2 * math.ceil(200 / 16)),
+        (CacheConfig(block_size=16, num_kv_blocks=40), 4, 40),
+        (CacheConfig(block_size=16, kv_cache_memory_bytes=30 * BYTES_PER_BLOCK + 5), 4, 30),
+    ],
+)
+def test_kv_cache_size_and_stats(
+    tiny_model_path: str, cache: CacheConfig, max_num_seqs: int, expected_blocks: int
+) -> None:
+    core = _core(tiny_model_path, cache, max_num_seqs=max_num_seqs)
+    try:
+        stats = core.scheduler.get_stats()
+        assert stats.num_total_blocks == expected_blocks
+        assert stats.block_size == 16
+        assert stats.kv_cache_bytes == expected_blocks * BYTES_PER_BLOCK
+        assert read_arch_config(tiny_model_path).kv_cache_bytes_per_block(16) == BYTES_PER_BLOCK
+    finally:
+        core.shutdown()
+
+
+def test_default_size_follows_the_models_context_when_max_model_len_is_unset(tiny_model_path: str) -> None:
+    core = _core(tiny_model_path, CacheConfig(block_size=16), max_num_seqs=3, max_model_len=None)
+    try:
+        assert core.scheduler.get_stats().num_total_blocks == 3 * 512 // 16
+    finally:
+        core.shutdown()
+
+
+def test_lazily_committed_cache_is_zero_and_costs_memory_only_where_written() -> None:
+    nbytes = 256 << 20
+    before = _rss_bytes()
+    cache = allocate_zeroed((nbytes // (16 * 1024 * 4), 16, 1024))  # 256 MiB of float32
+    allocated = _rss_bytes()
+    assert cache.shape == (4096, 16, 1024)
+    assert allocated - before < 32 << 20  # far below 256 MiB: no page was touched
+    assert torch.count_nonzero(cache[::512]) == 0  # reading maps the shared zero page only
+    cache[:64] = 1.0  # 4 MiB written
+    written = _rss_bytes()
+    assert 3 << 20 <= written - before < 64 << 20
+    assert float(cache[:64].sum()) == 64 * 16 * 1024
+
+
+async def test_real_engine_reports_block_size_and_cache_bytes(model_path: str) -> None:
+    args = EngineArgs(model=model_path, max_num_seqs=2, max_model_len=256, engine_process=False)
+    async with AsyncLLM.create(args) as llm:
+        stats = await llm.get_scheduler_stats()
+        assert (stats.block_size, stats.num_total_blocks) == (16, 2 * 256 // 16)
+        per_block = read_arch_config(model_path).kv_cache_bytes_per_block(16)  # 30 layers, 3 KV heads of 64
+        assert stats.kv_cache_bytes == 32 * per_block == 32 * 737_280
+        out = await llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0)).collect()
+        assert out.usage is not None
+        assert out.usage.num_generated_tokens == 4
