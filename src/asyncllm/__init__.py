@@ -13,8 +13,9 @@ from asyncllm.errors import (
     StreamClosedError,
     StreamIncompleteError,
 )
-from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput, Usage
+from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall, Usage
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.structured_outputs.params import StructuredOutputsParams
 
 __all__ = [
     "AsyncLLM",
@@ -35,6 +36,8 @@ __all__ = [
     "StreamBusyError",
     "StreamClosedError",
     "StreamIncompleteError",
+    "StructuredOutputsParams",
+    "ToolCall",
     "Usage",
     "__version__",
 ]

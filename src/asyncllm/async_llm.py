@@ -15,7 +15,7 @@ import threading
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -33,6 +33,7 @@ from asyncllm.outputs import RequestOutput
 from asyncllm.processing.input_processor import InputProcessor, PromptType
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
+from asyncllm.processing.tool_calling import ToolChoice, plan_chat
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.streams import GenerateOutputStream, Notifier, RequestOutputCollector
 from asyncllm.utils.loops import LoopBinding, current_loop
@@ -214,6 +215,35 @@ class AsyncLLM:
         except BaseException:
             self._abort_closed_stream(request.request_id)  # children already sent are aborted in the engine
             raise
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice = "auto",
+        parallel_tool_calls: bool = True,
+        tool_parser: str = "hermes",
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestOutput:
+        """Run one chat turn to the end, with optional tool calling (OpenAI's `tools` / `tool_choice`).
+
+        See `asyncllm.processing.tool_calling`: "required" or `{"type": "function", "function": {"name": ...}}`
+        force a call valid for the tool's parameter schema (structured outputs); "auto" parses the model's own
+        calls with `tool_parser`; "none" offers no tools.
+        Returns:
+            The final `RequestOutput`; each completion carries `tool_calls` (None when it called no tool).
+        Raises:
+            InvalidRequestError: bad messages, tools, tool_choice or parameters (nothing reaches the engine).
+            EngineGenerateError, EngineDeadError: as `generate()`'s stream.
+        """
+        plan = plan_chat(
+            self._tokenizer, messages, sampling_params, tools, tool_choice, parallel_tool_calls, tool_parser
+        )
+        output = await self.generate(plan.prompt, plan.sampling_params, request_id, priority).collect()
+        return plan.finish(output)
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests; each open stream then ends with a final output (finish_reason "abort").

@@ -28,6 +28,27 @@ SampleLogprobs = list[dict[int, Logprob]]  # one dict per generated token: top-k
 PromptLogprobs = list[dict[int, Logprob] | None]  # one per prompt token; the first is None
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call the model made (`AsyncLLM.chat` with `tools`), in OpenAI's terms.
+
+    Fields:
+        id: unique id ("call_..."), to quote as `tool_call_id` in the tool's result message.
+        name: the function's name.
+        arguments: the arguments as JSON text (an object).
+        type: always "function".
+    """
+
+    id: str
+    name: str
+    arguments: str
+    type: str = "function"
+
+    def to_message_dict(self) -> dict[str, object]:
+        """The OpenAI `tool_calls` entry of an assistant message."""
+        return {"id": self.id, "type": self.type, "function": {"name": self.name, "arguments": self.arguments}}
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request.
@@ -43,6 +64,8 @@ class CompletionOutput:
             `{token_id: Logprob}` with the k most likely tokens plus the sampled one; else None.
         cumulative_logprob: sum of the sampled tokens' logprobs over all tokens generated so far (also in
             DELTA outputs), with `logprobs` set; else None.
+        tool_calls: the parsed tool calls (`AsyncLLM.chat` with `tools`); `text` is then the content without
+            the tool-call markup ("" for forced calls). None when no tools were given or none was called.
     """
 
     index: int
@@ -52,6 +75,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from typing import NoReturn
 import msgspec
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.structured_outputs.params import StructuredOutputsParams
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -59,6 +60,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         prompt_logprobs: None, or k >= 0: the same for each prompt token (the first entry is None).
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY.
         stream_interval: emit an output every this many generated tokens (and at the end); >= 1.
+        structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice or grammar
+            (`StructuredOutputsParams`); None = free text. Not combinable with `min_tokens` > 0 (the grammar
+            may allow only EOS).
     """
 
     n: int = 1
@@ -83,6 +87,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +107,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         self._validate_token_lists()
         if not isinstance(self.output_kind, RequestOutputKind):
             _bad("output_kind", self.output_kind, "a RequestOutputKind")
+        self._validate_structured_outputs()
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Check the token ids in `stop_token_ids`, `logit_bias` and `allowed_token_ids` against the model.
@@ -124,6 +130,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def has_penalties(self) -> bool:
         """True when presence, frequency or repetition penalties change the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def _validate_structured_outputs(self) -> None:
+        if self.structured_outputs is None:
+            return
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams or None")
+        self.structured_outputs.validate()
+        if self.min_tokens > 0:
+            _bad("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar may only allow EOS)")
 
     def _validate_counts(self) -> None:
         _check_int("n", self.n, 1)

@@ -98,7 +98,7 @@ def run_engine_step(core: EngineCoreLike, emit: Emit) -> None:
     """Run one step if there is work and emit its outputs unless empty."""
     if core.has_unfinished_requests():
         outputs = core.step()
-        if outputs.outputs or outputs.finished_requests:
+        if outputs.outputs or outputs.finished_requests or outputs.failed_requests:
             emit(outputs)
 
 

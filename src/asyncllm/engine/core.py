@@ -17,8 +17,10 @@ from asyncllm.executors.base import Executor
 from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, EngineReadyInfo, SchedulerStats
 from asyncllm.sched.request import RequestStatus
 from asyncllm.sched.scheduler import Scheduler
+from asyncllm.structured_outputs.manager import StructuredOutputManager, make_tokenizer_loader
 
 logger = logging.getLogger(__name__)
+GRAMMAR_WAIT_SECONDS = 0.005  # an idle step waits this long for a compiling grammar instead of spinning
 
 
 class EngineCore:
@@ -40,6 +42,9 @@ class EngineCore:
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.ready_info = self._cap_max_model_len(self.executor.get_ready_info(num_blocks))
+        self.structured_output_manager = StructuredOutputManager(
+            make_tokenizer_loader(config.model.model_path), self.ready_info.vocab_size
+        )
         self.scheduler = Scheduler(
             config.scheduler,
             num_blocks,
@@ -47,6 +52,7 @@ class EngineCore:
             self.ready_info.max_model_len,
             enable_prefix_caching=config.cache.enable_prefix_caching,
             kv_cache_bytes=self.executor.get_kv_cache_bytes(),
+            structured_output_manager=self.structured_output_manager,
         )
 
     def _cap_max_model_len(self, info: EngineReadyInfo) -> EngineReadyInfo:
@@ -78,6 +84,7 @@ class EngineCore:
         """
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_req_ids:
+            self.structured_output_manager.wait_for_pending(GRAMMAR_WAIT_SECONDS)
             return self.scheduler.make_empty_outputs()
         model_runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
@@ -126,5 +133,6 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the executor and its workers. Idempotent."""
+        """Stop the executor and its workers, and the grammar compile threads. Idempotent."""
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -160,7 +160,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
     Fields:
         num_running_reqs: requests in the running set.
-        num_waiting_reqs: requests waiting to be scheduled.
+        num_waiting_reqs: requests waiting to be scheduled (incl. those waiting for their grammar).
         num_free_blocks: KV cache blocks not held by any request.
         num_total_blocks: KV cache blocks in all.
         prefix_cache_hit_rate: tokens found in the prefix cache / tokens looked up, since start (each admission

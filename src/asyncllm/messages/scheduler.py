@@ -11,6 +11,7 @@ import msgspec
 
 from asyncllm.messages.engine import LogprobsLists
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured_outputs.bitmask import GrammarBitmask
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -58,6 +59,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         num_scheduled_tokens: req_id -> tokens to compute this step (1 for a decode, a chunk for prefill).
         total_num_scheduled_tokens: sum of `num_scheduled_tokens`.
         finished_req_ids: requests that finished or were aborted since the last step; workers drop them.
+        grammar_bitmask: allowed-token masks of the structured-output requests that sample this step, or None.
     """
 
     scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
@@ -65,6 +67,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     num_scheduled_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: GrammarBitmask | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

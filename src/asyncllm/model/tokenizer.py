@@ -116,11 +116,17 @@ class Tokenizer:
         """Text of `ids`; special tokens are dropped when `skip_special_tokens`."""
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """Render chat messages into a prompt string with the model's template.
 
         Rendered in a Jinja2 immutable sandbox with the globals HF templates expect (`raise_exception`,
-        `strftime_now`, a `tojson` filter that does not escape HTML, `bos_token`, `eos_token`).
+        `strftime_now`, a `tojson` filter that does not escape HTML, `bos_token`, `eos_token`); `tools` (OpenAI
+        tool dicts) is passed as the template's `tools` variable, as HF `transformers` does.
 
         Raises:
             InvalidRequestError: the model has no chat template, or the template rejects the messages.
@@ -131,6 +137,7 @@ class Tokenizer:
             return _compile_template(self.chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )

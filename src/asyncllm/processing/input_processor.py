@@ -24,6 +24,7 @@ import msgspec
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured_outputs.backend import check_constraint
 
 PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
@@ -169,6 +170,8 @@ class InputProcessor:
             raise InvalidRequestError(f"sampling_params must be a SamplingParams, not {type(params).__name__}")
         params.validate()
         params.validate_vocab(self._vocab_size)
+        if params.structured_outputs is not None:
+            check_constraint(params.structured_outputs)
         return params
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:

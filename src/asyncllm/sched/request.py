@@ -7,6 +7,7 @@ read and write this object. Follows vLLM v1's `vllm/v1/request.py`.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from asyncllm.messages.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from asyncllm.sampling_params import SamplingParams
@@ -16,11 +17,12 @@ class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status after `PREEMPTED` is final."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_GRAMMAR = 1  # its structured-output grammar is compiling; holds no KV blocks (vLLM: WAITING_FOR_FSM)
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -58,6 +60,8 @@ class Request:
         num_cached_tokens: tokens served from the prefix cache when first scheduled (-1 before that).
         block_hashes: chained hashes of its full blocks so far (prefix caching), kept across preemption.
         events: engine events not yet sent to the frontend (taken by `take_events`).
+        grammar: its `structured_outputs.manager.GrammarState` once its grammar is compiled, else None.
+        grammar_future: the compilation it waits for (status WAITING_FOR_GRAMMAR), else None.
     """
 
     def __init__(
@@ -85,6 +89,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.events: list[EngineCoreEvent] = []
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.grammar: Any = None
+        self.grammar_future: Any = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
@@ -145,7 +151,8 @@ class Request:
 
         Order: a stop token id (stop_reason = the id) or EOS (unless `ignore_eos`; stop_reason None) -> STOP,
         honoured only once at least `min_tokens` tokens precede it (vLLM's min_tokens semantics); then
-        `max_tokens` reached -> LENGTH; then prompt + output reaching `max_model_len` -> LENGTH.
+        a terminated structured-output grammar -> STOP; then `max_tokens` reached -> LENGTH; then prompt +
+        output reaching `max_model_len` -> LENGTH.
         Stop strings are the frontend's job.
 
         Returns:
@@ -161,6 +168,9 @@ class Request:
             if not params.ignore_eos and last == self.eos_token_id:
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
+        if self.grammar is not None and self.grammar.is_terminated:  # the grammar accepted EOS: nothing may follow
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
         max_tokens = params.max_tokens
         if (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED

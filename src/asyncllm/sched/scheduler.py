@@ -11,6 +11,9 @@ With the "priority" policy, waiting and running requests are ordered by (priorit
 running request is the one preempted, and a waiting request of strictly better priority that finds no room
 (`max_num_seqs` or blocks) preempts running requests of worse priority before the step is scheduled.
 Every request records QUEUED, SCHEDULED and PREEMPTED events (engine monotonic clock) for the frontend.
+A structured-output request first waits for its grammar (`StructuredOutputManager`, status WAITING_FOR_GRAMMAR,
+no blocks) and is queued once it is compiled; each step's output carries the grammar bitmask of the constrained
+requests that sample, and their matchers advance with the sampled tokens.
 Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token budget").
 """
 
@@ -30,6 +33,7 @@ from asyncllm.messages.scheduler import CachedRequestData, ModelRunnerOutput, Ne
 from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue, priority_key
+from asyncllm.structured_outputs.manager import StructuredOutputManager
 
 
 class Scheduler:
@@ -43,6 +47,7 @@ class Scheduler:
             (`num_kv_blocks * block_size >= max_model_len`) or a lone request could never finish.
         enable_prefix_caching: reuse cached full blocks of shared prefixes.
         kv_cache_bytes: bytes of the KV cache over all workers (reported in the stats only).
+        structured_output_manager: compiles grammars and keeps matchers; None rejects constrained requests.
     Raises:
         ValueError: if `max_model_len` does not fit in the KV cache.
         ConfigError: unknown scheduling policy.
@@ -56,6 +61,7 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = False,
         kv_cache_bytes: int = 0,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         if num_kv_blocks * block_size < max_model_len:
             raise ValueError(f"{num_kv_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}")
@@ -72,13 +78,22 @@ class Scheduler:
         self._finished_req_ids: list[str] = []  # for the workers, in the next SchedulerOutput
         self._finished_req_ids_to_report: list[str] = []  # for the frontend, in the next EngineCoreOutputs
         self.num_preemptions = 0
+        self.structured_output_manager = structured_output_manager
+        self._failed_requests: dict[str, str] = {}  # for the frontend: requests whose grammar failed to compile
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the frontend validated."""
         req = Request.from_engine_core_request(request)
+        manager = self.structured_output_manager
+        if req.sampling_params.structured_outputs is not None:
+            if manager is None:
+                raise ValueError("this engine has no structured output manager")
+            manager.submit(req)  # queued by `_queue_grammar_ready` once compiled
+            req.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[req.request_id] = req
         req.record_event(EngineCoreEventType.QUEUED)
-        self.waiting.add_request(req)
+        if req.status == RequestStatus.WAITING:
+            self.waiting.add_request(req)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Finish requests from outside (abort): free their blocks; no output is emitted for them.
@@ -89,12 +104,19 @@ class Scheduler:
         doomed = {id(req) for req in reqs}
         self.running = [req for req in self.running if id(req) not in doomed]
         self.waiting.remove_requests(reqs)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.discard([req.request_id for req in reqs])
         for req in reqs:
             req.status = status
             self._free_request(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or self.num_waiting_for_grammar > 0
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        manager = self.structured_output_manager
+        return len(manager.pending) if manager is not None else 0
 
     def has_finished_requests(self) -> bool:
         """True while finished or aborted requests are waiting to be reported to the workers."""
@@ -107,7 +129,7 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + self.num_waiting_for_grammar,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.kv_cache_manager.num_total_blocks,
             prefix_cache_hit_rate=self.kv_cache_manager.prefix_cache_hit_rate,
@@ -124,6 +146,7 @@ class Scheduler:
         Advances each scheduled request's `num_computed_tokens` by its scheduled tokens (the output carries
         the values from before the step).
         """
+        self._queue_grammar_ready()
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
         budget = self.config.max_num_batched_tokens
@@ -135,7 +158,25 @@ class Scheduler:
         for req_id, num_tokens in output.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        if self.structured_output_manager is not None:  # rows of the constrained requests that sample now
+            sampling = [
+                req for i in output.num_scheduled_tokens if (req := self.requests[i]).num_tokens_to_compute == 0
+            ]
+            output.grammar_bitmask = self.structured_output_manager.make_bitmask(sampling)
         return output
+
+    def _queue_grammar_ready(self) -> None:
+        """Queue the requests whose grammar finished compiling; fail those whose grammar did not compile."""
+        if self.structured_output_manager is None or not self.structured_output_manager.pending:
+            return
+        ready, failed = self.structured_output_manager.take_ready()
+        for req in ready:
+            req.status = RequestStatus.WAITING
+            self.waiting.add_request(req)
+        for req, error in failed.items():
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._failed_requests[req.request_id] = error
+            del self.requests[req.request_id]
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, int]:
         num_preempted = 0
@@ -237,6 +278,10 @@ class Scheduler:
             if req is None or not token_ids or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted while the step ran
             req.append_output_token_ids(token_ids)
+            if req.grammar is not None and not req.grammar.accept(token_ids):
+                self._fail_running(req, f"the grammar rejected sampled token {token_ids}")
+                finished.add(id(req))
+                continue
             if req.check_stop(self.max_model_len):
                 finished.add(id(req))
                 self._free_request(req)
@@ -254,12 +299,30 @@ class Scheduler:
         if finished:
             self.running = [req for req in self.running if id(req) not in finished]
         return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.get_stats(), finished_requests=self._take_finished_to_report()
+            outputs=outputs,
+            scheduler_stats=self.get_stats(),
+            finished_requests=self._take_finished_to_report(),
+            failed_requests=self._take_failed(),
         )
 
     def make_empty_outputs(self) -> EngineCoreOutputs:
-        """The outputs of a step that ran nothing (still reports aborted ids and stats)."""
-        return EngineCoreOutputs(scheduler_stats=self.get_stats(), finished_requests=self._take_finished_to_report())
+        """The outputs of a step that ran nothing (still reports aborted and failed ids, and stats)."""
+        return EngineCoreOutputs(
+            scheduler_stats=self.get_stats(),
+            finished_requests=self._take_finished_to_report(),
+            failed_requests=self._take_failed(),
+        )
+
+    def _take_failed(self) -> dict[str, str] | None:
+        failed, self._failed_requests = self._failed_requests, {}
+        return failed or None
+
+    def _fail_running(self, req: Request, error: str) -> None:
+        """End a request the engine cannot continue (it fails alone: `failed_requests`, no output)."""
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._failed_requests[req.request_id] = error
+        self._free_request(req)
+        self._finished_req_ids_to_report.pop()  # reported as failed, not as finished
 
     def _take_finished_to_report(self) -> list[str] | None:
         ids, self._finished_req_ids_to_report = self._finished_req_ids_to_report, []

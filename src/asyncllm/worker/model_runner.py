@@ -20,6 +20,7 @@ from asyncllm.messages.scheduler import ModelRunnerOutput, NewRequestData, Sched
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured_outputs.bitmask import unpack_bitmask
 from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
@@ -132,7 +133,10 @@ class ModelRunner:
         if not sampled_states:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[rows])
-        sampled = self.sampler(logits, self._make_sampling_metadata(sampled_states))
+        sampling_meta = self._make_sampling_metadata(sampled_states)
+        if scheduler_output.grammar_bitmask is not None:
+            self._add_grammar_bitmask(sampling_meta, sampled_states, scheduler_output)
+        sampled = self.sampler(logits, sampling_meta)
         token_ids = sampled.tolist()
         for state, token_id in zip(sampled_states, token_ids, strict=True):
             state.token_ids.append(token_id)
@@ -231,6 +235,20 @@ class ModelRunner:
                 for s in states
             ]
         return SamplingMetadata.from_params(params, self.vocab_size, generators, rows)
+
+    def _add_grammar_bitmask(
+        self, meta: SamplingMetadata, states: list[CachedRequestState], scheduler_output: SchedulerOutput
+    ) -> None:
+        """Map the scheduler's per-request grammar masks onto this step's sampled rows.
+
+        Raises:
+            KeyError: a masked request does not sample this step (a scheduler/worker protocol bug).
+        """
+        grammar = scheduler_output.grammar_bitmask
+        assert grammar is not None
+        row_of = {state.req_id: row for row, state in enumerate(states)}
+        meta.grammar_rows = torch.tensor([row_of[req_id] for req_id in grammar.req_ids], dtype=torch.int64)
+        meta.grammar_allowed = unpack_bitmask(grammar.to_tensor(), self.vocab_size)
 
     @staticmethod
     def _advance(states: list[CachedRequestState], query_lens: np.ndarray) -> None:

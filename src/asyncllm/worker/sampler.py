@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured_outputs.bitmask import apply_grammar_bitmask
 from asyncllm.worker.logits_processing import LogitsEdits, RowTokens, apply_min_p
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, position) pairs over the seed space
@@ -31,6 +32,8 @@ class SamplingMetadata:
         top_p: [num_reqs] float32 (1.0 = disabled), or None when no row uses top-p.
         generators: row index -> the seeded generator of that row, already seeded for this step.
         edits: logit edits (bias, masks, penalties, min-p) applied before sampling.
+        grammar_rows: [num_constrained] int64 rows under a structured-output grammar, or None.
+        grammar_allowed: [num_constrained, vocab_size] bool, the tokens each grammar allows next, or None.
     """
 
     temperature: torch.Tensor
@@ -38,6 +41,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None
     generators: dict[int, torch.Generator]
     edits: LogitsEdits
+    grammar_rows: torch.Tensor | None = None
+    grammar_allowed: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -87,8 +92,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Sample.
 
-        Order (as vLLM v1): logit edits (allowed tokens, min_tokens masks, logit bias, then penalties); greedy
-        rows take the argmax of the edited logits; the others divide by temperature, then min-p, top-k, top-p.
+        Order (as vLLM v1): the grammar bitmask (structured outputs), logit edits (allowed tokens, min_tokens
+        masks, logit bias, then penalties); greedy rows take the argmax of the edited logits; the others divide
+        by temperature, then min-p, top-k, top-p.
 
         Args:
             logits: [num_reqs, vocab_size] float32 (not modified).
@@ -98,6 +104,8 @@ class Sampler:
         Source: exponential race (argmax p/q, q ~ Exp(1)) as in vLLM's `random_sample`; top-k/top-p masking
             with one ascending sort as in vLLM's `apply_top_k_top_p`.
         """
+        if meta.grammar_rows is not None and meta.grammar_allowed is not None:
+            logits = apply_grammar_bitmask(logits, meta.grammar_rows, meta.grammar_allowed)
         logits = meta.edits.apply_before_temperature(logits)
         greedy_tokens = logits.argmax(dim=-1)
         if meta.all_greedy:

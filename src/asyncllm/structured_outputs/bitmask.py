@@ -1,0 +1,69 @@
+"""The grammar token bitmask as it travels to the workers, and its application to logits (torch only).
+
+Bit layout (xgrammar's): row r allows token t iff bit `t % 32` of int32 word `t // 32` of row r is set;
+a row has `ceil(vocab_size / 32)` words. The engine core fills one row per constrained request that samples
+this step and broadcasts the packed rows to every worker (the same mask on every tensor-parallel rank).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """The packed allowed-token masks of the constrained requests sampled in one step.
+
+    Fields:
+        req_ids: the constrained requests, one mask row each, in this order.
+        bitmask: [len(req_ids), num_words] int32 words as little-endian bytes.
+        num_words: int32 words per row (`ceil(vocab_size / 32)`).
+    """
+
+    req_ids: list[str]
+    bitmask: bytes
+    num_words: int
+
+    @classmethod
+    def from_array(cls, req_ids: list[str], bitmask: np.ndarray) -> GrammarBitmask:
+        """Pack `bitmask` ([len(req_ids), num_words] int32) for the wire."""
+        return cls(req_ids, np.ascontiguousarray(bitmask, dtype="<i4").tobytes(), int(bitmask.shape[1]))
+
+    def to_tensor(self) -> torch.Tensor:
+        """[len(req_ids), num_words] int32."""
+        array = np.frombuffer(self.bitmask, dtype="<i4").reshape(len(self.req_ids), self.num_words)
+        return torch.from_numpy(array.copy())
+
+
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  # [256, 8]: byte -> its bits
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, num_words] int32 words -> [rows, vocab_size] bool, True where the token is allowed.
+
+    Reads the words as little-endian bytes and looks each byte's 8 bits up in a table (about 10x cheaper than
+    shifting every word 32 times). Tokens past `32 * num_words` are disallowed.
+    """
+    rows = bitmask.shape[0]
+    allowed = _BYTE_BITS[bitmask.contiguous().view(torch.uint8).long()].reshape(rows, -1)
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(rows, vocab_size - allowed.shape[1], dtype=torch.bool)
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Set the logits of disallowed tokens to -inf in the constrained rows.
+
+    Args:
+        logits: [num_reqs, vocab_size] float32 (not modified).
+        rows: [num_constrained] int64 row indices into `logits`.
+        allowed: [num_constrained, vocab_size] bool (see `unpack_bitmask`).
+    Returns:
+        A new [num_reqs, vocab_size] tensor; unconstrained rows are unchanged.
+    """
+    if rows.shape[0] == logits.shape[0] and bool((rows == torch.arange(rows.shape[0])).all()):
+        return logits.masked_fill(~allowed, float("-inf"))  # every row constrained, in order
+    constrained = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, constrained)
