@@ -12,7 +12,11 @@ import itertools
 import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
-LEAVES_MESSAGES_MAY_USE = {"asyncllm.sampling_params": {"asyncllm.errors"}, "asyncllm.errors": set()}
+LEAVES_MESSAGES_MAY_USE = {
+    "asyncllm.sampling_params": {"asyncllm.errors", "asyncllm.structured_outputs.params"},
+    "asyncllm.structured_outputs.params": {"asyncllm.errors"},
+    "asyncllm.errors": set(),
+}
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -7,11 +7,16 @@ requests already known to the workers carry only what changed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from asyncllm.messages.engine import LogprobsLists
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.structured_outputs.bitmask import GrammarBitmask
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -48,6 +53,35 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
+    """The packed allowed-token masks of the constrained requests sampled in one step.
+
+    Fields:
+        req_ids: the constrained requests, one mask row each, in this order.
+        bitmask: [len(req_ids), num_words] int32 words as little-endian bytes.
+        num_words: int32 words per row (`ceil(vocab_size / 32)`).
+    """
+
+    req_ids: list[str]
+    bitmask: bytes
+    num_words: int
+
+    @classmethod
+    def from_array(cls, req_ids: list[str], bitmask: np.ndarray) -> GrammarBitmask:
+        """Pack `bitmask` ([len(req_ids), num_words] int32) for the wire."""
+        import numpy as np
+
+        return cls(req_ids, np.ascontiguousarray(bitmask, dtype="<i4").tobytes(), int(bitmask.shape[1]))
+
+    def to_tensor(self) -> torch.Tensor:
+        """[len(req_ids), num_words] int32 (imports torch: call it in the worker only)."""
+        import numpy as np
+        import torch
+
+        array = np.frombuffer(self.bitmask, dtype="<i4").reshape(len(self.req_ids), self.num_words)
+        return torch.from_numpy(array.copy())
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -1,4 +1,4 @@
-"""The grammar token bitmask as it travels to the workers, and its application to logits (torch only).
+"""The grammar token bitmask's application to logits (torch only); the wire type is `messages.scheduler.GrammarBitmask`.
 
 Bit layout (xgrammar's): row r allows token t iff bit `t % 32` of int32 word `t // 32` of row r is set;
 a row has `ceil(vocab_size / 32)` words. The engine core fills one row per constrained request that samples
@@ -7,33 +7,11 @@ this step and broadcasts the packed rows to every worker (the same mask on every
 
 from __future__ import annotations
 
-import msgspec
-import numpy as np
 import torch
 
+from asyncllm.messages.scheduler import GrammarBitmask
 
-class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
-    """The packed allowed-token masks of the constrained requests sampled in one step.
-
-    Fields:
-        req_ids: the constrained requests, one mask row each, in this order.
-        bitmask: [len(req_ids), num_words] int32 words as little-endian bytes.
-        num_words: int32 words per row (`ceil(vocab_size / 32)`).
-    """
-
-    req_ids: list[str]
-    bitmask: bytes
-    num_words: int
-
-    @classmethod
-    def from_array(cls, req_ids: list[str], bitmask: np.ndarray) -> GrammarBitmask:
-        """Pack `bitmask` ([len(req_ids), num_words] int32) for the wire."""
-        return cls(req_ids, np.ascontiguousarray(bitmask, dtype="<i4").tobytes(), int(bitmask.shape[1]))
-
-    def to_tensor(self) -> torch.Tensor:
-        """[len(req_ids), num_words] int32."""
-        array = np.frombuffer(self.bitmask, dtype="<i4").reshape(len(self.req_ids), self.num_words)
-        return torch.from_numpy(array.copy())
+__all__ = ["GrammarBitmask", "apply_grammar_bitmask", "unpack_bitmask"]
 
 
 _BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  # [256, 8]: byte -> its bits
