@@ -313,7 +313,9 @@ class AsyncLLM:
         takes the turn to read a batch of engine outputs and hand them to every collector; the others wait."""
         self._bind_to_current_loop()
         while (output := collector.get_nowait()) is None:
-            self._ensure_running()  # an untracked stream of a dead engine would otherwise spin here
+            if not self.is_running:  # an untracked stream of a dead engine would otherwise spin here
+                self._client.check_health()  # the engine's own death reason, or "shut down"
+                self._ensure_running()
             if self._handling:
                 await self._notifier.wait()
                 continue
