@@ -343,10 +343,21 @@ class AsyncLLM:
         takes the turn to read a batch of engine outputs and hand them to every collector; the others wait."""
         self._bind_to_current_loop()
         while (output := collector.get_nowait()) is None:
+            if not self.is_running:  # an untracked stream of a dead engine would otherwise spin here
+                self._client.check_health()  # the engine's own death reason, or "shut down"
+                self._ensure_running()
             if self._handling:
                 await self._notifier.wait()
-            else:
-                await self._handle_engine_outputs()
+                continue
+            # Holding the turn, this task waits on the engine's socket; anything put into its own collector
+            # meanwhile (an abort's final output, a close, an error) ends that wait, as the engine may send
+            # nothing more. Only the wait is cut short: processing a received batch is shielded.
+            with anyio.CancelScope() as wait_scope:
+                collector.wake_reader = wait_scope.cancel
+                try:
+                    await self._handle_engine_outputs()
+                finally:
+                    collector.wake_reader = None
         return output
 
     async def _handle_engine_outputs(self) -> None:

@@ -65,6 +65,9 @@ class RequestOutputCollector:
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._notifier = notifier or Notifier()
+        # Called on every put: set while this collector's consumer holds the output-handling turn (it waits on
+        # the engine's socket then, not on the notifier), to stop that wait.
+        self.wake_reader: Callable[[], None] | None = None
 
     def put(self, output: RequestOutput) -> None:
         """Offer an output; merges into an output still waiting (appending DELTA completions, replacing others)."""
@@ -72,12 +75,17 @@ class RequestOutputCollector:
             self._output = output
         else:
             merge_outputs(self._output, output, self._aggregate)
-        self._notifier.notify()
+        self._wake()
 
     def put_error(self, error: BaseException) -> None:
         """Deliver an error; `get_nowait()` raises it once the waiting output (if any) was taken."""
         self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
         self._notifier.notify()
+        if self.wake_reader is not None:
+            self.wake_reader()
 
     def get_nowait(self) -> RequestOutput | None:
         """Take the waiting output, or None.
@@ -301,7 +309,12 @@ class GenerateOutputStream:
         self.close()
 
     def close(self) -> None:
-        """Sync twin of `aclose()` (call it on the event loop's thread). Idempotent."""
+        """Sync twin of `aclose()` (call it on the event loop's thread). Idempotent.
+
+        A task waiting for this stream's next output meanwhile raises `StreamClosedError` at once.
+        """
+        if self._reading and not self._closed:
+            self._collector.put_error(StreamClosedError(f"the output stream of request {self.request_id!r} was closed"))
         self._close_and_abort()
 
     async def __aenter__(self) -> GenerateOutputStream:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
+from asyncllm.engine.launcher import ENGINE_MODULE
 from tests.server.server_helpers import descendants, is_alive, start_server, stop_server, wait_for
 
 pytestmark = [pytest.mark.mp, pytest.mark.slow]
@@ -83,7 +84,7 @@ async def test_api_key_root_path_and_graceful_ctrl_c() -> None:
 def test_dead_engine_gives_503_and_the_server_still_exits_cleanly() -> None:
     server = start_server()
     try:
-        engines = [pid for pid in descendants(server.pid) if "spawn_main" in cmdline(pid)]
+        engines = [pid for pid in descendants(server.pid) if ENGINE_MODULE in cmdline(pid)]
         assert len(engines) == 1
         os.kill(engines[0], signal.SIGKILL)
         wait_for(lambda: httpx.get(f"{server.base_url}/health", timeout=30).status_code == 503, timeout=60)

@@ -113,7 +113,8 @@ async def collect_or_abort(
         APIError: the client disconnected (reported as 400; nobody reads it).
         EngineDeadError, EngineGenerateError: from a stream.
     """
-    task = asyncio.ensure_future(asyncio.gather(*(stream.collect() for stream in streams)))
+    collectors = [asyncio.ensure_future(stream.collect()) for stream in streams]
+    task = asyncio.gather(*collectors)
     ids = [stream.request_id for stream in streams]
     ctx.in_flight.update(ids)
     try:
@@ -125,10 +126,15 @@ async def collect_or_abort(
                 raise APIError("the client disconnected")
     finally:
         ctx.in_flight.difference_update(ids)
+        # gather() leaves the other streams' tasks running when one raises: cancel and await every one left.
+        for collector in collectors:
+            collector.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.gather(*collectors, return_exceptions=True)
         if not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
         await close_streams(streams)
 
 
