@@ -117,12 +117,12 @@ def die_with_parent(parent_pid: int, parent_is_main_thread: bool, ipc_dir: str) 
 
     Linux: `prctl(PR_SET_PDEATHSIG, SIGTERM)` (only when the parent's main thread started us: the signal follows
     the thread, not the process). Everywhere: a daemon thread polls `os.getppid()` every 0.5 s. On SIGTERM the
-    process raises `SystemExit` in its main thread so normal clean-up runs. SIGINT is ignored (and so is it in
-    the worker processes this one starts, which inherit that): Ctrl-C in a terminal reaches the whole process
-    group, and the parent decides what it means (e.g. `asyncllm chat` stops one answer; `asyncllm serve` drains
-    and then shuts the engine down).
+    process removes `ipc_dir` and raises `SystemExit` in its main thread so normal clean-up runs. SIGINT is
+    ignored (and so is it in the worker processes this one starts, which inherit that): Ctrl-C in a terminal
+    reaches the whole process group, and the parent decides what it means (e.g. `asyncllm chat` stops one
+    answer; `asyncllm serve` drains and then shuts the engine down).
     """
-    signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(parent_pid, ipc_dir))
+    signal.signal(signal.SIGTERM, lambda signum, frame: _on_sigterm(ipc_dir))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux") and parent_is_main_thread:
         with contextlib.suppress(OSError, AttributeError):
@@ -139,9 +139,12 @@ def launched_from_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _on_sigterm(parent_pid: int, ipc_dir: str) -> None:
-    if os.getppid() != parent_pid:
-        remove_ipc_dir(ipc_dir)
+def _on_sigterm(ipc_dir: str) -> None:
+    # Always remove the directory: `os.getppid()` cannot tell a parent death apart. When a multi-threaded parent
+    # is killed, Linux may first reparent us to one of its still-running threads and send PR_SET_PDEATHSIG then,
+    # so getppid() still names the parent. A parent that sends SIGTERM itself is shutting us down and removes the
+    # directory anyway (removal ignores a missing directory).
+    remove_ipc_dir(ipc_dir)
     raise SystemExit(128 + signal.SIGTERM)
 
 
