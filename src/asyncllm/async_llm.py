@@ -3,19 +3,15 @@ abort, shut down.
 
 Data flow: `generate()` -> InputProcessor (tokenize + validate, synchronously) -> OutputProcessor state +
 EngineCoreClient.add_request -> engine core (its own process by default, or a background thread) -> the output
-handler (run by whichever waiting stream holds the turn: no background task, so it works on any backend) ->
-OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
+handler (`output_handler.py`: run by whichever waiting stream holds the turn, no background task, so it works on
+any backend) -> OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import threading
 import uuid
 import weakref
-from collections import deque
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -24,21 +20,22 @@ import sniffio
 
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.client import EngineCoreClient
-from asyncllm.errors import EngineDeadError, EngineGenerateError, EventLoopError, InvalidRequestError
-from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
-from asyncllm.metrics.prometheus import PrometheusStatLogger, is_prometheus_available
-from asyncllm.metrics.stats import IterationStats
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.messages.engine import EngineCoreRequest, SchedulerStats
+from asyncllm.metrics.defaults import make_default_stat_loggers
+from asyncllm.metrics.loggers import StatLoggerBase
+from asyncllm.metrics.prometheus import PrometheusStatLogger
+from asyncllm.output_handler import OutputHandler
 from asyncllm.outputs import RequestOutput
 from asyncllm.processing.input_processor import InputProcessor, PromptType
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.processing.tool_calling import ToolChoice, plan_chat
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.streams import GenerateOutputStream, Notifier, RequestOutputCollector
+from asyncllm.starting import StartingAsyncLLM, bind_start
+from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 from asyncllm.utils.loops import LoopBinding, current_loop
 
-logger = logging.getLogger(__name__)
 LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (~5 ms of tokenizing and more)
 
 
@@ -71,17 +68,14 @@ class AsyncLLM:
         info = client.ready_info
         self._input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size)
         self._output_processor = OutputProcessor(tokenizer.hf)
-        self._notifier = Notifier()  # wakes streams waiting for outputs (and for the output-handling turn)
-        self._handling = False  # a task is reading and processing engine outputs for every stream
-        self._pending_batches: deque[EngineCoreOutputs] = deque()  # received, not yet processed (in order)
+        self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
+        self._notifier = self._handler.notifier  # wakes streams waiting for outputs (and for the turn)
         self._loop_binding = LoopBinding("this AsyncLLM")
-        self._dead: BaseException | None = None
-        self._shut_down = False
         # Stops the engine if this object is collected or the interpreter exits without shutdown().
         self._finalizer = weakref.finalize(self, client.shutdown)
 
     @classmethod
-    def create(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> StartingAsyncLLM:
+    def create(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> StartingAsyncLLM[AsyncLLM]:
         """Start an engine without blocking the event loop: `llm = await AsyncLLM.create(args)`, or
         `async with AsyncLLM.create(args) as llm:` (shuts it down on exit).
 
@@ -91,7 +85,7 @@ class AsyncLLM:
 
         Args and Raises: as `from_engine_args` (raised by the await).
         """
-        return StartingAsyncLLM(cls, args, stat_loggers)
+        return StartingAsyncLLM(bind_start(cls.from_engine_args, args, stat_loggers))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> AsyncLLM:
@@ -120,12 +114,12 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         """True once the engine died (sticky)."""
-        return self._dead is not None or self._client.errored
+        return self._handler.errored
 
     @property
     def is_running(self) -> bool:
         """True while the engine serves requests (not shut down, not dead)."""
-        return not self._shut_down and not self.errored
+        return not self._handler.shut_down and not self.errored
 
     @property
     def prometheus_registry(self) -> Any:
@@ -201,7 +195,7 @@ class AsyncLLM:
             InvalidRequestError: a duplicate in-flight request id (nothing is sent).
             EngineDeadError: the engine died.
         """
-        self._process_received_outputs_now()
+        self._handler.process_received_outputs_now()
         parent = ParentRequest(request) if request.sampling_params.n > 1 else None
         engine_requests = parent.child_requests if parent is not None else [request]
         for engine_id in [request.request_id, *(r.request_id for r in engine_requests)]:
@@ -251,7 +245,7 @@ class AsyncLLM:
         Unknown or finished ids are ignored.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._abort_in_engine(self._output_processor.abort_requests(ids))
+        self._handler.abort_in_engine(self._output_processor.abort_requests(ids))
         self._notifier.notify()
 
     async def get_scheduler_stats(self) -> SchedulerStats:
@@ -301,9 +295,9 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         """Stop the output handler and the engine. Open streams raise `EngineDeadError`. Idempotent."""
-        if self._shut_down:
+        if self._handler.shut_down:
             return
-        self._shut_down = True
+        self._handler.shut_down = True
         self._output_processor.propagate_error(EngineDeadError("the engine was shut down"))
         await anyio.to_thread.run_sync(self._finalizer)
 
@@ -318,10 +312,7 @@ class AsyncLLM:
     # ---- internals ----------------------------------------------------------------------------------
 
     def _ensure_running(self) -> None:
-        if self.errored:
-            raise EngineDeadError() from (self._dead or None)
-        if self._shut_down:
-            raise EngineDeadError("the engine was shut down")
+        self._handler.ensure_running()
 
     def _bind_to_current_loop(self) -> Any:
         """Bind to the running event loop (None outside one); per-loop state is dropped when a previous loop ended.
@@ -334,147 +325,17 @@ class AsyncLLM:
         except sniffio.AsyncLibraryNotFoundError:
             return None
         if self._loop_binding.bind():
-            self._notifier.reset()
-            self._handling = False
+            self._handler.forget_loop()
         return loop
 
     async def _next_output(self, collector: RequestOutputCollector) -> RequestOutput:
-        """Wait for `collector`'s next output. The output handler runs inside the waiting tasks: one at a time
-        takes the turn to read a batch of engine outputs and hand them to every collector; the others wait."""
+        """Wait for `collector`'s next output (see `OutputHandler.next_output`)."""
         self._bind_to_current_loop()
-        while (output := collector.get_nowait()) is None:
-            if not self.is_running:  # an untracked stream of a dead engine would otherwise spin here
-                self._client.check_health()  # the engine's own death reason, or "shut down"
-                self._ensure_running()
-            if self._handling:
-                await self._notifier.wait()
-                continue
-            # Holding the turn, this task waits on the engine's socket; anything put into its own collector
-            # meanwhile (an abort's final output, a close, an error) ends that wait, as the engine may send
-            # nothing more. Only the wait is cut short: processing a received batch is shielded.
-            with anyio.CancelScope() as wait_scope:
-                collector.wake_reader = wait_scope.cancel
-                try:
-                    await self._handle_engine_outputs()
-                finally:
-                    collector.wake_reader = None
-        return output
-
-    async def _handle_engine_outputs(self) -> None:
-        """The one loop's body: engine outputs -> output processor -> collectors; stop-string hits -> aborts.
-
-        Reading may be cancelled (nothing is lost: a batch is taken from the socket without awaiting); processing
-        a batch is shielded, so a cancelled consumer never drops other requests' outputs.
-        """
-        self._handling = True
-        try:
-            try:
-                outputs = await self._client.get_output_async()
-            except (anyio.get_cancelled_exc_class(), EventLoopError):
-                raise
-            except BaseException as e:
-                self._on_output_handler_error(e)
-                return
-            self._pending_batches.append(outputs)
-            self._take_received_outputs()  # every batch already here: a lagging consumer's outputs merge
-            with anyio.CancelScope(shield=True):
-                while self._pending_batches:
-                    self._process_batch_now(self._pending_batches.popleft())
-                    await anyio.lowlevel.checkpoint()  # let other tasks run between engine steps
-        finally:
-            self._handling = False
-            self._notifier.notify()
-
-    def _on_output_handler_error(self, error: BaseException) -> None:
-        if not self._shut_down:
-            logger.error("the output handler stopped: %r", error)
-            self._dead = error
-        self._output_processor.propagate_error(error if isinstance(error, EngineDeadError) else EngineDeadError())
-
-    def _take_received_outputs(self) -> None:
-        """Queue every engine output the client has received (none while another task is reading)."""
-        self._pending_batches.extend(self._client.get_outputs_nowait())
-
-    def _process_received_outputs_now(self) -> None:
-        """Before a new request is registered: process every received output, so that late outputs of an aborted
-        request can never be taken for those of a new request that reuses its id."""
-        self._take_received_outputs()
-        while self._pending_batches:
-            self._process_batch_now(self._pending_batches.popleft())
-
-    def _process_batch_now(self, outputs: EngineCoreOutputs) -> None:
-        """One engine step's outputs -> collectors (synchronously); stop-string hits -> engine aborts."""
-        if outputs.failed_requests:
-            failed = outputs.failed_requests.items()
-            self._output_processor.fail_requests({i: EngineGenerateError(f"request {i!r}: {e}") for i, e in failed})
-        iteration_stats = IterationStats() if self.stat_loggers else None
-        result = self._output_processor.process_outputs(outputs.outputs, outputs.timestamp, iteration_stats)
-        self._abort_in_engine(result.reqs_to_abort)
-        self._record_stats(outputs, iteration_stats)
-
-    def _record_stats(self, outputs: EngineCoreOutputs, iteration_stats: IterationStats | None) -> None:
-        if outputs.utility_result is not None and not outputs.outputs:
-            return
-        for stat_logger in self.stat_loggers:
-            try:
-                stat_logger.record(outputs.scheduler_stats, iteration_stats)
-            except Exception:  # a broken logger must not stop the output handler
-                logger.exception("stat logger %r failed", stat_logger)
-
-    def _abort_in_engine(self, request_ids: list[str]) -> None:
-        if request_ids and not self.errored and not self._shut_down:
-            self._client.abort_requests(request_ids)
+        return await self._handler.next_output(collector)
 
     def _abort_closed_stream(self, request_id: str) -> None:
         """Called (on the loop thread) when a stream is closed or dropped unfinished: no output is sent."""
-        self._abort_in_engine(self._output_processor.abort_requests([request_id], notify=False))
-
-
-class StartingAsyncLLM:
-    """What `AsyncLLM.create()` returns: await it for the `AsyncLLM`, or use it in `async with` (which also
-    shuts the engine down on exit). Awaitable once. Works on asyncio and trio."""
-
-    def __init__(self, cls: type[AsyncLLM], args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> None:
-        self._start = functools.partial(cls.from_engine_args, args, stat_loggers)
-        self._llm: AsyncLLM | None = None
-
-    def __await__(self) -> Generator[Any, None, AsyncLLM]:
-        return self._start_in_thread().__await__()
-
-    async def __aenter__(self) -> AsyncLLM:
-        self._llm = await self._start_in_thread()
-        return self._llm
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if self._llm is not None:
-            await self._llm.shutdown()
-
-    async def _start_in_thread(self) -> AsyncLLM:
-        """Start in a worker thread; a cancelled await returns at once and the engine is stopped once it is up
-        (the thread cannot be interrupted)."""
-        lock = threading.Lock()
-        state: dict[str, Any] = {"abandoned": False, "llm": None}
-
-        def start() -> AsyncLLM:
-            llm = self._start()
-            with lock:
-                abandoned = state["abandoned"]
-                state["llm"] = llm
-            if abandoned:
-                llm._finalizer()
-            return llm
-
-        try:
-            return await anyio.to_thread.run_sync(start, abandon_on_cancel=True)
-        except anyio.get_cancelled_exc_class():
-            with lock:
-                state["abandoned"] = True
-                llm = state["llm"]
-            if llm is not None:  # it finished just as we were cancelled: stop it here (shutdown blocks)
-                threading.Thread(target=llm._finalizer, name="asyncllm-abandoned-start", daemon=True).start()
-            raise
+        self._handler.abort_in_engine(self._output_processor.abort_requests([request_id], notify=False))
 
 
 def is_long_prompt(prompt: PromptType) -> bool:
@@ -487,14 +348,3 @@ def is_long_prompt(prompt: PromptType) -> bool:
     if isinstance(prompt, list):
         return sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict)) > LONG_PROMPT_CHARS
     return False
-
-
-def make_default_stat_loggers(config: EngineConfig) -> list[StatLoggerBase]:
-    """A `LoggingStatLogger` when `log_stats` is on, and a `PrometheusStatLogger` (own registry, label
-    model_name = the model) when prometheus-client is installed."""
-    loggers: list[StatLoggerBase] = []
-    if config.observability.log_stats:
-        loggers.append(LoggingStatLogger(config.observability.stats_log_interval))
-    if is_prometheus_available():
-        loggers.append(PrometheusStatLogger(model_name=config.model.model))
-    return loggers

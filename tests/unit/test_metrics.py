@@ -12,7 +12,6 @@ from prometheus_client import generate_latest
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm import ConfigError, EngineArgs, RequestOutputKind, SamplingParams
-from asyncllm.async_llm import make_default_stat_loggers
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig
 from asyncllm.messages.engine import (
     EngineCoreEvent,
@@ -23,6 +22,7 @@ from asyncllm.messages.engine import (
     FinishReason,
     SchedulerStats,
 )
+from asyncllm.metrics.defaults import make_default_stat_loggers
 from asyncllm.metrics.loggers import LoggingStatLogger
 from asyncllm.metrics.prometheus import PrometheusStatLogger
 from asyncllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
