@@ -20,7 +20,8 @@ import sniffio
 
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.client import EngineCoreClient
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
+from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError
 from asyncllm.messages.engine import EngineCoreRequest, SchedulerStats
 from asyncllm.metrics.defaults import make_default_stat_loggers
 from asyncllm.metrics.loggers import StatLoggerBase
@@ -106,7 +107,7 @@ class AsyncLLM:
 
         config = args.create_engine_config()
         tokenizer = Tokenizer.load(config.model.model_path)
-        llm = cls(config, tokenizer, EngineCoreClient(config), stat_loggers)
+        llm = cls(config, tokenizer, make_engine_client(config), stat_loggers)
         return llm
 
     # ---- properties ---------------------------------------------------------------------------------
@@ -145,6 +146,8 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        *,
+        data_parallel_rank: int | None = None,
     ) -> GenerateOutputStream:
         """Submit one prompt; returns its output stream at once.
 
@@ -159,6 +162,8 @@ class AsyncLLM:
                 (see `asyncllm.processing.parallel_sampling`).
             request_id: unique among in-flight requests; None makes one.
             priority: lower runs first with `scheduling_policy="priority"` (ignored by "fcfs").
+            data_parallel_rank: with `data_parallel_size > 1`, run on this engine rank instead of the one the
+                load balancer picks (docs/data_parallel.md).
         Returns:
             A `GenerateOutputStream` of `RequestOutput`s; the last has `finished=True`.
         Raises:
@@ -178,17 +183,23 @@ class AsyncLLM:
                 process = self._input_processor.process
                 processed = await anyio.to_thread.run_sync(process, prompt, sampling_params, request_id, priority)
                 self._ensure_running()
-                self._submit(processed.prompt, processed.request, collector)
+                self._submit(processed.prompt, processed.request, collector, data_parallel_rank)
 
             return GenerateOutputStream(
                 request_id, collector, self._abort_closed_stream, self._next_output, loop, start=submit_off_the_loop
             )
         prompt_text, request = self._input_processor.process(prompt, sampling_params, request_id, priority)
         collector = RequestOutputCollector(request.sampling_params.output_kind, self._notifier)
-        self._submit(prompt_text, request, collector)
+        self._submit(prompt_text, request, collector, data_parallel_rank)
         return GenerateOutputStream(request.request_id, collector, self._abort_closed_stream, self._next_output, loop)
 
-    def _submit(self, prompt_text: str | None, request: EngineCoreRequest, collector: RequestOutputCollector) -> None:
+    def _submit(
+        self,
+        prompt_text: str | None,
+        request: EngineCoreRequest,
+        collector: RequestOutputCollector,
+        data_parallel_rank: int | None = None,
+    ) -> None:
         """Register a processed request (and its n>1 children) with the output processor and send it.
 
         Raises:
@@ -205,7 +216,7 @@ class AsyncLLM:
             self._output_processor.add_request(engine_request, prompt_text, collector, parent, index)
         try:
             for engine_request in engine_requests:
-                self._client.add_request(engine_request)
+                self._client.add_request(engine_request, data_parallel_rank)
         except BaseException:
             self._abort_closed_stream(request.request_id)  # children already sent are aborted in the engine
             raise
@@ -249,7 +260,8 @@ class AsyncLLM:
         self._notifier.notify()
 
     async def get_scheduler_stats(self) -> SchedulerStats:
-        """The engine scheduler's current counts (running, waiting, free and total KV blocks).
+        """The engine scheduler's current counts (running, waiting, free and total KV blocks); with data
+        parallelism, summed over the engines (`get_scheduler_stats_per_engine` gives each).
 
         Raises:
             EngineDeadError: the engine died or was shut down.
@@ -257,6 +269,37 @@ class AsyncLLM:
         self._ensure_running()
         stats: SchedulerStats = await self._client.call_utility_async("get_scheduler_stats")
         return stats
+
+    async def get_scheduler_stats_per_engine(self) -> dict[int, SchedulerStats]:
+        """Each engine core's scheduler counts, by data-parallel rank (`{0: ...}` without data parallelism).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        stats: dict[int, SchedulerStats] = await self._client.call_utility_per_engine_async("get_scheduler_stats")
+        return stats
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine cores serving (or draining) now."""
+        client = self._client
+        return client.data_parallel_size if isinstance(client, DPEngineCoreClient) else 1
+
+    async def scale_data_parallel(self, num_engines: int) -> None:
+        """Grow or shrink to `num_engines` engine cores while serving (docs/data_parallel.md): new engines take
+        the lowest free ranks; removed ones (the highest ranks) first drain (their in-flight requests finish
+        normally, no new request goes to them), then stop. Remaining ranks keep their numbers.
+
+        Raises:
+            ConfigError: `num_engines` < 1, a scaling already under way, or an AsyncLLM started with
+                `data_parallel_size=1` (it has a single-engine client; start with 2 or more to scale).
+            EngineDeadError: the engine died, or a new engine failed to start.
+        """
+        self._ensure_running()
+        if not isinstance(self._client, DPEngineCoreClient):
+            raise ConfigError("scale_data_parallel needs an AsyncLLM started with data_parallel_size >= 2")
+        await self._client.scale_data_parallel(num_engines)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix in the engine (e.g. after changing weights, or for fair benchmarks).

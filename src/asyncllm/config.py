@@ -17,6 +17,7 @@ from asyncllm.errors import ConfigError
 LoadFormat = Literal["auto", "dummy"]
 Quantization = Literal["int8"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+DataParallelBackend = Literal["mp", "ray"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -87,6 +88,11 @@ class ParallelConfig:
             or the Ray already initialized in the engine's process, else a new local cluster.
         ray_placement_timeout_s: seconds to wait for the Ray placement group's resources.
         ray_cpus_per_worker: CPUs reserved per rank in the Ray placement group (may be fractional).
+        data_parallel_size: independent engine cores behind one client (see `engine/dp_client.py`).
+        data_parallel_backend: "mp" (engine processes on this machine) or "ray" (not built yet).
+        data_parallel_rank: this engine core's rank (set per engine by the client; 0 without DP).
+        restart_dead_engines: with DP, an engine that dies fails its own requests and a fresh engine takes its
+            rank, instead of making the whole client dead.
     """
 
     engine_process: bool = True
@@ -96,6 +102,10 @@ class ParallelConfig:
     ray_address: str | None = None
     ray_placement_timeout_s: float = 60.0
     ray_cpus_per_worker: float = 1.0
+    data_parallel_size: int = 1
+    data_parallel_backend: DataParallelBackend = "mp"
+    data_parallel_rank: int = 0
+    restart_dead_engines: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,6 +164,11 @@ class EngineArgs:
             new local cluster).
         ray_placement_timeout_s: seconds to wait for the Ray placement group's CPUs before failing.
         ray_cpus_per_worker: CPUs each rank reserves in the Ray placement group (fractional allowed; default 1).
+        data_parallel_size: independent engine cores (each with its own executor) behind this client; requests
+            are balanced between them (docs/data_parallel.md). Needs `engine_process=True`.
+        data_parallel_backend: "mp" (engine processes on this machine; torch threads split between them).
+        restart_dead_engines: with `data_parallel_size > 1`, a dead engine fails only its own requests and a
+            fresh engine takes its rank (default False: the first engine death makes the AsyncLLM dead).
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
         scheduling_policy: "fcfs" (default) or "priority" (`generate(..., priority=)`, lower first).
         log_stats: log engine stats (throughput, queue, KV cache, prefix cache hits) periodically.
@@ -179,6 +194,9 @@ class EngineArgs:
     ray_address: str | None = None
     ray_placement_timeout_s: float = 60.0
     ray_cpus_per_worker: float = 1.0
+    data_parallel_size: int = 1
+    data_parallel_backend: DataParallelBackend = "mp"
+    restart_dead_engines: bool = False
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     log_stats: bool = False
@@ -210,6 +228,7 @@ class EngineArgs:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
         }
         optional_positive = {
             "max_model_len": self.max_model_len,
@@ -234,6 +253,18 @@ class EngineArgs:
             raise ConfigError(f"EngineArgs.ray_cpus_per_worker={self.ray_cpus_per_worker!r}: must be > 0")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
             raise ConfigError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
+        self._validate_data_parallel()
+
+    def _validate_data_parallel(self) -> None:
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ConfigError(f"EngineArgs.data_parallel_backend={self.data_parallel_backend!r}: must be 'mp' or 'ray'")
+        if self.data_parallel_size > 1 and not self.engine_process:
+            raise ConfigError(
+                "EngineArgs.data_parallel_size > 1 needs engine_process=True: engine cores in threads of one process"
+                " share its interpreter lock, so a second one adds no throughput"
+            )
+        if self.data_parallel_size > 1 and self.data_parallel_backend == "ray":
+            raise ConfigError("EngineArgs.data_parallel_backend='ray' is not available yet; use 'mp'")
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model to a local path (fetching the default model once), and split.
@@ -272,6 +303,9 @@ class EngineArgs:
             ray_address=self.ray_address,
             ray_placement_timeout_s=float(self.ray_placement_timeout_s),
             ray_cpus_per_worker=float(self.ray_cpus_per_worker),
+            data_parallel_size=self.data_parallel_size,
+            data_parallel_backend=self.data_parallel_backend,
+            restart_dead_engines=bool(self.restart_dead_engines),
         )
         observability = ObservabilityConfig(
             log_stats=bool(self.log_stats), stats_log_interval=float(self.stats_log_interval)

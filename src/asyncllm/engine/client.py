@@ -34,7 +34,7 @@ import zmq
 
 from asyncllm import errors
 from asyncllm.engine.launcher import EngineLauncher, launch_engine
-from asyncllm.errors import EngineDeadError, EngineGenerateError
+from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
 from asyncllm.messages.engine import (
     ENGINE_CORE_DEAD,
     UTILITY_METHODS,
@@ -107,22 +107,14 @@ class EngineCoreClient:
         self.ipc_dir = make_ipc_dir()
         try:  # every failure from here on removes the ipc directory (and whatever else was made)
             input_address = self._open_sockets()
-            self.launcher = launch_engine(
-                config,
-                input_address,
-                self._output_address,
-                self.ipc_dir,
-                in_thread=in_thread,
-                core_factory=core_factory,
-            )
-            self._engine_identity = self._wait_for_handshake(ready_timeout_s)
+            launcher = self._start_engines(config, input_address, in_thread, core_factory, ready_timeout_s)
         except BaseException:
             self._close_resources()
             raise
         self._watcher = threading.Thread(target=self._watch_engine, name="asyncllm-engine-watch", daemon=True)
         self._watcher.start()
         # Safety net for a client dropped without shutdown(): at interpreter exit, stop the engine, remove the dir.
-        self._leftovers = weakref.finalize(self, _clean_up_leftovers, self.launcher, self.ipc_dir)
+        self._leftovers = weakref.finalize(self, _clean_up_leftovers, launcher, self.ipc_dir)
 
     # ---- state ---------------------------------------------------------------------------------------
 
@@ -154,9 +146,12 @@ class EngineCoreClient:
 
     # ---- requests ------------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Submit a request; returns at once. Raises `EngineDeadError` when the engine is dead."""
+    def add_request(self, request: EngineCoreRequest, data_parallel_rank: int | None = None) -> None:
+        """Submit a request; returns at once. Raises `EngineDeadError` when the engine is dead, and
+        `InvalidRequestError` for a `data_parallel_rank` other than None or 0 (one engine)."""
         self._ensure_alive()
+        if data_parallel_rank not in (None, 0):
+            raise InvalidRequestError(f"data_parallel_rank={data_parallel_rank!r}: the only engine rank is 0")
         self._send(EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -213,6 +208,10 @@ class EngineCoreClient:
         except msgspec.ValidationError as e:
             raise EngineGenerateError(f"engine utility call {method} returned a bad result: {e}") from e
 
+    async def call_utility_per_engine_async(self, method: str, *args: Any) -> dict[int, Any]:
+        """`call_utility_async` per engine core, by data-parallel rank (here the one engine, rank 0)."""
+        return {0: await self.call_utility_async(method, *args)}
+
     def shutdown(self) -> None:
         """Ask the engine to exit, wait (then force a process), close the sockets, remove the ipc directory.
         Idempotent; callable from any thread."""
@@ -229,6 +228,17 @@ class EngineCoreClient:
         self._leftovers.detach()
 
     # ---- start-up ------------------------------------------------------------------------------------
+
+    def _start_engines(
+        self, config: EngineConfig, input_address: str, in_thread: bool, core_factory: CoreFactory, timeout_s: float
+    ) -> EngineLauncher:
+        """Launch the engine core and wait for its handshake; returns `launcher` (also sets `ready_info` and the
+        engine's identity)."""
+        self.launcher = launcher = launch_engine(
+            config, input_address, self._output_address, self.ipc_dir, in_thread=in_thread, core_factory=core_factory
+        )
+        self._engine_identity = self._wait_for_handshake(timeout_s)
+        return launcher
 
     def _open_sockets(self) -> str:
         """Bind the ROUTER (requests) and PULL (outputs, plus an inproc wake-up address); returns the input
@@ -271,9 +281,10 @@ class EngineCoreClient:
 
     # ---- sending -------------------------------------------------------------------------------------
 
-    def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+    def _send(self, kind: EngineCoreRequestType, payload: Any, identity: bytes | None = None) -> None:
+        """Send to the engine core whose DEALER has `identity` (None: the one engine core)."""
         with self._send_lock:  # the encoder and the socket belong to one thread at a time
-            frames: list[Any] = [self._engine_identity, kind.value]
+            frames: list[Any] = [identity or self._engine_identity, kind.value]
             if payload is not None:
                 frames += self._encoder.encode(payload)
             if self._closed and kind is not EngineCoreRequestType.SHUTDOWN:

@@ -99,6 +99,8 @@ class EngineCoreProc:
         self._inputs: queue.Queue[tuple[EngineCoreRequestType, Any]] = queue.Queue()
         self._outputs: queue.Queue[Any] = queue.Queue()
         self._stopping = threading.Event()
+        self._rank = rank = config.parallel.data_parallel_rank
+        self._death_prefix = f"data-parallel rank {rank}: " if config.parallel.data_parallel_size > 1 else ""
         input_socket = self._ctx.socket(zmq.DEALER)
         input_socket.setsockopt(zmq.LINGER, HANDSHAKE_LINGER_MS)
         input_socket.connect(input_address)
@@ -106,14 +108,18 @@ class EngineCoreProc:
             self.core = _build_core(config, core_factory)
         except Exception as e:
             logger.exception("the engine core failed to start")
-            handshake = EngineHandshake(error=f"{type(e).__name__}: {e}", error_type=type(e).__name__, pid=os.getpid())
+            error = f"{type(e).__name__}: {e}"
+            handshake = EngineHandshake(
+                error=error, error_type=type(e).__name__, pid=os.getpid(), data_parallel_rank=rank
+            )
             input_socket.send(msgspec.msgpack.encode(handshake))
             input_socket.close()
             self._ctx.term()
             raise SystemExit(1) from e
         freeze_startup_heap()
         wake_on_executor_failure(self.core, self._inputs)
-        input_socket.send(msgspec.msgpack.encode(EngineHandshake(ready_info=self.core.ready_info, pid=os.getpid())))
+        ready = EngineHandshake(ready_info=self.core.ready_info, pid=os.getpid(), data_parallel_rank=rank)
+        input_socket.send(msgspec.msgpack.encode(ready))
         self._input_thread = threading.Thread(
             target=self._receive_inputs, args=(input_socket,), name="engine-input", daemon=True
         )
@@ -131,7 +137,7 @@ class EngineCoreProc:
             code = 0
         except Exception as e:
             logger.exception("the engine core died")
-            self._outputs.put((ENGINE_CORE_DEAD, f"{type(e).__name__}: {e}"))
+            self._outputs.put((ENGINE_CORE_DEAD, f"{self._death_prefix}{type(e).__name__}: {e}"))
             code = 1
         finally:
             self._outputs.put(_STOP)
@@ -177,6 +183,8 @@ class EngineCoreProc:
             if isinstance(item, tuple):  # (ENGINE_CORE_DEAD, reason)
                 socket.send_multipart([item[0], item[1].encode()])
                 continue
+            if self._rank:
+                stamp_engine_index(item, self._rank)
             socket.send_multipart(encode_outputs(encoder, item), copy=False)
         socket.close()
 
@@ -198,6 +206,13 @@ def decode_request(frames: list[memoryview], decoders: dict[EngineCoreRequestTyp
     if len(frames) < 2:
         raise ValueError(f"{kind.name} without a payload")
     return kind, decoders[kind].decode(frames[1:])
+
+
+def stamp_engine_index(outputs: EngineCoreOutputs, rank: int) -> None:
+    """Mark outputs (and their scheduler stats) as sent by the engine core of data-parallel rank `rank`."""
+    outputs.engine_index = rank
+    if outputs.scheduler_stats is not None:
+        outputs.scheduler_stats = msgspec.structs.replace(outputs.scheduler_stats, engine_index=rank)
 
 
 def encode_outputs(encoder: MsgpackEncoder, outputs: EngineCoreOutputs) -> list[Any]:

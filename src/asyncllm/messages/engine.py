@@ -171,6 +171,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         block_size: tokens per KV cache block.
         kv_cache_bytes: bytes of the KV cache tensors over all workers (reserved at start; resident memory
             grows as blocks are first written, see `worker/kv_cache_sizing.py`).
+        engine_index: data-parallel rank of the engine core that published them (0 without DP, and in a sum
+            over engines).
     """
 
     num_running_reqs: int = 0
@@ -184,6 +186,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_prefix_cache_hits: int = 0
     block_size: int = 0
     kv_cache_bytes: int = 0
+    engine_index: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -212,6 +215,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         finished_requests: ids the engine finished or aborted this step (for bookkeeping).
         failed_requests: request id -> error text, for requests that failed inside a live engine (their
             streams raise `EngineGenerateError`; the engine holds no state for them).
+        engine_index: data-parallel rank of the engine core that sent them (0 without DP).
     """
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
@@ -220,6 +224,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_result: UtilityResult | None = None
     finished_requests: list[str] | None = None
     failed_requests: dict[str, str] | None = None
+    engine_index: int = 0
 
 
 class EngineReadyInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -270,12 +275,14 @@ class EngineHandshake(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         error: "ExceptionType: message" of the start-up failure.
         error_type: the exception's class name (re-raised as that `asyncllm.errors` class when it is one).
         pid: the engine process id.
+        data_parallel_rank: the engine core's data-parallel rank (`ParallelConfig.data_parallel_rank`).
     """
 
     ready_info: EngineReadyInfo | None = None
     error: str | None = None
     error_type: str | None = None
     pid: int = 0
+    data_parallel_rank: int = 0
 
 
 class EngineLaunch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

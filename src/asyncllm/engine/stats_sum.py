@@ -1,0 +1,40 @@
+"""How the results of one utility call on every data-parallel engine combine into one (`UTILITY_COMBINERS`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from asyncllm.messages.engine import SchedulerStats
+
+
+def sum_scheduler_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
+    """The engines' stats as one engine's: counts, blocks, bytes and counters summed; the prefix-cache hit rate
+    recomputed from the summed counters; `block_size` of the first; `engine_index` 0."""
+    queries = sum(s.num_prefix_cache_queries for s in per_engine)
+    hits = sum(s.num_prefix_cache_hits for s in per_engine)
+    return SchedulerStats(
+        num_running_reqs=sum(s.num_running_reqs for s in per_engine),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in per_engine),
+        num_free_blocks=sum(s.num_free_blocks for s in per_engine),
+        num_total_blocks=sum(s.num_total_blocks for s in per_engine),
+        prefix_cache_hit_rate=hits / queries if queries else 0.0,
+        num_preemptions=sum(s.num_preemptions for s in per_engine),
+        num_prefix_cache_queries=queries,
+        num_prefix_cache_hits=hits,
+        block_size=per_engine[0].block_size if per_engine else 0,
+        kv_cache_bytes=sum(s.kv_cache_bytes for s in per_engine),
+    )
+
+
+def _concatenate(per_engine: list[list[Any]]) -> list[Any]:
+    return [item for results in per_engine for item in results]
+
+
+UTILITY_COMBINERS: dict[str, Callable[[list[Any]], Any]] = {
+    "get_scheduler_stats": sum_scheduler_stats,
+    "reset_prefix_cache": all,
+    "collective_rpc": _concatenate,  # by engine rank, then worker rank
+    "echo": lambda per_engine: per_engine[0],  # every engine echoes the same arguments
+}
+"""Utility method -> how its per-engine results (in rank order) combine."""
