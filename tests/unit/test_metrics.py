@@ -120,12 +120,12 @@ def test_prometheus_logger_counts_from_totals_and_observes_latencies() -> None:
     finished = FinishedRequestStats("stop", 1.5, 10, 4, 0.1, 0.02)
     iteration = IterationStats(10, 4, [0.3], [0.02, 0.03], [finished])
     one.record(None, iteration)
-    assert _sample(one, "asyncllm:num_requests_running") == 1
-    assert _sample(one, "asyncllm:num_requests_waiting") == 0
-    assert _sample(one, "asyncllm:kv_cache_usage_perc") == 0.0
-    assert _sample(one, "asyncllm:num_preemptions_total") == 2
-    assert _sample(one, "asyncllm:prefix_cache_queries_total") == 200
-    assert _sample(one, "asyncllm:prefix_cache_hits_total") == 60
+    assert _sample(one, "asyncllm:num_requests_running", engine="0") == 1
+    assert _sample(one, "asyncllm:num_requests_waiting", engine="0") == 0
+    assert _sample(one, "asyncllm:kv_cache_usage_perc", engine="0") == 0.0
+    assert _sample(one, "asyncllm:num_preemptions_total", engine="0") == 2
+    assert _sample(one, "asyncllm:prefix_cache_queries_total", engine="0") == 200
+    assert _sample(one, "asyncllm:prefix_cache_hits_total", engine="0") == 60
     assert _sample(one, "asyncllm:prompt_tokens_total") == 10
     assert _sample(one, "asyncllm:generation_tokens_total") == 4
     assert _sample(one, "asyncllm:request_success_total", finished_reason="stop") == 1
@@ -136,6 +136,20 @@ def test_prometheus_logger_counts_from_totals_and_observes_latencies() -> None:
     assert _sample(one, "asyncllm:request_queue_time_seconds_count") == 1
     assert _sample(two, "asyncllm:prompt_tokens_total") == 0
     assert b"asyncllm:time_to_first_token_seconds_bucket" in generate_latest(one.registry)
+
+
+def test_prometheus_logger_labels_scheduler_metrics_by_engine() -> None:
+    """Data parallelism: each engine's gauges and counters are kept apart by the `engine` label."""
+    logger = PrometheusStatLogger("m")
+    logger.record(SchedulerStats(3, 1, 10, 40, 0.0, 1, 100, 25, engine_index=0), None)
+    logger.record(SchedulerStats(5, 0, 20, 40, 0.0, 4, 300, 30, engine_index=1), None)
+    logger.record(SchedulerStats(2, 0, 10, 40, 0.0, 2, 150, 40, engine_index=0), None)
+    assert _sample(logger, "asyncllm:num_requests_running", engine="0") == 2
+    assert _sample(logger, "asyncllm:num_requests_running", engine="1") == 5
+    assert _sample(logger, "asyncllm:num_preemptions_total", engine="0") == 2
+    assert _sample(logger, "asyncllm:num_preemptions_total", engine="1") == 4
+    assert _sample(logger, "asyncllm:prefix_cache_hits_total", engine="0") == 40
+    assert _sample(logger, "asyncllm:prefix_cache_hits_total", engine="1") == 30
 
 
 def _config(**kw: object) -> EngineConfig:

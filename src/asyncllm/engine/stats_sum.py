@@ -10,7 +10,10 @@ from asyncllm.messages.engine import SchedulerStats
 
 def sum_scheduler_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
     """The engines' stats as one engine's: counts, blocks, bytes and counters summed; the prefix-cache hit rate
-    recomputed from the summed counters; `block_size` of the first; `engine_index` 0."""
+    recomputed from the summed counters; `block_size` of the first; `engine_index` 0. One engine's stats are
+    returned as they are; none give zeros."""
+    if len(per_engine) == 1:
+        return per_engine[0]
     queries = sum(s.num_prefix_cache_queries for s in per_engine)
     hits = sum(s.num_prefix_cache_hits for s in per_engine)
     return SchedulerStats(

@@ -10,6 +10,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 
+from asyncllm.engine.stats_sum import sum_scheduler_stats
 from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.stats import IterationStats
 
@@ -28,7 +29,8 @@ class LoggingStatLogger(StatLoggerBase):
     """Logs throughput, queue, KV cache and prefix cache stats at INFO every `interval` seconds.
 
     The line is written from `record()` once `interval` seconds (frontend `time.monotonic()`) have passed
-    since the last one, so an idle engine logs nothing.
+    since the last one, so an idle engine logs nothing. With data parallelism the counts are summed over the
+    engines' latest stats.
 
     Args:
         interval: seconds between two log lines (> 0).
@@ -43,7 +45,7 @@ class LoggingStatLogger(StatLoggerBase):
         self._last_log_time = time.monotonic()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
-        self._last_scheduler_stats = SchedulerStats()
+        self._last_scheduler_stats: dict[int, SchedulerStats] = {}  # by engine rank (data parallelism)
         self.num_lines_logged = 0
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
@@ -51,14 +53,14 @@ class LoggingStatLogger(StatLoggerBase):
             self._num_prompt_tokens += iteration_stats.num_prompt_tokens
             self._num_generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
-            self._last_scheduler_stats = scheduler_stats
+            self._last_scheduler_stats[scheduler_stats.engine_index] = scheduler_stats
         now = time.monotonic()
         if now - self._last_log_time >= self.interval:
             self._log(now - self._last_log_time)
             self._last_log_time = now
 
     def _log(self, elapsed: float) -> None:
-        stats = self._last_scheduler_stats
+        stats = sum_scheduler_stats(list(self._last_scheduler_stats.values()))
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d",

@@ -31,9 +31,10 @@ class PrometheusStatLogger(StatLoggerBase):
     """Updates gauges, counters and histograms from every step's stats.
 
     Metrics (label `model_name`): gauges `asyncllm:num_requests_running`, `asyncllm:num_requests_waiting`,
-    `asyncllm:kv_cache_usage_perc` (0..1); counters `asyncllm:prompt_tokens_total`,
-    `asyncllm:generation_tokens_total`, `asyncllm:num_preemptions_total`, `asyncllm:prefix_cache_queries_total`
-    and `asyncllm:prefix_cache_hits_total` (tokens), `asyncllm:request_success_total` (label
+    `asyncllm:kv_cache_usage_perc` (0..1), counters `asyncllm:num_preemptions_total`,
+    `asyncllm:prefix_cache_queries_total` and `asyncllm:prefix_cache_hits_total` (tokens), each also labelled
+    `engine` (the data-parallel rank whose scheduler published them, "0" without DP); counters
+    `asyncllm:prompt_tokens_total`, `asyncllm:generation_tokens_total`, `asyncllm:request_success_total` (label
     `finished_reason`); histograms (seconds) `asyncllm:time_to_first_token_seconds`,
     `asyncllm:inter_token_latency_seconds`, `asyncllm:e2e_request_latency_seconds`,
     `asyncllm:request_queue_time_seconds`.
@@ -55,16 +56,15 @@ class PrometheusStatLogger(StatLoggerBase):
             names = ["model_name", *kw.pop("extra_labels", [])]
             return kind(f"asyncllm:{name}", doc, names, registry=self.registry, **kw)
 
-        self._running = make(prom.Gauge, "num_requests_running", "Requests running in the engine.").labels(**labels)
-        self._waiting = make(prom.Gauge, "num_requests_waiting", "Requests waiting.").labels(**labels)
-        self._kv_usage = make(prom.Gauge, "kv_cache_usage_perc", "KV cache usage (1 = full).").labels(**labels)
+        per_engine = {"extra_labels": ["engine"]}
+        self._running = make(prom.Gauge, "num_requests_running", "Requests running in the engine.", **per_engine)
+        self._waiting = make(prom.Gauge, "num_requests_waiting", "Requests waiting.", **per_engine)
+        self._kv_usage = make(prom.Gauge, "kv_cache_usage_perc", "KV cache usage (1 = full).", **per_engine)
         self._prompt_tokens = make(prom.Counter, "prompt_tokens", "Prefill tokens processed.").labels(**labels)
         self._gen_tokens = make(prom.Counter, "generation_tokens", "Generation tokens.").labels(**labels)
-        self._preemptions = make(prom.Counter, "num_preemptions", "Preemptions.").labels(**labels)
-        self._cache_queries = make(prom.Counter, "prefix_cache_queries", "Prefix cache tokens queried.").labels(
-            **labels
-        )
-        self._cache_hits = make(prom.Counter, "prefix_cache_hits", "Prefix cache tokens hit.").labels(**labels)
+        self._preemptions = make(prom.Counter, "num_preemptions", "Preemptions.", **per_engine)
+        self._cache_queries = make(prom.Counter, "prefix_cache_queries", "Prefix cache tokens queried.", **per_engine)
+        self._cache_hits = make(prom.Counter, "prefix_cache_hits", "Prefix cache tokens hit.", **per_engine)
         self._success = make(prom.Counter, "request_success", "Finished requests.", extra_labels=["finished_reason"])
         self._labels = labels
         self._ttft = make(
@@ -79,7 +79,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self._queue = make(
             prom.Histogram, "request_queue_time_seconds", "Time waiting.", buckets=REQUEST_LATENCY_BUCKETS
         ).labels(**labels)
-        self._last_totals = SchedulerStats()
+        self._last_totals: dict[int, SchedulerStats] = {}  # by engine rank
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None:
@@ -88,14 +88,16 @@ class PrometheusStatLogger(StatLoggerBase):
             self._record_iteration_stats(iteration_stats)
 
     def _record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self._running.set(stats.num_running_reqs)
-        self._waiting.set(stats.num_waiting_reqs)
-        self._kv_usage.set(stats.kv_cache_usage)
-        last = self._last_totals
-        self._preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
-        self._cache_queries.inc(max(stats.num_prefix_cache_queries - last.num_prefix_cache_queries, 0))
-        self._cache_hits.inc(max(stats.num_prefix_cache_hits - last.num_prefix_cache_hits, 0))
-        self._last_totals = stats
+        engine = {"engine": str(stats.engine_index), **self._labels}
+        self._running.labels(**engine).set(stats.num_running_reqs)
+        self._waiting.labels(**engine).set(stats.num_waiting_reqs)
+        self._kv_usage.labels(**engine).set(stats.kv_cache_usage)
+        last = self._last_totals.get(stats.engine_index, SchedulerStats())
+        self._preemptions.labels(**engine).inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        queries = stats.num_prefix_cache_queries - last.num_prefix_cache_queries
+        self._cache_queries.labels(**engine).inc(max(queries, 0))
+        self._cache_hits.labels(**engine).inc(max(stats.num_prefix_cache_hits - last.num_prefix_cache_hits, 0))
+        self._last_totals[stats.engine_index] = stats
 
     def _record_iteration_stats(self, stats: IterationStats) -> None:
         self._prompt_tokens.inc(stats.num_prompt_tokens)
