@@ -89,7 +89,7 @@ class ParallelConfig:
         ray_placement_timeout_s: seconds to wait for the Ray placement group's resources.
         ray_cpus_per_worker: CPUs reserved per rank in the Ray placement group (may be fractional).
         data_parallel_size: independent engine cores behind one client (see `engine/dp_client.py`).
-        data_parallel_backend: "mp" (engine processes on this machine) or "ray" (not built yet).
+        data_parallel_backend: "mp" (engine processes on this machine) or "ray" (engine-core Ray actors).
         data_parallel_rank: this engine core's rank (set per engine by the client; 0 without DP).
         restart_dead_engines: with DP, an engine that dies fails its own requests and a fresh engine takes its
             rank, instead of making the whole client dead.
@@ -166,7 +166,9 @@ class EngineArgs:
         ray_cpus_per_worker: CPUs each rank reserves in the Ray placement group (fractional allowed; default 1).
         data_parallel_size: independent engine cores (each with its own executor) behind this client; requests
             are balanced between them (docs/data_parallel.md). Needs `engine_process=True`.
-        data_parallel_backend: "mp" (engine processes on this machine; torch threads split between them).
+        data_parallel_backend: "mp" (engine processes on this machine; torch threads split between them) or
+            "ray" (each engine core a Ray actor in its own placement group, on any node of the cluster;
+            `asyncllm[ray]`; uses `ray_address`, `ray_cpus_per_worker`, `ray_placement_timeout_s`).
         restart_dead_engines: with `data_parallel_size > 1`, a dead engine fails only its own requests and a
             fresh engine takes its rank (default False: the first engine death makes the AsyncLLM dead).
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
@@ -263,8 +265,6 @@ class EngineArgs:
                 "EngineArgs.data_parallel_size > 1 needs engine_process=True: engine cores in threads of one process"
                 " share its interpreter lock, so a second one adds no throughput"
             )
-        if self.data_parallel_size > 1 and self.data_parallel_backend == "ray":
-            raise ConfigError("EngineArgs.data_parallel_backend='ray' is not available yet; use 'mp'")
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve the model to a local path (fetching the default model once), and split.

@@ -32,8 +32,10 @@ import msgspec
 import zmq
 
 from asyncllm.engine.client import READY_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, EngineCoreClient, _startup_error
+from asyncllm.engine.launcher import EngineLauncher, launch_engine
 from asyncllm.engine.load_balancer import LoadBalancer
 from asyncllm.engine.proc_manager import EngineProcManager
+from asyncllm.engine.ray_engines import RayEngines
 from asyncllm.engine.stats_sum import UTILITY_COMBINERS
 from asyncllm.errors import ConfigError, EngineDeadError, EngineGenerateError
 from asyncllm.messages.engine import (
@@ -94,6 +96,7 @@ class DPEngineCoreClient(EngineCoreClient):
         self._lb_lock = threading.RLock()  # the balancer is used by the loop thread and the death watcher
         self._pending_calls: dict[int, int] = {}  # utility call id -> rank
         self._scaling = False
+        self._ray_engines: RayEngines | None = None
         super().__init__(config, in_thread=False, ready_timeout_s=ready_timeout_s, core_factory=core_factory)
 
     # ---- state ---------------------------------------------------------------------------------------
@@ -258,9 +261,25 @@ class DPEngineCoreClient(EngineCoreClient):
         self, config: EngineConfig, input_address: str, in_thread: bool, core_factory: CoreFactory, timeout_s: float
     ) -> EngineProcManager:
         on_death = self._on_engine_death if config.parallel.restart_dead_engines else None
-        self._manager = EngineProcManager(
-            config, input_address, self._output_address, self.ipc_dir, core_factory, on_death
-        )
+        factory = core_factory if isinstance(core_factory, str) else None
+        if self._ray_engines is not None:
+            ray_engines, output_address = self._ray_engines, self._engine_output_address
+
+            def launch(engine_config: EngineConfig) -> EngineLauncher:
+                return ray_engines.launch(engine_config, input_address, output_address, factory)
+        else:
+
+            def launch(engine_config: EngineConfig) -> EngineLauncher:
+                return launch_engine(
+                    engine_config,
+                    input_address,
+                    self._output_address,
+                    self.ipc_dir,
+                    in_thread=False,
+                    core_factory=factory,
+                )
+
+        self._manager = EngineProcManager(config, launch, on_death)
         self.launcher = self._manager
         num_engines = config.parallel.data_parallel_size
         for rank in range(num_engines):
@@ -314,10 +333,34 @@ class DPEngineCoreClient(EngineCoreClient):
             for rank in ranks:
                 self._balancer.add_engine(rank)
 
+    def _open_sockets(self) -> str:
+        """The client's sockets (`EngineCoreClient._open_sockets`); with backend "ray" both are also bound to
+        TCP on this node's address as Ray reports it, and engines connect there. Returns the engines' input
+        address."""
+        input_address = super()._open_sockets()
+        self._engine_output_address = self._output_address
+        if self._config.parallel.data_parallel_backend != "ray":
+            return input_address
+        self._ray_engines = RayEngines(self._config.parallel)
+        host = self._ray_engines.node_ip()
+        input_port = self._input.bind_to_random_port(f"tcp://{host}")
+        output_port = self._output.bind_to_random_port(f"tcp://{host}")
+        self._engine_output_address = f"tcp://{host}:{output_port}"
+        return f"tcp://{host}:{input_port}"
+
+    def _close_resources(self) -> None:
+        """As `EngineCoreClient._close_resources`, then shut down a Ray this client started."""
+        try:
+            super()._close_resources()
+        finally:
+            ray_engines, self._ray_engines = self._ray_engines, None
+            if ray_engines is not None:
+                ray_engines.shutdown()
+
     def _restore_socket_dir(self) -> None:
         """An engine ended by SIGTERM removes the socket directory (see `utils/process.die_with_parent`); make it
         again and rebind, so that new engines can connect (connected ones are unaffected)."""
-        if os.path.exists(self._output_address.removeprefix("ipc://")):
+        if self._ray_engines is not None or os.path.exists(self._output_address.removeprefix("ipc://")):
             return
         os.makedirs(self.ipc_dir, mode=0o700, exist_ok=True)
         input_address = f"ipc://{self.ipc_dir}/input"

@@ -16,13 +16,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from asyncllm.engine.launcher import EngineLauncher, launch_engine
+from asyncllm.engine.launcher import EngineLauncher
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
-    from asyncllm.engine.core_proc import CoreFactory
 
 logger = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.05
@@ -30,10 +29,13 @@ WATCH_INTERVAL_S = 0.05
 
 def threads_per_engine(config: EngineConfig, num_engines: int) -> int | None:
     """Torch threads per worker of each engine: the configured `num_threads`, else the machine's CPUs split
-    between every worker of every engine (at least 1). None (torch's default) without data parallelism."""
+    between every worker of every engine (backend "mp"), or the worker's Ray CPUs (backend "ray"); at least 1.
+    None (torch's default) without data parallelism."""
     parallel = config.parallel
     if parallel.num_threads is not None or num_engines <= 1:
         return parallel.num_threads
+    if parallel.data_parallel_backend == "ray":  # the engine's bundle: ray_cpus_per_worker per worker
+        return max(1, int(parallel.ray_cpus_per_worker))
     return max(1, (os.cpu_count() or 1) // (num_engines * parallel.tensor_parallel_size))
 
 
@@ -53,8 +55,8 @@ class EngineProcManager:
 
     Args:
         config: the engine config (per-rank copies are made with `engine_config`).
-        input_address, output_address, ipc_dir: the client's sockets and socket directory.
-        core_factory: as `launch_engine` ("pkg.module:callable" or None).
+        launch: starts the engine core of a per-rank config (a process, or a Ray actor); its handshake is the
+            client's to wait for.
         on_death: called (on the watcher thread) with (rank, description) when an engine dies unexpectedly;
             None = `wait()` returns instead (the client becomes dead).
     """
@@ -62,15 +64,11 @@ class EngineProcManager:
     def __init__(
         self,
         config: EngineConfig,
-        input_address: str,
-        output_address: str,
-        ipc_dir: str,
-        core_factory: CoreFactory = None,
+        launch: Callable[[EngineConfig], EngineLauncher],
         on_death: Callable[[int, str], None] | None = None,
     ) -> None:
         self._config = config
-        self._addresses = (input_address, output_address, ipc_dir)
-        self._core_factory = core_factory
+        self._launch = launch
         self._on_death = on_death
         self._lock = threading.Lock()
         self._engines: dict[int, EngineLauncher] = {}
@@ -87,15 +85,12 @@ class EngineProcManager:
     def pids(self) -> dict[int, int]:
         """Process id of each engine, by rank."""
         with self._lock:
-            return {rank: launcher.process.pid for rank, launcher in self._engines.items()}  # type: ignore[attr-defined]
+            launchers = dict(self._engines)
+        return {rank: _pid_of(launcher) for rank, launcher in launchers.items()}
 
     def start(self, rank: int, num_engines: int) -> EngineLauncher:
         """Start the engine core of `rank` (its handshake is the client's to wait for)."""
-        input_address, output_address, ipc_dir = self._addresses
-        config = engine_config(self._config, rank, num_engines)
-        launcher = launch_engine(
-            config, input_address, output_address, ipc_dir, in_thread=False, core_factory=self._core_factory
-        )
+        launcher = self._launch(engine_config(self._config, rank, num_engines))
         with self._lock:
             self._engines[rank] = launcher
         return launcher
@@ -167,3 +162,9 @@ class EngineProcManager:
             thread.start()
         for thread in threads:
             thread.join()
+
+
+def _pid_of(launcher: Any) -> int:
+    """The engine's process id (a Ray actor's `pid`, or an engine process's)."""
+    pid = getattr(launcher, "pid", None)
+    return int(pid if pid is not None else launcher.process.pid)
