@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from asyncllm import SamplingParams
+from asyncllm.engine.dp_utility import UTILITY_COMBINERS, sum_scheduler_stats
 from asyncllm.engine.load_balancer import LoadBalancer, affinity_slack
-from asyncllm.engine.stats_sum import UTILITY_COMBINERS, sum_scheduler_stats
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 

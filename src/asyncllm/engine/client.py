@@ -272,7 +272,7 @@ class EngineCoreClient:
                     logger.error("dropped a malformed handshake (%d frames): %s", len(frames), e)
                     continue
                 if handshake.ready_info is None:
-                    raise _startup_error(handshake)
+                    raise startup_error(handshake)
                 self.ready_info = handshake.ready_info
                 return identity
             if self.launcher.has_exited():
@@ -416,7 +416,7 @@ def _clean_up_leftovers(launcher: EngineLauncher, ipc_dir: str) -> None:
     remove_ipc_dir(ipc_dir)
 
 
-def _startup_error(handshake: EngineHandshake) -> BaseException:
+def startup_error(handshake: EngineHandshake) -> BaseException:
     """The exception to raise for a failed start-up: the `asyncllm.errors` class it names, else EngineDeadError."""
     message = f"the engine core failed to start: {handshake.error}"
     error_class = getattr(errors, handshake.error_type or "", None)

@@ -24,19 +24,17 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 import zmq
 
-from asyncllm.engine.client import READY_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, EngineCoreClient, _startup_error
+from asyncllm.engine.client import READY_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, EngineCoreClient
+from asyncllm.engine.dp_utility import UTILITY_COMBINERS, decode_utility_result
 from asyncllm.engine.launcher import EngineLauncher, launch_engine
 from asyncllm.engine.load_balancer import LoadBalancer
-from asyncllm.engine.proc_manager import EngineProcManager
+from asyncllm.engine.proc_manager import EngineProcManager, receive_handshakes
 from asyncllm.engine.ray_engines import RayEngines
-from asyncllm.engine.stats_sum import UTILITY_COMBINERS
 from asyncllm.errors import ConfigError, EngineDeadError, EngineGenerateError
 from asyncllm.messages.engine import (
     ENGINE_CORE_DEAD,
@@ -44,9 +42,7 @@ from asyncllm.messages.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineHandshake,
     EngineReadyInfo,
-    SchedulerStats,
     UtilityCall,
     UtilityResult,
 )
@@ -57,7 +53,6 @@ if TYPE_CHECKING:
     from asyncllm.engine.core_proc import CoreFactory
 
 logger = logging.getLogger(__name__)
-HANDSHAKE_POLL_S = 0.05
 RANK_DEATH_PREFIX = "data-parallel rank "
 
 
@@ -187,7 +182,7 @@ class DPEngineCoreClient(EngineCoreClient):
             for call_id in calls.values():
                 self._results.pop(call_id, None)
                 self._pending_calls.pop(call_id, None)
-        return {rank: _decode_result(method, rank, result) for rank, result in results.items()}
+        return {rank: decode_utility_result(method, rank, result) for rank, result in results.items()}
 
     def shutdown(self) -> None:
         """Ask every engine to exit, wait (then terminate, then kill), close the sockets, remove the directory."""
@@ -295,40 +290,11 @@ class DPEngineCoreClient(EngineCoreClient):
         return self._manager
 
     def _await_handshakes(self, ranks: list[int], timeout_s: float) -> None:
-        """Wait for the handshake of every engine in `ranks`, then let the load balancer use them.
-
-        Raises:
-            EngineDeadError (or the engine's `asyncllm.errors` class): an engine failed, ended, or timed out.
-        """
-        pending, deadline = set(ranks), time.monotonic() + timeout_s
-        while pending:
-            with self._send_lock:  # the ROUTER serves requests meanwhile (scaling up, restarting)
-                frames = self._input.recv_multipart(zmq.NOBLOCK) if self._input.poll(0) else None
-            if frames is None:
-                exited = self._manager.exited(pending)
-                if exited:
-                    rank, how = exited[0]
-                    raise EngineDeadError(f"the engine core of data-parallel rank {rank} failed to start: {how}")
-                if time.monotonic() > deadline:
-                    raise EngineDeadError(
-                        f"data-parallel ranks {sorted(pending)} were not ready within {timeout_s:.0f} s"
-                    )
-                time.sleep(HANDSHAKE_POLL_S)
-                continue
-            try:
-                identity, payload = frames
-                handshake = msgspec.msgpack.decode(payload, type=EngineHandshake)
-            except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
-                logger.error("dropped a malformed handshake (%d frames): %s", len(frames), e)
-                continue
-            if handshake.ready_info is None:
-                raise _startup_error(handshake)
-            if handshake.data_parallel_rank not in pending:
-                logger.error("dropped a handshake of unexpected rank %d", handshake.data_parallel_rank)
-                continue
-            pending.discard(handshake.data_parallel_rank)
-            self._identities[handshake.data_parallel_rank] = identity
-            self._ready_infos[handshake.data_parallel_rank] = handshake.ready_info
+        """Wait for the handshake of every engine in `ranks`, then let the load balancer use them."""
+        ready = receive_handshakes(self._input, self._send_lock, self._manager, ranks, timeout_s)
+        for rank, (identity, info) in ready.items():
+            self._identities[rank] = identity
+            self._ready_infos[rank] = info
         with self._lb_lock:
             for rank in ranks:
                 self._balancer.add_engine(rank)
@@ -419,15 +385,3 @@ class DPEngineCoreClient(EngineCoreClient):
             socket.connect(self._wake_address)
             socket.send_multipart(MsgpackEncoder().encode(outputs))
             socket.close()
-
-
-def _decode_result(method: str, rank: int, result: UtilityResult) -> Any:
-    if result.error is not None:
-        raise EngineGenerateError(f"engine utility call {method} failed on data-parallel rank {rank}: {result.error}")
-    try:
-        value = msgspec.convert(result.result, UTILITY_METHODS[method])
-    except msgspec.ValidationError as e:
-        raise EngineGenerateError(f"engine utility call {method} returned a bad result on rank {rank}: {e}") from e
-    if isinstance(value, SchedulerStats):
-        value = msgspec.structs.replace(value, engine_index=rank)
-    return value

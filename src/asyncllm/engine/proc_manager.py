@@ -18,13 +18,20 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+import zmq
+
+from asyncllm.engine.client import startup_error
 from asyncllm.engine.launcher import EngineLauncher
+from asyncllm.errors import EngineDeadError
+from asyncllm.messages.engine import EngineHandshake, EngineReadyInfo
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.05
+HANDSHAKE_POLL_S = 0.05
 
 
 def threads_per_engine(config: EngineConfig, num_engines: int) -> int | None:
@@ -48,6 +55,47 @@ def engine_config(config: EngineConfig, rank: int, num_engines: int) -> EngineCo
         num_threads=threads_per_engine(config, num_engines),
     )
     return dataclasses.replace(config, parallel=parallel)
+
+
+def receive_handshakes(
+    socket: zmq.Socket[Any], lock: threading.Lock, manager: EngineProcManager, ranks: list[int], timeout_s: float
+) -> dict[int, tuple[bytes, EngineReadyInfo]]:
+    """Wait for the handshake of every engine in `ranks` on the client's ROUTER `socket` (used under `lock`, so
+    the client may keep serving other engines meanwhile).
+
+    Returns:
+        rank -> (DEALER identity, ready info).
+    Raises:
+        EngineDeadError (or the `asyncllm.errors` class of the engine's start-up error): an engine failed to
+            start, ended, or was not ready within `timeout_s` seconds.
+    """
+    pending, ready, deadline = set(ranks), {}, time.monotonic() + timeout_s
+    while pending:
+        with lock:
+            frames = socket.recv_multipart(zmq.NOBLOCK) if socket.poll(0) else None
+        if frames is None:
+            exited = manager.exited(pending)
+            if exited:
+                rank, how = exited[0]
+                raise EngineDeadError(f"the engine core of data-parallel rank {rank} failed to start: {how}")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"data-parallel ranks {sorted(pending)} were not ready within {timeout_s:.0f} s")
+            time.sleep(HANDSHAKE_POLL_S)
+            continue
+        try:
+            identity, payload = frames
+            handshake = msgspec.msgpack.decode(payload, type=EngineHandshake)
+        except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.error("dropped a malformed handshake (%d frames): %s", len(frames), e)
+            continue
+        if handshake.ready_info is None:
+            raise startup_error(handshake)
+        if handshake.data_parallel_rank not in pending:
+            logger.error("dropped a handshake of unexpected rank %d", handshake.data_parallel_rank)
+            continue
+        pending.discard(handshake.data_parallel_rank)
+        ready[handshake.data_parallel_rank] = (identity, handshake.ready_info)
+    return ready
 
 
 class EngineProcManager:

@@ -10,7 +10,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 
-from asyncllm.engine.stats_sum import sum_scheduler_stats
+from asyncllm.engine.dp_utility import sum_scheduler_stats
 from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.stats import IterationStats
 
