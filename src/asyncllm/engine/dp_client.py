@@ -188,6 +188,7 @@ class DPEngineCoreClient(EngineCoreClient):
         """Ask every engine to exit, wait (then terminate, then kill), close the sockets, remove the directory."""
         if self._closed:
             return
+        self._manager.expect_exits()
         for identity in list(self._identities.values()):
             with contextlib.suppress(EngineDeadError, zmq.ZMQError):
                 self._send(EngineCoreRequestType.SHUTDOWN, None, identity)

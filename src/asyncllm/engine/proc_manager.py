@@ -123,6 +123,7 @@ class EngineProcManager:
         self._retired: list[EngineLauncher] = []
         self._dead: tuple[int, str] | None = None
         self._stopping = False
+        self._exits_expected = False  # SHUTDOWN was sent to every engine: their exits are no deaths
 
     @property
     def ranks(self) -> list[int]:
@@ -157,6 +158,11 @@ class EngineProcManager:
                 self._retired.append(launcher)
             return launcher
 
+    def expect_exits(self) -> None:
+        """Every engine is being shut down: from now on no exit counts as a death (`wait` returns on `stop`)."""
+        with self._lock:
+            self._exits_expected = True
+
     def stop_retired(self, launcher: EngineLauncher, timeout_s: float) -> None:
         """Stop a retired engine (after its SHUTDOWN): wait `timeout_s` seconds, then terminate, then kill."""
         with self._lock:
@@ -173,7 +179,8 @@ class EngineProcManager:
             with self._lock:
                 if self._stopping:
                     return
-                exited = [(rank, launcher) for rank, launcher in self._engines.items() if launcher.has_exited()]
+                engines = {} if self._exits_expected else self._engines
+                exited = [(rank, launcher) for rank, launcher in engines.items() if launcher.has_exited()]
             for rank, launcher in exited:
                 description = launcher.describe_exit()
                 if self._on_death is None:
