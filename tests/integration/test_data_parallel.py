@@ -98,6 +98,10 @@ def test_32_requests_split_over_both_engines_with_greedy_outputs_of_one_engine(d
         assert total.num_total_blocks == 256 == sum(s.num_total_blocks for s in per_engine.values())
         queries = sum(s.num_prefix_cache_queries for s in per_engine.values())
         assert total.num_prefix_cache_queries == queries
+        registry, model = dp.prometheus_registry, dp.config.model.model
+        for rank in ("0", "1"):  # each engine's scheduler metrics under its own `engine` label
+            labels = {"model_name": model, "engine": rank}
+            assert registry.get_sample_value("asyncllm:prefix_cache_queries_total", labels) > 0
 
     anyio.run(body)
 
@@ -174,6 +178,19 @@ def test_scale_to_one_while_16_stream_then_back_to_two(dp, reference) -> None:
         assert set(ranks) == {0, 1}
         for prompt, output in zip(PROMPTS[16:24], outputs, strict=True):
             assert output.outputs[0].token_ids == reference[prompt], prompt
+
+    anyio.run(body)
+
+
+def test_one_engine_has_rank_0_only_and_cannot_scale(single) -> None:
+    async def body() -> None:
+        assert single.data_parallel_size == 1
+        with pytest.raises(InvalidRequestError, match="data_parallel_rank=1"):
+            single.generate("hi", greedy(2), data_parallel_rank=1)
+        assert (await single.generate("hi", greedy(2), data_parallel_rank=0).collect()).finished
+        with pytest.raises(ConfigError, match="data_parallel_size >= 2"):
+            await single.scale_data_parallel(2)
+        assert list(await single.get_scheduler_stats_per_engine()) == [0]
 
     anyio.run(body)
 
