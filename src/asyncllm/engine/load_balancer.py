@@ -9,8 +9,8 @@ least load by more than `affinity_slack(least)` requests. Ties go to the engine 
 requests in flight, then to the lowest rank. The prefix index keeps the chained hashes of prompt blocks, as the
 engine's prefix cache does (`sched/block_pool.py`), in a bounded LRU map.
 
-The selection follows vLLM v1's `DPLBAsyncMPClient.get_core_engine_for_request` (least running + waiting,
-counting local sends); the prefix affinity is our own addition (the issue's requirement).
+The selection follows the idea of vLLM v1's `DPLBAsyncMPClient.get_core_engine_for_request` (the engines'
+published request counts plus the client's own sends since); the prefix affinity is our own addition.
 """
 
 from __future__ import annotations
