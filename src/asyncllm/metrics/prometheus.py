@@ -88,13 +88,21 @@ class PrometheusStatLogger(StatLoggerBase):
             self._record_iteration_stats(iteration_stats)
 
     def _record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self._running.set(stats.num_running_reqs)
-        self._waiting.set(stats.num_waiting_reqs)
-        self._kv_usage.set(stats.kv_cache_usage)
+        """Gauges and counter increments, touching only what changed (this runs once per engine step)."""
         last = self._last_totals
-        self._preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
-        self._cache_queries.inc(max(stats.num_prefix_cache_queries - last.num_prefix_cache_queries, 0))
-        self._cache_hits.inc(max(stats.num_prefix_cache_hits - last.num_prefix_cache_hits, 0))
+        if stats.num_running_reqs != last.num_running_reqs:
+            self._running.set(stats.num_running_reqs)
+        if stats.num_waiting_reqs != last.num_waiting_reqs:
+            self._waiting.set(stats.num_waiting_reqs)
+        if stats.kv_cache_usage != last.kv_cache_usage:
+            self._kv_usage.set(stats.kv_cache_usage)
+        for counter, now, before in (
+            (self._preemptions, stats.num_preemptions, last.num_preemptions),
+            (self._cache_queries, stats.num_prefix_cache_queries, last.num_prefix_cache_queries),
+            (self._cache_hits, stats.num_prefix_cache_hits, last.num_prefix_cache_hits),
+        ):
+            if now > before:
+                counter.inc(now - before)
         self._last_totals = stats
 
     def _record_iteration_stats(self, stats: IterationStats) -> None:
