@@ -130,6 +130,12 @@ class AsyncLLM:
                 return stat_logger.registry
         return None
 
+    @property
+    def max_model_len(self) -> int:
+        """Tokens per sequence at most (prompt + output), as the engine resolved it at start-up."""
+        max_model_len: int = self._client.ready_info.max_model_len
+        return max_model_len
+
     def get_tokenizer(self) -> Any:
         """The model's `asyncllm.model.tokenizer.Tokenizer`."""
         return self._tokenizer

@@ -21,6 +21,7 @@ import pytest
 from asyncllm import AsyncLLM, EngineArgs, RequestOutput, RequestOutputKind, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.client import EngineCoreClient
+from asyncllm.messages.engine import SchedulerStats
 
 MODES = ["thread", "process"]
 BACKENDS = ["asyncio", "trio"]
@@ -38,14 +39,15 @@ async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
     return [out async for out in stream]
 
 
-async def wait_until_idle(llm: AsyncLLM, within: float = 5.0) -> None:
-    """Wait until the engine runs nothing and every KV block is free (fails after `within` seconds)."""
+async def wait_until_idle(llm: AsyncLLM, within: float = 30.0) -> SchedulerStats:
+    """Wait until the engine runs nothing and every KV block is free (cached blocks no one holds count as free);
+    returns the stats then. Fails after `within` seconds (generous: a loaded machine may lag by seconds)."""
     deadline = time.monotonic() + within
     while True:
         stats = await llm.get_scheduler_stats()
         idle = stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
         if idle and stats.num_free_blocks == stats.num_total_blocks:
-            return
+            return stats
         assert time.monotonic() < deadline, f"engine not idle after {within} s: {stats}"
         await anyio.sleep(0.02)
 

@@ -8,9 +8,10 @@ import time
 import pytest
 import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineArgs, RequestOutput, RequestOutputKind, SamplingParams
+from asyncllm import AsyncLLM, EngineArgs, RequestOutput, RequestOutputKind
 from asyncllm.config import ModelConfig
 from asyncllm.model.loader import load_model
+from tests.integration.conftest import collect, greedy, wait_until_idle
 from tests.reference import clear_prefix_len, greedy_margins
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -36,31 +37,10 @@ def reference_model(model_path: str):
     return load_model(ModelConfig(model=model_path, model_path=model_path))
 
 
-def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=kind, **kw)
-
-
-async def collect(stream) -> list[RequestOutput]:
-    return [out async for out in stream]
-
-
 def assert_one_final_and_last(outputs: list[RequestOutput]) -> None:
     assert outputs, "no output"
     assert [o.finished for o in outputs].count(True) == 1
     assert outputs[-1].finished
-
-
-async def wait_until_idle(llm: AsyncLLM, within: float = 1.0) -> None:
-    """Poll the scheduler stats until no request runs and every block is free, or fail after `within` s."""
-    deadline = time.monotonic() + within
-    while True:
-        stats = await llm.get_scheduler_stats()
-        idle = stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
-        if idle and stats.num_free_blocks == stats.num_total_blocks:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"request state not freed within {within} s: {stats}")
-        await asyncio.sleep(0.02)
 
 
 async def test_paris_cumulative_and_delta(llm: AsyncLLM) -> None:

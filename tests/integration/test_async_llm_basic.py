@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutput, RequestOutputKind, SamplingParams
+from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutputKind
+from tests.integration.conftest import collect, greedy, wait_until_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -24,24 +22,6 @@ async def llm(model_path: str, request: pytest.FixtureRequest):
     engine = AsyncLLM.from_engine_args(args)
     async with engine:
         yield engine
-
-
-def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=kind, **kw)
-
-
-async def collect(stream) -> list[RequestOutput]:
-    return [out async for out in stream]
-
-
-async def wait_until_idle(llm: AsyncLLM, within: float = 1.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        stats = await llm.get_scheduler_stats()
-        if stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0:
-            return
-        assert time.monotonic() < deadline, f"request state not freed within {within} s: {stats}"
-        await asyncio.sleep(0.02)
 
 
 async def test_stop_string_ends_the_request_in_the_engine(llm: AsyncLLM) -> None:

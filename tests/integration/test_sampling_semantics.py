@@ -6,7 +6,6 @@ and tests/unit/test_detokenizer.py."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import msgspec
 import pytest
@@ -15,6 +14,7 @@ import pytest_asyncio
 from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutput, RequestOutputKind, SamplingParams
 from asyncllm.config import ModelConfig
 from asyncllm.model.loader import load_model
+from tests.integration.conftest import greedy, wait_until_idle
 from tests.reference import next_token_logits
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -38,10 +38,6 @@ def reference_model(model_path: str):
     return load_model(ModelConfig(model=model_path, model_path=model_path))
 
 
-def greedy(max_tokens: int, kind: RequestOutputKind = CUMULATIVE, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=kind, **kw)
-
-
 async def outputs_of(stream, stall: AsyncLLM | None = None) -> list[RequestOutput]:
     """All outputs of a stream. With `stall`, the consumer stops after the first output until that engine is
     idle (the request finished meanwhile), so every later output must merge in the collector."""
@@ -56,17 +52,6 @@ async def outputs_of(stream, stall: AsyncLLM | None = None) -> list[RequestOutpu
 def joined_delta(outputs: list[RequestOutput], index: int = 0) -> tuple[str, list[int]]:
     parts = [c for o in outputs for c in o.outputs if c.index == index]
     return "".join(c.text for c in parts), [t for c in parts for t in c.token_ids]
-
-
-async def wait_until_idle(llm: AsyncLLM, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        stats = await llm.get_scheduler_stats()
-        if stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"request state not freed within {within} s: {stats}")
-        await asyncio.sleep(0.02)
 
 
 # ---- output kinds and stream_interval -------------------------------------------------------------------

@@ -20,6 +20,7 @@ import pytest_asyncio
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.config import ModelConfig
 from asyncllm.model.loader import load_model
+from tests.integration.conftest import greedy, wait_until_idle
 from tests.reference import greedy_margins
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -45,10 +46,6 @@ def chat(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
-def greedy(max_tokens: int, **kw: object) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
-
-
 @pytest.fixture(scope="module")
 def reference_model(model_path: str):
     return load_model(ModelConfig(model=model_path, model_path=model_path))
@@ -65,19 +62,6 @@ async def run_one(llm: AsyncLLM, prompt, params: SamplingParams):
 
 async def run_all(llm: AsyncLLM, prompts: list, params: SamplingParams) -> list:
     return await asyncio.gather(*(run_one(llm, p, params) for p in prompts))
-
-
-async def wait_until_idle(llm: AsyncLLM, within: float = 5.0):
-    """Poll until nothing runs or waits and every block is free (cached blocks no one holds count as free)."""
-    deadline = time.monotonic() + within
-    while True:
-        stats = await llm.get_scheduler_stats()
-        idle = stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
-        if idle and stats.num_free_blocks == stats.num_total_blocks:
-            return stats
-        if time.monotonic() > deadline:
-            pytest.fail(f"blocks not freed within {within} s: {stats}")
-        await asyncio.sleep(0.02)
 
 
 def make_engine(model_path: str, **kw: object) -> AsyncLLM:

@@ -266,6 +266,7 @@ async def test_ops_endpoints(base_url: str) -> None:
     async with httpx.AsyncClient(timeout=60) as http:
         models = (await http.get(f"{base_url}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["smollm2-135m-instruct"]
+        assert models["data"][0]["max_model_len"] == 8192  # the GGUF's context length, as the engine resolved it
         metrics = (await http.get(f"{base_url}/metrics")).text
         assert "asyncllm:num_requests_running" in metrics
         tokens = (await http.post(f"{base_url}/tokenize", json={"prompt": "Hello world"})).json()["tokens"]

@@ -27,8 +27,6 @@ class Executor(ABC):
     `initialize_kv_cache(n)` -> `execute_model()` per step -> `shutdown()`.
     """
 
-    max_concurrent_batches: int = 1
-
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._failure_callbacks: list[FailureCallback] = []

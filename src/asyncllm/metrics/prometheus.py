@@ -80,6 +80,7 @@ class PrometheusStatLogger(StatLoggerBase):
             prom.Histogram, "request_queue_time_seconds", "Time waiting.", buckets=REQUEST_LATENCY_BUCKETS
         ).labels(**labels)
         self._last_totals: dict[int, SchedulerStats] = {}  # by engine rank
+        self._per_engine: dict[int, tuple[Any, ...]] = {}
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None:
@@ -88,16 +89,35 @@ class PrometheusStatLogger(StatLoggerBase):
             self._record_iteration_stats(iteration_stats)
 
     def _record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        engine = {"engine": str(stats.engine_index), **self._labels}
-        self._running.labels(**engine).set(stats.num_running_reqs)
-        self._waiting.labels(**engine).set(stats.num_waiting_reqs)
-        self._kv_usage.labels(**engine).set(stats.kv_cache_usage)
-        last = self._last_totals.get(stats.engine_index, SchedulerStats())
-        self._preemptions.labels(**engine).inc(max(stats.num_preemptions - last.num_preemptions, 0))
-        queries = stats.num_prefix_cache_queries - last.num_prefix_cache_queries
-        self._cache_queries.labels(**engine).inc(max(queries, 0))
-        self._cache_hits.labels(**engine).inc(max(stats.num_prefix_cache_hits - last.num_prefix_cache_hits, 0))
+        """Gauges and counter increments of the engine that published `stats`, touching only what changed (this
+        runs once per engine step)."""
+        running, waiting, kv_usage, preemptions, queries, hits = self._engine_metrics(stats.engine_index)
+        last = self._last_totals.get(stats.engine_index)
+        if last is None or stats.num_running_reqs != last.num_running_reqs:
+            running.set(stats.num_running_reqs)
+        if last is None or stats.num_waiting_reqs != last.num_waiting_reqs:
+            waiting.set(stats.num_waiting_reqs)
+        if last is None or stats.kv_cache_usage != last.kv_cache_usage:
+            kv_usage.set(stats.kv_cache_usage)
+        last = last or SchedulerStats()
+        for counter, now, before in (
+            (preemptions, stats.num_preemptions, last.num_preemptions),
+            (queries, stats.num_prefix_cache_queries, last.num_prefix_cache_queries),
+            (hits, stats.num_prefix_cache_hits, last.num_prefix_cache_hits),
+        ):
+            if now > before:
+                counter.inc(now - before)
         self._last_totals[stats.engine_index] = stats
+
+    def _engine_metrics(self, engine_index: int) -> tuple[Any, ...]:
+        """The labelled children of the per-engine gauges and counters of one engine (made once)."""
+        children = self._per_engine.get(engine_index)
+        if children is None:
+            labels = {"engine": str(engine_index), **self._labels}
+            families = (self._running, self._waiting, self._kv_usage, self._preemptions, self._cache_queries)
+            children = tuple(family.labels(**labels) for family in (*families, self._cache_hits))
+            self._per_engine[engine_index] = children
+        return children
 
     def _record_iteration_stats(self, stats: IterationStats) -> None:
         self._prompt_tokens.inc(stats.num_prompt_tokens)

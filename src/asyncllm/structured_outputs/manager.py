@@ -169,10 +169,6 @@ class StructuredOutputManager:
         """Drop pending requests (aborted while their grammar compiles); returns those that were pending."""
         return [req for req_id in req_ids if (req := self.pending.pop(req_id, None)) is not None]
 
-    @property
-    def has_pending(self) -> bool:
-        return bool(self.pending)
-
     # ---- per step -----------------------------------------------------------------------------------
 
     def make_bitmask(self, reqs: list[Request]) -> GrammarBitmask | None:

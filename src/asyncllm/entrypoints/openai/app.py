@@ -105,7 +105,7 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
 
 def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
     names = config.served_model_names or [str(config.engine_args.model)]
-    return ServingContext(names=list(names), max_model_len=llm.config.model.max_model_len)
+    return ServingContext(names=list(names), max_model_len=llm.max_model_len)
 
 
 def _running_llm(request: Request) -> Any:
