@@ -227,7 +227,8 @@ class OutputProcessor:
     def _update_state(self, state: RequestState, engine_output: EngineCoreOutput) -> bool:
         """Feed new tokens; returns True when the request finished (engine finish or stop string)."""
         detok = state.detokenizer
-        stop_str = detok.update(engine_output.new_token_ids, engine_output.finished)
+        stop_terminated = engine_output.finish_reason == FinishReason.STOP  # EOS or a stop token id
+        stop_str = detok.update(engine_output.new_token_ids, engine_output.finished, stop_terminated)
         state.logprobs.update(engine_output.new_logprobs, engine_output.new_prompt_logprobs)
         if stop_str is not None:
             state.logprobs.truncate(len(detok.token_ids))
