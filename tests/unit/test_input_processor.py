@@ -24,7 +24,15 @@ def test_text_prompt(processor: InputProcessor) -> None:
     assert request.prompt_token_ids == processor._tokenizer.encode("Hello world")
     assert request.eos_token_id == processor._tokenizer.eos_token_id
     assert request.sampling_params.max_tokens == 4
-    assert len(request.request_id) == 32
+    assert request.external_req_id is not None
+    assert len(request.external_req_id) == 32  # a uuid4 hex: the user's id when none is given
+    assert request.request_id.startswith(request.external_req_id + "-")  # the internal id
+
+
+def test_internal_ids_are_unique_even_for_one_user_id(processor: InputProcessor) -> None:
+    ids = [processor.process("Hi", request_id="same").request for _ in range(3)]
+    assert {r.external_req_id for r in ids} == {"same"}
+    assert len({r.request_id for r in ids}) == 3
 
 
 def test_token_prompt(processor: InputProcessor) -> None:
