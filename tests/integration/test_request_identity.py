@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncllm import AsyncLLM, EngineGenerateError, RequestOutput, SamplingParams
+from asyncllm import AsyncLLM, EngineGenerateError, InvalidRequestError, RequestOutput, SamplingParams
 from tests.integration.conftest import collect, greedy, run, wait_until_idle
 
 LONG = "Write a long story about a dragon who learns to bake bread."
@@ -150,5 +150,29 @@ def test_a_scheduler_error_for_one_request_fails_that_request_alone(
         again = await llm.generate(SHORT, greedy(16), request_id="victim").collect()
         assert again.outputs[0].token_ids == alone.outputs[0].token_ids
         await wait_until_idle(llm)
+
+    run("asyncio", body)
+
+
+def test_a_cache_salt_isolates_tenants_in_the_prefix_cache(llm: AsyncLLM) -> None:
+    """vLLM's `cache_salt`: a salted request never hits blocks cached under another salt (or none), so one tenant
+    cannot learn another's prompt from time to first token; the same salt hits."""
+    prompt = {"prompt_token_ids": list(range(1000, 1100))}  # 100 tokens: 6 full blocks of 16
+
+    async def cached(salt: str | None) -> int:
+        out = await llm.generate(prompt, greedy(2), cache_salt=salt).collect()
+        return out.num_cached_tokens
+
+    async def body() -> None:
+        await wait_until_idle(llm)
+        assert await llm.reset_prefix_cache()
+        assert await cached("tenant-a") == 0
+        assert await cached("tenant-b") == 0
+        assert await cached(None) == 0
+        assert await cached("tenant-a") == 96  # every full block but the last token's
+        assert await cached("tenant-b") == 96
+        assert await cached(None) == 96
+        with pytest.raises(InvalidRequestError, match="cache_salt"):
+            llm.generate(prompt, greedy(2), cache_salt="")
 
     run("asyncio", body)
