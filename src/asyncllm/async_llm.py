@@ -71,7 +71,8 @@ class AsyncLLM:
         self._tokenizer = tokenizer
         self._client = client
         info = client.ready_info
-        self._input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size)
+        kv_cache_blocks = (info.num_kv_blocks, config.cache.block_size)
+        self._input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size, kv_cache_blocks)
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
         self._notifier = self._handler.notifier  # wakes streams waiting for outputs (and for the turn)

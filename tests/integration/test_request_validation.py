@@ -5,11 +5,13 @@ the KV cache is refused at submission."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 
-from asyncllm import AsyncLLM, InvalidRequestError, RequestOutputKind, SamplingParams
+from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutputKind, SamplingParams
 from tests.integration.conftest import collect, greedy, run, wait_until_idle
 
 DOGS = [{"role": "user", "content": "Tell me one short fact about dogs."}]
@@ -97,5 +99,45 @@ def test_an_eos_stopped_answer_does_not_end_in_the_eos_text(llm: AsyncLLM) -> No
             assert ids[-1] == eos
             assert text.strip(), text
             assert "<|im_end|>" not in text, text
+
+    run("asyncio", body)
+
+
+@pytest.fixture(scope="module")
+def small_llm(mode: str, model_path: str) -> Iterator[AsyncLLM]:
+    """An engine whose KV cache holds 4 blocks of 16 tokens (max_model_len 8192 asked, 64 fit)."""
+    args = EngineArgs(model=model_path, engine_process=mode == "process", num_kv_blocks=4, max_model_len=8192)
+    engine = AsyncLLM.from_engine_args(args)
+    yield engine
+    anyio.run(engine.shutdown)
+
+
+@pytest.mark.parametrize(
+    ("num_prompt_tokens", "max_tokens"),
+    [(100, 4), (64, 1), (40, 40), (63, 2)],
+)
+def test_a_request_that_can_never_fit_the_kv_cache_is_refused_at_submission(
+    small_llm: AsyncLLM, num_prompt_tokens: int, max_tokens: int
+) -> None:
+    async def body() -> None:
+        prompt = {"prompt_token_ids": [1000 + i for i in range(num_prompt_tokens)]}
+        with pytest.raises(InvalidRequestError, match=r"KV cache holds 64 tokens \(4 blocks of 16\)"):
+            small_llm.generate(prompt, greedy(max_tokens, ignore_eos=True))
+        stats = await small_llm.get_scheduler_stats()
+        assert stats.num_waiting_reqs == stats.num_running_reqs == 0  # nothing reached the engine
+
+    run("asyncio", body)
+
+
+def test_requests_that_fill_the_whole_kv_cache_all_finish(small_llm: AsyncLLM) -> None:
+    """The largest requests that fit (prompt + max_tokens = 64 tokens = every block) finish, also three at once
+    (n=3: they take turns through preemption), never waiting forever."""
+
+    async def body() -> None:
+        prompt = {"prompt_token_ids": [1000 + i for i in range(40)]}
+        with anyio.fail_after(600):
+            out = await small_llm.generate(prompt, SamplingParams(n=3, max_tokens=24, ignore_eos=True)).collect()
+        assert [len(c.token_ids) for c in out.outputs] == [24, 24, 24]
+        await wait_until_idle(small_llm, within=30.0)
 
     run("asyncio", body)

@@ -60,12 +60,26 @@ class InputProcessor:
         tokenizer: the model's tokenizer.
         max_model_len: tokens per sequence at most (prompt + output).
         vocab_size: valid token ids are [0, vocab_size).
+        kv_cache_blocks: (num_kv_blocks, block_size) of the engine's KV cache (handshake), to say so in the
+            errors when the cache is what limits `max_model_len`; None = not known.
     """
 
-    def __init__(self, tokenizer: TokenizerLike, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        max_model_len: int,
+        vocab_size: int,
+        kv_cache_blocks: tuple[int, int] | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
+        self._limit = f"max_model_len={max_model_len}"
+        if kv_cache_blocks is not None and kv_cache_blocks[0] * kv_cache_blocks[1] <= max_model_len:
+            num_blocks, block_size = kv_cache_blocks
+            self._limit += (
+                f"; the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of {block_size})"
+            )
 
     def process(
         self,
@@ -175,7 +189,7 @@ class InputProcessor:
         if len(token_ids) > self._max_model_len - 1:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens; at most {self._max_model_len - 1} fit "
-                f"(max_model_len={self._max_model_len}, one token must be left to generate)"
+                f"({self._limit}; one token must be left to generate)"
             )
 
     def _validate_params(self, params: SamplingParams | None) -> SamplingParams:
@@ -195,13 +209,13 @@ class InputProcessor:
             if params.min_tokens > room:
                 raise InvalidRequestError(
                     f"SamplingParams.min_tokens={params.min_tokens} is invalid: the {num_prompt_tokens}-token "
-                    f"prompt leaves room for {room} tokens (max_model_len={self._max_model_len})"
+                    f"prompt leaves room for {room} tokens ({self._limit})"
                 )
             return msgspec.structs.replace(params, max_tokens=room)
         if params.max_tokens > room:
             raise InvalidRequestError(
                 f"SamplingParams.max_tokens={params.max_tokens} is invalid: prompt ({num_prompt_tokens} tokens) + "
-                f"max_tokens must be <= max_model_len ({self._max_model_len}); at most {room} here"
+                f"max_tokens must be <= max_model_len ({self._limit}); at most {room} here"
             )
         return params
 
