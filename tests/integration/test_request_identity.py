@@ -66,11 +66,12 @@ WAYS: dict[str, Callable[[AsyncLLM, str], Awaitable[None]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("way", list(WAYS))
 def test_an_id_reused_right_after_its_abort_gets_only_its_own_output(llm: AsyncLLM, way: str) -> None:
     async def body() -> None:
         alone = await llm.generate(SHORT, greedy(12)).collect()
-        for _ in range(4):  # the old request's last step is often still on its way when the id is reused
+        for _ in range(3):  # the old request's last step is often still on its way when the id is reused
             await WAYS[way](llm, "same")
             reused = await llm.generate(SHORT, greedy(12), request_id="same").collect()
             assert reused.request_id == "same"

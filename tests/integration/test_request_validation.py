@@ -129,6 +129,7 @@ def test_a_request_that_can_never_fit_the_kv_cache_is_refused_at_submission(
     run("asyncio", body)
 
 
+@pytest.mark.slow
 def test_requests_that_fill_the_whole_kv_cache_all_finish(small_llm: AsyncLLM) -> None:
     """The largest requests that fit (prompt + max_tokens = 64 tokens = every block) finish, also three at once
     (n=3: they take turns through preemption), never waiting forever."""
