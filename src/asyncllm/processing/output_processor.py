@@ -117,6 +117,10 @@ class OutputProcessor:
         """True while the internal id `request_id` (a user request or an engine request) is in flight."""
         return request_id in self._states or request_id in self._parents
 
+    def has_user_request(self, user_id: str) -> bool:
+        """True while a request submitted with the user's id `user_id` is in flight."""
+        return user_id in self._external_ids
+
     def external_id_of(self, request_id: str) -> str:
         """The user's id of the in-flight internal id `request_id` (`request_id` itself when unknown)."""
         state = self._states.get(request_id)
