@@ -9,9 +9,9 @@ any backend) -> OutputProcessor -> each request's collector -> its `GenerateOutp
 
 from __future__ import annotations
 
-import uuid
+import functools
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -28,7 +28,12 @@ from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger
 from asyncllm.output_handler import OutputHandler
 from asyncllm.outputs import RequestOutput
-from asyncllm.processing.input_processor import InputProcessor, PromptType
+from asyncllm.processing.input_processor import (
+    InputProcessor,
+    PromptType,
+    make_internal_request_id,
+    validate_request_id,
+)
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.processing.tool_calling import ToolChoice, plan_chat
@@ -67,7 +72,8 @@ class AsyncLLM:
         self._tokenizer = tokenizer
         self._client = client
         info = client.ready_info
-        self._input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size)
+        kv_cache_blocks = (info.num_kv_blocks, config.cache.block_size)
+        self._input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size, kv_cache_blocks)
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
         self._notifier = self._handler.notifier  # wakes streams waiting for outputs (and for the turn)
@@ -153,6 +159,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         *,
+        cache_salt: str | None = None,
         data_parallel_rank: int | None = None,
     ) -> GenerateOutputStream:
         """Submit one prompt; returns its output stream at once.
@@ -166,38 +173,51 @@ class AsyncLLM:
             prompt: text, `{"prompt_token_ids": [...]}`, or chat messages `[{"role", "content"}, ...]`.
             sampling_params: None means `SamplingParams()`; with `n > 1` the n completions share this stream
                 (see `asyncllm.processing.parallel_sampling`).
-            request_id: unique among in-flight requests; None makes one.
+            request_id: the user's id, carried by every output; None makes one (uuid4 hex). It need not be
+                unique: inside, the request is keyed by an internal id made here (vLLM's `external_req_id`
+                beside `request_id`), so an id reused right after its abort, or sent by two callers at once,
+                never mixes their outputs; `abort(request_id)` reaches every in-flight request with it.
             priority: lower runs first with `scheduling_policy="priority"` (ignored by "fcfs").
+            cache_salt: tenant isolation for the prefix cache: mixed into the hash of the first KV cache block,
+                so requests with different salts (or one salted, one not) never share cached blocks and cannot
+                learn each other's prompts from time to first token (vLLM's `cache_salt`). None = unsalted.
             data_parallel_rank: with `data_parallel_size > 1`, run on this engine rank instead of the one the
                 load balancer picks (docs/data_parallel.md).
         Returns:
             A `GenerateOutputStream` of `RequestOutput`s; the last has `finished=True`.
         Raises:
-            InvalidRequestError: bad input or a duplicate in-flight request id (nothing reaches the engine).
+            InvalidRequestError: bad input (nothing reaches the engine), naming the field.
             EngineDeadError: the engine died or was shut down.
             EventLoopError: another event loop, running in another thread, uses this AsyncLLM.
         """
         self._ensure_running()
         loop = self._bind_to_current_loop()
         if loop is not None and is_long_prompt(prompt):
-            request_id = request_id if request_id is not None else uuid.uuid4().hex
+            external_id = validate_request_id(request_id)
+            internal_id = make_internal_request_id(external_id)
             params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams()
             kind = params.output_kind
             collector = RequestOutputCollector(kind, self._notifier)
 
             async def submit_off_the_loop() -> None:
-                process = self._input_processor.process
-                processed = await anyio.to_thread.run_sync(process, prompt, sampling_params, request_id, priority)
+                process = functools.partial(
+                    self._input_processor.process, cache_salt=cache_salt, internal_id=internal_id
+                )
+                processed = await anyio.to_thread.run_sync(process, prompt, sampling_params, external_id, priority)
                 self._ensure_running()
                 self._submit(processed.prompt, processed.request, collector, data_parallel_rank)
 
+            abort = self._stream_aborter(internal_id)
             return GenerateOutputStream(
-                request_id, collector, self._abort_closed_stream, self._next_output, loop, start=submit_off_the_loop
+                external_id, collector, abort, self._next_output, loop, start=submit_off_the_loop
             )
-        prompt_text, request = self._input_processor.process(prompt, sampling_params, request_id, priority)
+        prompt_text, request = self._input_processor.process(
+            prompt, sampling_params, request_id, priority, cache_salt=cache_salt
+        )
         collector = RequestOutputCollector(request.sampling_params.output_kind, self._notifier)
         self._submit(prompt_text, request, collector, data_parallel_rank)
-        return GenerateOutputStream(request.request_id, collector, self._abort_closed_stream, self._next_output, loop)
+        abort = self._stream_aborter(request.request_id)
+        return GenerateOutputStream(request.external_req_id or "", collector, abort, self._next_output, loop)
 
     def _submit(
         self,
@@ -209,7 +229,7 @@ class AsyncLLM:
         """Register a processed request (and its n>1 children) with the output processor and send it.
 
         Raises:
-            InvalidRequestError: a duplicate in-flight request id (nothing is sent).
+            InvalidRequestError: the internal id is already in flight (cannot happen: internal ids are unique).
             EngineDeadError: the engine died.
         """
         self._handler.process_received_outputs_now()
@@ -217,7 +237,7 @@ class AsyncLLM:
         engine_requests = parent.child_requests if parent is not None else [request]
         for engine_id in [request.request_id, *(r.request_id for r in engine_requests)]:
             if self._output_processor.has_request(engine_id):
-                raise InvalidRequestError(f"request_id {engine_id!r} is already in flight")
+                raise InvalidRequestError(f"internal request id {engine_id!r} is already in flight")
         for index, engine_request in enumerate(engine_requests):
             self._output_processor.add_request(engine_request, prompt_text, collector, parent, index)
         try:
@@ -238,6 +258,7 @@ class AsyncLLM:
         tool_parser: str = "hermes",
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
         """Run one chat turn to the end, with optional tool calling (OpenAI's `tools` / `tool_choice`).
 
@@ -253,13 +274,16 @@ class AsyncLLM:
         plan = plan_chat(
             self._tokenizer, messages, sampling_params, tools, tool_choice, parallel_tool_calls, tool_parser
         )
-        output = await self.generate(plan.prompt, plan.sampling_params, request_id, priority).collect()
+        output = await self.generate(
+            plan.prompt, plan.sampling_params, request_id, priority, cache_salt=cache_salt
+        ).collect()
         return plan.finish(output)
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests; each open stream then ends with a final output (finish_reason "abort").
+        """Abort requests by the user's id; each open stream then ends with a final output (finish_reason "abort").
 
-        Unknown or finished ids are ignored.
+        An id reaches every in-flight request submitted with it (several when callers share an id, as in vLLM),
+        never a request submitted after this call. Unknown or finished ids are ignored.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._handler.abort_in_engine(self._output_processor.abort_requests(ids))
@@ -382,9 +406,15 @@ class AsyncLLM:
         self._bind_to_current_loop()
         return await self._handler.next_output(collector)
 
-    def _abort_closed_stream(self, request_id: str) -> None:
-        """Called (on the loop thread) when a stream is closed or dropped unfinished: no output is sent."""
-        self._handler.abort_in_engine(self._output_processor.abort_requests([request_id], notify=False))
+    def _abort_closed_stream(self, internal_id: str) -> None:
+        """Called (on the loop thread) when a stream is closed or dropped unfinished: no output is sent. By the
+        internal id: a later request reusing the user's id is not touched."""
+        aborted = self._output_processor.abort_requests([internal_id], notify=False, internal=True)
+        self._handler.abort_in_engine(aborted)
+
+    def _stream_aborter(self, internal_id: str) -> Callable[[str], None]:
+        """The stream's abort callback: it is called with the user's id, and aborts by `internal_id`."""
+        return lambda _user_id: self._abort_closed_stream(internal_id)
 
 
 def is_long_prompt(prompt: PromptType) -> bool:

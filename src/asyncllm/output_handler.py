@@ -137,8 +137,12 @@ class OutputHandler:
     def _process_batch_now(self, outputs: EngineCoreOutputs) -> None:
         """One engine step's outputs -> collectors (synchronously); stop-string hits -> engine aborts."""
         if outputs.failed_requests:
-            failed = outputs.failed_requests.items()
-            self._output_processor.fail_requests({i: EngineGenerateError(f"request {i!r}: {e}") for i, e in failed})
+            processor = self._output_processor
+            errors: dict[str, BaseException] = {
+                i: EngineGenerateError(f"request {processor.external_id_of(i)!r}: {e}")
+                for i, e in outputs.failed_requests.items()
+            }
+            self.abort_in_engine(processor.fail_requests(errors))  # the n > 1 siblings of a failed child
         iteration_stats = IterationStats() if self._stat_loggers else None
         result = self._output_processor.process_outputs(outputs.outputs, outputs.timestamp, iteration_stats)
         self.abort_in_engine(result.reqs_to_abort)

@@ -33,20 +33,27 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to sample one request. Same names and meanings as vLLM's `SamplingParams`.
 
     Fields:
-        n: completions per prompt (>= 1); they share one stream, tagged by `CompletionOutput.index`.
+        n: completions per prompt, in [1, 128] (OpenAI's limit: each is an engine request); they share one
+            stream, tagged by `CompletionOutput.index`.
         max_tokens: generated tokens at most (>= 1); None means up to `max_model_len`. A prompt with
             `num_prompt_tokens + max_tokens > max_model_len` is rejected at submission.
-        temperature: >= 0; 0 means greedy (argmax).
+        temperature: finite, >= 0; below `SAMPLING_EPS` (1e-5, vLLM's `_SAMPLING_EPS`) means greedy (argmax):
+            dividing logits by a tiny temperature overflows float32 and would sample garbage.
         top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it; at most 2**63 - 1.
         min_p: in [0, 1]; drop tokens whose probability is below `min_p` times the top token's.
-        seed: per-request seed; a seeded request gives the same tokens alone or in any batch. With n > 1,
-            completion i uses `seed + i`.
+        seed: per-request seed in [0, 2**63 - 1]; a seeded request gives the same tokens alone or in any batch.
+            With n > 1, completion i uses `seed + i` (so `seed + n - 1` must stay in range). The range is the one
+            a msgpack int64 and torch's generator carry without wrapping: every accepted seed gives its own
+            random stream (a wider range would alias, e.g. 5 and 5 + 2**63).
         presence_penalty: in [-2, 2]; subtracted once from the logit of every token already generated.
         frequency_penalty: in [-2, 2]; subtracted from a token's logit per time it was generated.
-        repetition_penalty: > 0; logits of tokens in the prompt or the output are divided by it when
+        repetition_penalty: finite, > 0; logits of tokens in the prompt or the output are divided by it when
             positive and multiplied by it when negative (1 disables it; CTRL, Keskar et al., 2019).
-        logit_bias: token id -> bias added to its logit; bias clamped to [-100, 100] (as OpenAI/vLLM).
+        logit_bias: token id -> bias added to its logit; bias a number (not NaN), clamped to [-100, 100] (as
+            OpenAI/vLLM).
+    Every integer (counts, token ids, seed) must fit in a signed 64-bit integer (`MAX_INT64`), the wire's
+    limit; token ids are checked against the model's vocabulary at submission (`validate_vocab`).
         allowed_token_ids: when set (non-empty), only these tokens can be sampled.
         stop: strings that end generation when they appear in the output text (not included by default).
         stop_token_ids: token ids that end generation (included in `token_ids`, not in text).
@@ -123,8 +130,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        """True when sampling is argmax (temperature 0)."""
-        return self.temperature == 0.0
+        """True when sampling is argmax: temperature below `SAMPLING_EPS` (as vLLM's `SamplingType.GREEDY`)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:
@@ -141,7 +148,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _bad("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar may only allow EOS)")
 
     def _validate_counts(self) -> None:
-        _check_int("n", self.n, 1)
+        _check_int("n", self.n, 1, f"an integer in [1, {MAX_N}]", MAX_N)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, "an integer >= 1 or None")
         _check_int("min_tokens", self.min_tokens, 0)
@@ -151,18 +158,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, 0, f"None or an integer in [0, {MAX_LOGPROBS}]")
-                if value > MAX_LOGPROBS:
-                    _bad(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
+                _check_int(name, value, 0, f"None or an integer in [0, {MAX_LOGPROBS}]", MAX_LOGPROBS)
         if self.seed is not None:
-            _check_int("seed", self.seed, -(1 << 63), "an integer or None")
+            top = MAX_INT64 - (self.n - 1)  # child i of an n > 1 request uses seed + i
+            _check_int("seed", self.seed, 0, f"None or an integer in [0, {top}] (2**63 - n)", top)
 
     def _validate_sampling(self) -> None:
-        if not _check_number("temperature", self.temperature) >= 0.0:
-            _bad("temperature", self.temperature, ">= 0")
+        if not 0.0 <= _check_number("temperature", self.temperature) < math.inf:
+            _bad("temperature", self.temperature, ">= 0 and finite")
         if not 0.0 < _check_number("top_p", self.top_p) <= 1.0:
             _bad("top_p", self.top_p, "in (0, 1]")
-        _check_int("top_k", self.top_k, -1, "-1, 0 (disabled) or >= 1")
+        _check_int("top_k", self.top_k, -1, "-1, 0 (disabled) or an integer in [1, 2**63 - 1]")
         if not 0.0 <= _check_number("min_p", self.min_p) <= 1.0:
             _bad("min_p", self.min_p, "in [0, 1]")
 
@@ -171,8 +177,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             value = getattr(self, name)
             if not -2.0 <= _check_number(name, value) <= 2.0:
                 _bad(name, value, "in [-2, 2]")
-        if not _check_number("repetition_penalty", self.repetition_penalty) > 0.0:
-            _bad("repetition_penalty", self.repetition_penalty, "> 0 (1 disables it)")
+        if not 0.0 < _check_number("repetition_penalty", self.repetition_penalty) < math.inf:
+            _bad("repetition_penalty", self.repetition_penalty, "> 0 and finite (1 disables it)")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
                 if math.isnan(_check_number("logit_bias", bias, {token_id: bias})):
@@ -183,13 +189,20 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _bad("stop", self.stop, "non-empty strings")
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             ids = getattr(self, name)
-            if ids is not None and any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            if ids is not None and any(not _is_token_id(t) for t in ids):
                 _bad(name, ids, "token ids >= 0")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             _bad("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids")
 
 
 MAX_LOGPROBS = 20  # top logprobs per token at most (as OpenAI's top_logprobs)
+MAX_INT64 = 2**63 - 1  # every integer field at most: msgpack's signed 64-bit range, torch's seed range
+MAX_N = 128  # completions per request at most (OpenAI's limit for `n`)
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's `_SAMPLING_EPS`)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT64
 
 
 def _is_number(value: object) -> bool:
@@ -200,14 +213,17 @@ def _check_number(field: str, value: object, shown: object = None) -> float:
     """`value` as a float; raises InvalidRequestError naming the field and the expected type if it is no number."""
     if not _is_number(value):
         _bad(field, value if shown is None else shown, f"a number (int or float), got {type(value).__name__}")
+    if isinstance(value, int) and not -MAX_INT64 - 1 <= value <= MAX_INT64:
+        _bad(field, value if shown is None else shown, "a float, or an int in the signed 64-bit range")
     return float(value)  # type: ignore[arg-type]
 
 
-def _check_int(field: str, value: object, minimum: int, allowed: str | None = None) -> None:
+def _check_int(field: str, value: object, minimum: int, allowed: str | None = None, maximum: int = MAX_INT64) -> None:
+    """Raises InvalidRequestError naming `field` unless `value` is an int (not bool) in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, int):
         _bad(field, value, f"an integer, got {type(value).__name__}")
-    if value < minimum:
-        _bad(field, value, allowed or f"an integer >= {minimum}")
+    if not minimum <= value <= maximum:
+        _bad(field, value, allowed or f"an integer in [{minimum}, {'2**63 - 1' if maximum == MAX_INT64 else maximum}]")
 
 
 def _bad(field: str, value: object, allowed: str) -> NoReturn:

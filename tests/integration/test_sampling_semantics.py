@@ -308,14 +308,16 @@ async def test_bad_requests_are_rejected_at_submission_and_the_engine_keeps_serv
     assert len(fits.outputs[0].token_ids) == 10
 
 
-async def test_duplicate_in_flight_request_id_raises_and_leaves_the_first_alone(llm: AsyncLLM) -> None:
+async def test_a_duplicate_in_flight_request_id_is_a_second_request_and_leaves_the_first_alone(
+    llm: AsyncLLM,
+) -> None:
     first = llm.generate(STORY, greedy(8, ignore_eos=True), request_id="dup")
-    with pytest.raises(InvalidRequestError, match="already in flight"):
-        llm.generate("Hi", greedy(4), request_id="dup")
-    with pytest.raises(InvalidRequestError, match="already in flight"):
-        llm.generate("Hi", SamplingParams(n=2, max_tokens=4), request_id="dup")
+    second = llm.generate("Hi", greedy(4, ignore_eos=True), request_id="dup")
+    third = llm.generate("Hi", SamplingParams(n=2, max_tokens=4, ignore_eos=True), request_id="dup")
     result = await first.collect()
     assert (result.request_id, len(result.outputs[0].token_ids)) == ("dup", 8)
+    assert [len(c.token_ids) for c in (await second.collect()).outputs] == [4]
+    assert [len(c.token_ids) for c in (await third.collect()).outputs] == [4, 4]
     reused = await llm.generate("Hi", greedy(2), request_id="dup").collect()
     assert reused.finished
     ids = {llm.generate("Hi", greedy(1)).request_id for _ in range(3)}

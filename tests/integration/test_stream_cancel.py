@@ -30,7 +30,7 @@ async def llm(model_path: str):
 
 
 def in_flight(llm: AsyncLLM, request_id: str) -> bool:
-    return llm._output_processor.has_request(request_id)
+    return llm._output_processor.has_user_request(request_id)
 
 
 async def wait_until_engine_idle(llm: AsyncLLM, within: float = 30.0) -> None:

@@ -223,6 +223,8 @@ BAD_COMPLETIONS = [
     ({"prompt": [10**9]}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+    ({"prompt": "hi", "seed": 2**64 + 5}, "seed"),
 ]
 BAD_CHATS = [
     ({"messages": MESSAGES, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
@@ -232,7 +234,18 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": MESSAGES, "n": 0}, "n"),
+    ({"messages": MESSAGES, "cache_salt": ""}, "cache_salt"),
 ]
+
+
+async def test_cache_salt_is_accepted_by_both_endpoints(base_url: str) -> None:
+    async with httpx.AsyncClient(timeout=120) as http:
+        for path, body in (
+            ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+            ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
+        ):
+            response = await http.post(f"{base_url}{path}", json={**body, "cache_salt": "tenant-a"})
+            assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,11 @@ async def collect(stream) -> list[RequestOutput]:
     return [out async for out in stream]
 
 
+def user_ids(internal_ids: list[str]) -> list[str]:
+    """The user's ids of internal request ids (`f"{user_id}-{n}"`)."""
+    return [i.rsplit("-", 1)[0] for i in internal_ids]
+
+
 async def wait_for(predicate: Callable[[], bool], within: float = 2.0) -> None:
     deadline = asyncio.get_running_loop().time() + within
     while not predicate():
@@ -105,7 +110,7 @@ async def test_stop_string_finishes_and_aborts_in_the_engine(tokenizer) -> None:
         final = outputs[-1].outputs[0]
         assert "".join(o.outputs[0].text for o in outputs) == "The capital of France is"
         assert (final.finish_reason, final.stop_reason) == ("stop", " Paris")
-        await wait_for(lambda: cores[0].aborted == [outputs[-1].request_id])
+        await wait_for(lambda: user_ids(cores[0].aborted) == [outputs[-1].request_id])
 
 
 async def test_max_tokens_gives_length(llm: AsyncLLM) -> None:
@@ -124,14 +129,21 @@ async def test_invalid_input_raises_at_submission(llm: AsyncLLM) -> None:
     assert outputs[-1].finished
 
 
-async def test_duplicate_in_flight_request_id_is_rejected(tokenizer) -> None:
-    engine, _ = make_llm(tokenizer, step_delay=0.01)
+async def test_one_user_id_in_flight_twice_is_two_requests(tokenizer) -> None:
+    """As vLLM (internal ids beside the user's): both are served; abort("dup") reaches both."""
+    engine, cores = make_llm(tokenizer, step_delay=0.01)
     async with engine:
-        stream = engine.generate("Hi", greedy(), request_id="dup")
-        with pytest.raises(InvalidRequestError, match="already in flight"):
-            engine.generate("Hi", greedy(), request_id="dup")
-        await collect(stream)
-        await collect(engine.generate("Hi", greedy(2), request_id="dup"))  # free again once finished
+        first = engine.generate("Hi", greedy(), request_id="dup")
+        second = engine.generate("Hi", greedy(2), request_id="dup")
+        assert [o.request_id for o in await collect(first)][-1] == "dup"
+        assert len((await second.collect()).outputs[0].token_ids) == 2
+        third = engine.generate("Hi", greedy(None, ignore_eos=True), request_id="dup")
+        fourth = engine.generate("Hi", greedy(None, ignore_eos=True), request_id="dup")
+        await engine.abort("dup")
+        for stream in (third, fourth):
+            assert (await stream.collect()).outputs[0].finish_reason == "abort"
+        await wait_for(lambda: user_ids(cores[0].aborted) == ["dup", "dup"])
+        assert len(set(cores[0].aborted)) == 2
 
 
 async def test_abort_ends_the_stream_with_a_final_abort_output(tokenizer) -> None:
@@ -144,7 +156,7 @@ async def test_abort_ends_the_stream_with_a_final_abort_output(tokenizer) -> Non
                 await engine.abort("a")
         assert [o.finished for o in outputs].count(True) == 1
         assert outputs[-1].outputs[0].finish_reason == "abort"
-        await wait_for(lambda: cores[0].aborted == ["a"])
+        await wait_for(lambda: user_ids(cores[0].aborted) == ["a"])
 
 
 async def test_aclose_and_breaking_out_abort_in_the_engine(tokenizer) -> None:
@@ -159,7 +171,7 @@ async def test_aclose_and_breaking_out_abort_in_the_engine(tokenizer) -> None:
         async for _ in engine.generate("Hi", greedy(None, ignore_eos=True), request_id="broken"):
             break
         gc.collect()
-        await wait_for(lambda: sorted(cores[0].aborted) == ["broken", "closed"])
+        await wait_for(lambda: sorted(user_ids(cores[0].aborted)) == ["broken", "closed"])
         stats = await engine.get_scheduler_stats()
         assert (stats.num_running_reqs, stats.num_free_blocks) == (0, NUM_BLOCKS)
 

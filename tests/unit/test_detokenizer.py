@@ -151,3 +151,27 @@ def test_unicode_corpus_with_stop_strings_never_retracts(hf: HFTokenizer, text: 
     assert "".join(deltas) == full[: full.find(stop)]
     assert detok.stop_reason == stop
     assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_text_is_left_out_unless_asked_for(
+    hf: HFTokenizer, skip_special_tokens: bool, include: bool
+) -> None:
+    """Issue 12: with stop_token_ids=[id of " are"] the text ended "... Dogs are"; an EOS-stopped answer with
+    skip_special_tokens=False ended in "<|im_end|>". As vLLM: the id stays in token_ids, the text does not."""
+    answer = hf.encode("Dogs are loyal. Dogs", add_special_tokens=False).ids
+    (are,) = hf.encode(" are", add_special_tokens=False).ids
+    for stop_id in (are, hf.token_to_id("<|im_end|>")):
+        params = SamplingParams(
+            stop_token_ids=[stop_id], skip_special_tokens=skip_special_tokens, include_stop_str_in_output=include
+        )
+        detok = IncrementalDetokenizer(hf, params)
+        sent = ""
+        for i, token_id in enumerate([*answer, stop_id]):
+            last = i == len(answer)
+            assert detok.update([token_id], finished=last, stop_terminated=last) is None
+            sent += detok.output_text_since(len(sent))
+        stop_text = hf.decode([stop_id], skip_special_tokens=skip_special_tokens)
+        assert detok.token_ids == [*answer, stop_id]
+        assert sent == detok.output_text == "Dogs are loyal. Dogs" + (stop_text if include else "")

@@ -24,7 +24,15 @@ def test_text_prompt(processor: InputProcessor) -> None:
     assert request.prompt_token_ids == processor._tokenizer.encode("Hello world")
     assert request.eos_token_id == processor._tokenizer.eos_token_id
     assert request.sampling_params.max_tokens == 4
-    assert len(request.request_id) == 32
+    assert request.external_req_id is not None
+    assert len(request.external_req_id) == 32  # a uuid4 hex: the user's id when none is given
+    assert request.request_id.startswith(request.external_req_id + "-")  # the internal id
+
+
+def test_internal_ids_are_unique_even_for_one_user_id(processor: InputProcessor) -> None:
+    ids = [processor.process("Hi", request_id="same").request for _ in range(3)]
+    assert {r.external_req_id for r in ids} == {"same"}
+    assert len({r.request_id for r in ids}) == 3
 
 
 def test_token_prompt(processor: InputProcessor) -> None:
@@ -105,3 +113,19 @@ def test_out_of_vocabulary_ids_in_params_are_rejected(processor: InputProcessor,
 def test_generated_request_ids_are_unique(processor: InputProcessor) -> None:
     ids = {processor.process("Hi").request.request_id for _ in range(100)}
     assert len(ids) == 100
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"priority": 2**63}, r"priority=9223372036854775808 is invalid: must be a signed 64-bit integer"),
+        ({"priority": -(2**63) - 1}, r"priority=.* is invalid: must be a signed 64-bit integer"),
+        ({"cache_salt": ""}, r"cache_salt='' is invalid: must be None or a non-empty str"),
+        ({"cache_salt": 5}, r"cache_salt=5 is invalid"),
+    ],
+)
+def test_priority_and_cache_salt_are_checked(processor: InputProcessor, kwargs: dict, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        processor.process("Hi", **kwargs)
+    request = processor.process("Hi", priority=-(2**63), cache_salt="tenant").request
+    assert (request.priority, request.cache_salt) == (-(2**63), "tenant")

@@ -329,4 +329,6 @@ def test_aborting_the_parent_aborts_every_unfinished_child(hf: HFTokenizer) -> N
     assert {c.index: c.finish_reason for c in merged.outputs} == {0: "abort", 1: "stop", 2: "abort"}
     assert processor.num_unfinished_requests == 0
     assert not processor.has_request("p")
+    assert not processor.has_user_request("p")
+    assert processor.num_tracked_ids == (0, 0, 0)
     assert processor.abort_requests(["p"]) == []

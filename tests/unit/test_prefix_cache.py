@@ -219,3 +219,22 @@ def test_preempted_request_resumes_from_its_own_cached_blocks() -> None:
     assert new.output_token_ids == [7]
     assert so.num_scheduled_tokens == {"a": 3}
     assert req.num_cached_tokens == 0  # counted at the first scheduling only
+
+
+def test_a_cache_salt_gives_its_requests_their_own_prefix_cache() -> None:
+    """Issue 12 (vLLM's cache_salt): the salt starts the hash chain, so different salts never share a block."""
+    manager = KVCacheManager(num_blocks=20, block_size=BLOCK)
+    tokens = list(range(1, 14))  # 3 full blocks + 1 token
+
+    def admit(request_id: str, salt: str | None) -> int:
+        request = Request(request_id, tokens, SamplingParams(max_tokens=4), cache_salt=salt)
+        hits = manager.get_computed_blocks(request)
+        assert manager.allocate_slots(request, len(tokens) - len(hits) * BLOCK, hits) is not None
+        manager.free(request)
+        return len(hits)
+
+    assert admit("first", "tenant-a") == 0
+    assert admit("other tenant", "tenant-b") == 0
+    assert admit("unsalted", None) == 0
+    assert admit("same tenant", "tenant-a") == 3
+    assert admit("unsalted again", None) == 3

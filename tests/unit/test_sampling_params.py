@@ -11,7 +11,7 @@ from asyncllm import InvalidRequestError, RequestOutputKind, SamplingParams
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"n": 0}, r"n=0 is invalid: must be an integer >= 1"),
+        ({"n": 0}, r"n=0 is invalid: must be an integer in \[1, 128\]"),
         ({"n": 1.5}, r"n=1.5 is invalid"),
         ({"max_tokens": 0}, r"max_tokens=0 is invalid: must be an integer >= 1 or None"),
         ({"max_tokens": True}, r"max_tokens=True is invalid"),
@@ -19,7 +19,7 @@ from asyncllm import InvalidRequestError, RequestOutputKind, SamplingParams
         ({"temperature": float("nan")}, r"temperature=nan is invalid"),
         ({"top_p": 0.0}, r"top_p=0.0 is invalid: must be in \(0, 1\]"),
         ({"top_p": 1.01}, r"top_p=1.01 is invalid"),
-        ({"top_k": -2}, r"top_k=-2 is invalid: must be -1, 0 \(disabled\) or >= 1"),
+        ({"top_k": -2}, r"top_k=-2 is invalid: must be -1, 0 \(disabled\) or an integer in \[1, 2\*\*63 - 1\]"),
         ({"min_p": -0.01}, r"min_p=-0.01 is invalid: must be in \[0, 1\]"),
         ({"min_p": 1.5}, r"min_p=1.5 is invalid"),
         ({"presence_penalty": 2.5}, r"presence_penalty=2.5 is invalid: must be in \[-2, 2\]"),
@@ -31,15 +31,15 @@ from asyncllm import InvalidRequestError, RequestOutputKind, SamplingParams
         ({"allowed_token_ids": [-3]}, r"allowed_token_ids=\[-3\] is invalid: must be token ids >= 0"),
         ({"stop": [""]}, r"stop=\[''\] is invalid: must be non-empty strings"),
         ({"stop_token_ids": [-1]}, r"stop_token_ids=\[-1\] is invalid: must be token ids >= 0"),
-        ({"min_tokens": -1}, r"min_tokens=-1 is invalid: must be an integer >= 0"),
+        ({"min_tokens": -1}, r"min_tokens=-1 is invalid: must be an integer in \[0, 2\*\*63 - 1\]"),
         ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens=5 is invalid: must be <= max_tokens \(4\)"),
         ({"logprobs": -1}, r"logprobs=-1 is invalid: must be None or an integer in \[0, 20\]"),
         ({"logprobs": 21}, r"logprobs=21 is invalid: must be None or an integer in \[0, 20\]"),
         ({"prompt_logprobs": 99}, r"prompt_logprobs=99 is invalid: must be None or an integer in \[0, 20\]"),
-        ({"stream_interval": 0}, r"stream_interval=0 is invalid: must be an integer >= 1"),
+        ({"stream_interval": 0}, r"stream_interval=0 is invalid: must be an integer in \[1, 2\*\*63 - 1\]"),
         ({"output_kind": 7}, r"output_kind=7 is invalid: must be a RequestOutputKind"),
         ({"seed": "x"}, r"seed='x' is invalid: must be an integer, got str"),
-        ({"seed": -(1 << 64)}, r"is invalid: must be an integer or None"),
+        ({"seed": -(1 << 64)}, r"is invalid: must be None or an integer in \[0, 9223372036854775807\]"),
     ],
 )
 def test_invalid_values_raise_naming_field_and_range(kwargs: dict, match: str) -> None:

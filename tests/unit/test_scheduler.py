@@ -378,3 +378,35 @@ def test_priority_queue_orders_by_priority_then_arrival_and_removes() -> None:
     assert not queue
     with pytest.raises(IndexError):
         queue.peek_request()
+
+
+@pytest.mark.parametrize("where", ["get_computed_blocks", "allocate_slots", "check_stop"])
+def test_an_exception_for_one_request_fails_it_alone(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Issue 12: whatever the scheduler raises for one request fails that request (failed_requests, blocks freed);
+    the others are scheduled and finish as if it had never been there."""
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", 6))
+    scheduler.add_request(_request("victim", 6))
+    scheduler.add_request(_request("b", 6))
+    target = scheduler.kv_cache_manager if where != "check_stop" else Request
+    original = getattr(target, where)
+
+    def faulty(*args: object) -> object:
+        req = next(a for a in args if isinstance(a, Request))
+        if req.request_id == "victim" and (where != "check_stop" or req.num_output_tokens >= 2):
+            raise RuntimeError(f"injected fault in {where}")
+        return original(*args)
+
+    monkeypatch.setattr(target, where, faulty)
+    failed: dict[str, str] = {}
+    tokens: dict[str, list[int]] = {}
+    while scheduler.has_unfinished_requests():
+        _, outputs = _step(scheduler)
+        failed.update(outputs.failed_requests or {})
+        for out in outputs.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert list(failed) == ["victim"]
+    assert f"RuntimeError: injected fault in {where}" in failed["victim"]
+    assert tokens["a"] == tokens["b"] == [7, 7, 7, 7]
+    assert "victim" not in scheduler.requests
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_total_blocks

@@ -56,12 +56,18 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     """One request, tokenized and validated by the frontend.
 
     Fields:
-        request_id: unique among in-flight requests.
+        request_id: the internal id, made by the frontend at submission and unique for the frontend's
+            life (`processing.input_processor.make_internal_request_id`); the engine, the client and the
+            output processor key the request by it. An n > 1 child's is `f"{index}_{parent's internal id}"`.
         prompt_token_ids: [num_prompt_tokens] token ids.
         sampling_params: validated parameters.
         eos_token_id: the model's EOS id (None: no EOS).
         arrival_time: `time.time()` at submission, seconds.
-        priority: lower runs first (priority scheduling, a later issue).
+        priority: lower runs first (priority scheduling).
+        external_req_id: the user's request id (not unique: it may be reused or shared; None = `request_id`).
+            As vLLM's `EngineCoreRequest.external_req_id`.
+        cache_salt: mixed into the hash of the request's first KV cache block, so requests with different
+            salts never share prefix-cache blocks (vLLM's `cache_salt`); None = unsalted.
     """
 
     request_id: str
@@ -70,6 +76,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    # Added later: new fields go at the end (array_like wire form).
+    external_req_id: str | None = None
+    cache_salt: str | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

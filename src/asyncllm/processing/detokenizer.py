@@ -6,7 +6,12 @@ cleanly as a whole. Stop strings are searched only where the new text can comple
 earliest match is cut. Trailing text that could still grow into a stop string is held back (not emitted)
 until it either completes the stop string or stops matching, so emitted text is never retracted.
 
-Invariant: when the sequence ends without a stop string, `output_text == tokenizer.decode(token_ids)`.
+A sequence the engine stopped with a stop token (EOS or one of `stop_token_ids`) keeps that token's id in
+`token_ids` but not its text, unless `include_stop_str_in_output` (as vLLM's detokenizer, which skips decoding
+the stopping token); the text is then never emitted, in any output kind.
+
+Invariant: when the sequence ends without a stop string or stop token, `output_text ==
+tokenizer.decode(token_ids)`.
 """
 
 from __future__ import annotations
@@ -62,16 +67,21 @@ class IncrementalDetokenizer:
         """True once a stop string matched; later tokens are ignored."""
         return self.stop_reason is not None
 
-    def update(self, new_token_ids: list[int], finished: bool) -> str | None:
+    def update(self, new_token_ids: list[int], finished: bool, stop_terminated: bool = False) -> str | None:
         """Feed the tokens of one engine step.
 
         Args:
             new_token_ids: token ids sampled this step, in order.
             finished: True when the engine finished the sequence with these tokens; the held-back text is
                 then released and bytes of an incomplete character are flushed.
+            stop_terminated: the engine stopped the sequence with the last of `new_token_ids` (EOS or a stop
+                token id): its id is kept, its text is left out unless `include_stop_str_in_output`.
         Returns:
             The stop string that matched in this step (the sequence is then done), or None.
         """
+        stop_token_id = None
+        if stop_terminated and new_token_ids and not self._include_stop:
+            new_token_ids, stop_token_id = new_token_ids[:-1], new_token_ids[-1]
         for token_id in new_token_ids:
             if self.stopped:
                 break
@@ -83,6 +93,8 @@ class IncrementalDetokenizer:
             self._flush()
         else:
             self._num_emittable = len(self._text) - self._holdback_len()
+        if stop_token_id is not None:
+            self.token_ids.append(stop_token_id)  # after the flush: its bytes must not be decoded there
         return None
 
     def release(self) -> None:

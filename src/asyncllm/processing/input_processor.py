@@ -10,10 +10,17 @@ Prompt forms:
 Length rule (as vLLM): a prompt may use at most `max_model_len - 1` tokens (one must be left to generate);
 a request with `num_prompt_tokens + max_tokens > max_model_len` is rejected (`InvalidRequestError`), never
 silently shortened; `max_tokens=None` means "up to max_model_len": `max_model_len - num_prompt_tokens`.
+`max_model_len` is the engine's (from the handshake), already capped so one sequence fits the whole KV cache
+(`EngineCore._cap_max_model_len`): a request that passes this rule can always run, it never waits forever.
+
+Request ids (as vLLM's `InputProcessor.assign_request_id`): the user's id (or a new uuid4 hex) becomes
+`EngineCoreRequest.external_req_id`; `request_id` is an internal id unique for this process's life
+(`make_internal_request_id`), which is what the output processor, the client and the engine key by.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -23,7 +30,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages.engine import EngineCoreRequest
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import MAX_INT64, SamplingParams
 from asyncllm.structured_outputs.backend import check_constraint
 
 PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -53,12 +60,26 @@ class InputProcessor:
         tokenizer: the model's tokenizer.
         max_model_len: tokens per sequence at most (prompt + output).
         vocab_size: valid token ids are [0, vocab_size).
+        kv_cache_blocks: (num_kv_blocks, block_size) of the engine's KV cache (handshake), to say so in the
+            errors when the cache is what limits `max_model_len`; None = not known.
     """
 
-    def __init__(self, tokenizer: TokenizerLike, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        max_model_len: int,
+        vocab_size: int,
+        kv_cache_blocks: tuple[int, int] | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
+        self._limit = f"max_model_len={max_model_len}"
+        if kv_cache_blocks is not None and kv_cache_blocks[0] * kv_cache_blocks[1] <= max_model_len:
+            num_blocks, block_size = kv_cache_blocks
+            self._limit += (
+                f"; the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of {block_size})"
+            )
 
     def process(
         self,
@@ -66,33 +87,41 @@ class InputProcessor:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        internal_id: str | None = None,
     ) -> ProcessedRequest:
         """Build the engine request for one prompt.
 
         Args:
             prompt: one of the forms in the module docstring.
             sampling_params: None means `SamplingParams()`; never mutated (a copy is sent when max_tokens is None).
-            request_id: None makes a unique one (uuid4 hex).
-            priority: lower runs first.
+            request_id: the user's id (`external_req_id`); None makes one (uuid4 hex).
+            priority: lower runs first; a signed 64-bit integer.
+            cache_salt: None, or a non-empty str mixed into the first KV block's hash (tenant isolation).
+            internal_id: the internal id (`make_internal_request_id(request_id)`); None makes one.
         Returns:
             The prompt text and the `EngineCoreRequest` (eos id from the tokenizer, max_tokens set when None).
         Raises:
             InvalidRequestError: bad prompt shape, empty or too long prompt, prompt + max_tokens over
-                max_model_len, token id outside the vocabulary, bad sampling parameters, request id or priority.
+                max_model_len, token id outside the vocabulary, bad sampling parameters, request id, priority
+                or cache salt.
         """
         params = self._validate_params(sampling_params)
-        request_id = _validate_request_id(request_id)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority={priority!r} is invalid: must be an integer")
+        request_id = validate_request_id(request_id)
+        _validate_priority(priority)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(f"cache_salt={cache_salt!r} is invalid: must be None or a non-empty str")
         text, token_ids = self.tokenize(prompt)
         self._validate_token_ids(token_ids)
         request = EngineCoreRequest(
-            request_id=request_id,
+            request_id=internal_id or make_internal_request_id(request_id),
             prompt_token_ids=token_ids,
             sampling_params=self._resolve_max_tokens(params, len(token_ids)),
             eos_token_id=self._tokenizer.eos_token_id,
             arrival_time=time.time(),
             priority=priority,
+            external_req_id=request_id,
+            cache_salt=cache_salt,
         )
         return ProcessedRequest(text, request)
 
@@ -160,7 +189,7 @@ class InputProcessor:
         if len(token_ids) > self._max_model_len - 1:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens; at most {self._max_model_len - 1} fit "
-                f"(max_model_len={self._max_model_len}, one token must be left to generate)"
+                f"({self._limit}; one token must be left to generate)"
             )
 
     def _validate_params(self, params: SamplingParams | None) -> SamplingParams:
@@ -180,20 +209,45 @@ class InputProcessor:
             if params.min_tokens > room:
                 raise InvalidRequestError(
                     f"SamplingParams.min_tokens={params.min_tokens} is invalid: the {num_prompt_tokens}-token "
-                    f"prompt leaves room for {room} tokens (max_model_len={self._max_model_len})"
+                    f"prompt leaves room for {room} tokens ({self._limit})"
                 )
             return msgspec.structs.replace(params, max_tokens=room)
         if params.max_tokens > room:
             raise InvalidRequestError(
                 f"SamplingParams.max_tokens={params.max_tokens} is invalid: prompt ({num_prompt_tokens} tokens) + "
-                f"max_tokens must be <= max_model_len ({self._max_model_len}); at most {room} here"
+                f"max_tokens must be <= max_model_len ({self._limit}); at most {room} here"
             )
         return params
 
 
-def _validate_request_id(request_id: str | None) -> str:
+_internal_id_counter = itertools.count()  # next() is atomic in CPython: safe from any thread
+
+
+def make_internal_request_id(request_id: str) -> str:
+    """The internal id of a new request with the user's id `request_id`: `f"{request_id}-{n}"`.
+
+    n comes from one counter for the whole process, so no two calls ever return the same id (the text after
+    the last "-" is n, and each n is used once), whatever the user's ids are. vLLM appends 8 random characters
+    instead; a counter makes uniqueness certain rather than probable.
+    """
+    return f"{request_id}-{next(_internal_id_counter)}"
+
+
+def validate_request_id(request_id: str | None) -> str:
+    """The user's request id, or a new uuid4 hex for None.
+
+    Raises:
+        InvalidRequestError: not a non-empty str.
+    """
     if request_id is None:
         return uuid.uuid4().hex
     if not isinstance(request_id, str) or not request_id:
         raise InvalidRequestError(f"request_id={request_id!r} is invalid: must be a non-empty str")
     return request_id
+
+
+def _validate_priority(priority: object) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(f"priority={priority!r} is invalid: must be an integer")
+    if not -MAX_INT64 - 1 <= priority <= MAX_INT64:
+        raise InvalidRequestError(f"priority={priority!r} is invalid: must be a signed 64-bit integer")

@@ -3,6 +3,11 @@
 Runs on the event loop (in whichever waiting stream holds the output-handling turn). Each in-flight engine
 request has one `RequestState`, owned here; an n > 1 request also has one `ParentRequest` shared by its
 children. State is removed when the request finishes or is aborted, so nothing per request outlives it.
+
+Ids (as vLLM's output processor): states are keyed by internal engine ids (`EngineCoreRequest.request_id`,
+unique), so a late output of an aborted request can never reach a new request that reuses its user id;
+`_external_ids` maps each user id to the internal ids of its in-flight requests (several when callers share an
+id), which is what `abort_requests` reaches; every `RequestOutput` carries the user's id.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ class RequestState:
     """Frontend state of one in-flight engine request (a whole request, or one child of an n > 1 request).
 
     Fields:
-        request_id: the engine request id.
+        request_id: the internal engine request id.
+        external_req_id: the user's request id.
         prompt: prompt text (None for token-id prompts).
         prompt_token_ids: [num_prompt_tokens].
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY.
@@ -47,6 +53,7 @@ class RequestState:
     """
 
     request_id: str
+    external_req_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
@@ -65,8 +72,8 @@ class RequestState:
     stats: RequestStateStats | None = None
 
     @property
-    def user_request_id(self) -> str:
-        """The id the user sees (the parent's for a child)."""
+    def user_level_id(self) -> str:
+        """The internal id of the user's request: the parent's for a child, else its own."""
         return self.parent.request_id if self.parent is not None else self.request_id
 
 
@@ -92,17 +99,32 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: HFTokenizer) -> None:
         self._tokenizer = tokenizer
-        self._states: dict[str, RequestState] = {}
-        self._parents: dict[str, ParentRequest] = {}
+        self._states: dict[str, RequestState] = {}  # internal engine id -> state
+        self._parents: dict[str, ParentRequest] = {}  # internal parent id -> n > 1 parent
+        self._external_ids: dict[str, list[str]] = {}  # user id -> internal ids of its in-flight user requests
 
     @property
     def num_unfinished_requests(self) -> int:
         """Engine requests with frontend state."""
         return len(self._states)
 
+    @property
+    def num_tracked_ids(self) -> tuple[int, int, int]:
+        """(engine states, n > 1 parents, user ids) held: all 0 once nothing is in flight (leak checks)."""
+        return len(self._states), len(self._parents), len(self._external_ids)
+
     def has_request(self, request_id: str) -> bool:
-        """True while `request_id` (a user request or an engine request) is in flight."""
+        """True while the internal id `request_id` (a user request or an engine request) is in flight."""
         return request_id in self._states or request_id in self._parents
+
+    def has_user_request(self, user_id: str) -> bool:
+        """True while a request submitted with the user's id `user_id` is in flight."""
+        return user_id in self._external_ids
+
+    def external_id_of(self, request_id: str) -> str:
+        """The user's id of the in-flight internal id `request_id` (`request_id` itself when unknown)."""
+        state = self._states.get(request_id)
+        return state.external_req_id if state is not None else request_id
 
     def add_request(
         self,
@@ -117,13 +139,16 @@ class OutputProcessor:
         Args:
             parent: the n > 1 parent when `request` is its child `index`.
         Raises:
-            InvalidRequestError: `request.request_id` is already in flight.
+            InvalidRequestError: the internal id `request.request_id` is already in flight (a caller's bug:
+                internal ids are unique).
         """
         if request.request_id in self._states:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
         params = request.sampling_params
+        external_id = parent.external_req_id if parent is not None else request.external_req_id or request.request_id
         self._states[request.request_id] = RequestState(
             request_id=request.request_id,
+            external_req_id=external_id,
             prompt=prompt,
             prompt_token_ids=request.prompt_token_ids,
             output_kind=params.output_kind,
@@ -135,8 +160,12 @@ class OutputProcessor:
             index=index,
             stats=RequestStateStats(arrival_time=request.arrival_time),
         )
+        user_level_id = parent.request_id if parent is not None else request.request_id
         if parent is not None:
+            if parent.request_id in self._parents:
+                return  # a later child: the parent is registered
             self._parents[parent.request_id] = parent
+        self._external_ids.setdefault(external_id, []).append(user_level_id)
 
     def process_outputs(
         self,
@@ -173,41 +202,42 @@ class OutputProcessor:
             self._emit(state)
         return result
 
-    def abort_requests(self, request_ids: list[str], notify: bool = True) -> list[str]:
+    def abort_requests(self, request_ids: list[str], notify: bool = True, internal: bool = False) -> list[str]:
         """Finish requests with finish_reason "abort" and drop their state.
 
         Args:
-            request_ids: user request ids (an n > 1 id aborts every child); unknown ids are skipped.
+            request_ids: user request ids (each reaches every in-flight request with that id; an n > 1
+                request aborts every child); unknown ids are skipped.
             notify: put a final output (finished=True, "abort") into each request's collector.
+            internal: `request_ids` are internal ids of user requests (one stream's own request) instead.
         Returns:
-            The engine request ids that were in flight (to abort in the engine too).
+            The internal engine request ids that were in flight (to abort in the engine too).
         """
-        aborted = []
+        aborted: list[str] = []
         for request_id in request_ids:
-            parent = self._parents.get(request_id)
-            engine_ids = sorted(parent.unfinished) if parent is not None else [request_id]
-            for engine_id in engine_ids:
-                state = self._states.get(engine_id)
-                if state is None:
-                    continue
-                aborted.append(engine_id)
-                self._drop(state)
-                if notify:
-                    state.detokenizer.release()
-                    state.finish_reason = "abort"
-                    self._emit(state)
-            self._parents.pop(request_id, None)
+            user_level_ids = [request_id] if internal else list(self._external_ids.get(request_id, ()))
+            for user_level_id in user_level_ids:
+                aborted.extend(self._abort_one(user_level_id, notify))
         return aborted
 
-    def fail_requests(self, errors: dict[str, BaseException]) -> None:
+    def fail_requests(self, errors: dict[str, BaseException]) -> list[str]:
         """Deliver each error to its request's stream and drop that request's state (one request failed).
 
-        Unknown ids are skipped.
+        Args:
+            errors: internal engine id -> the error its stream raises; unknown ids are skipped.
+        Returns:
+            The internal ids of the failed requests' n > 1 siblings, dropped here too: abort them in the engine.
         """
+        siblings: list[str] = []
         for request_id, error in errors.items():
-            state = self._states.pop(request_id, None)
-            if state is not None:
-                state.collector.put_error(error)
+            state = self._states.get(request_id)
+            if state is None:
+                continue
+            self._drop(state)
+            state.collector.put_error(error)
+            if state.parent is not None:
+                siblings.extend(self._abort_one(state.parent.request_id, notify=False))
+        return siblings
 
     def propagate_error(self, error: BaseException) -> None:
         """Deliver `error` to every in-flight request's stream and drop all state (engine death)."""
@@ -215,19 +245,51 @@ class OutputProcessor:
             state.collector.put_error(error)
         self._states.clear()
         self._parents.clear()
+        self._external_ids.clear()
+
+    def _abort_one(self, user_level_id: str, notify: bool) -> list[str]:
+        """Abort the user request with internal id `user_level_id` (every child of an n > 1 one)."""
+        parent = self._parents.get(user_level_id)
+        engine_ids = sorted(parent.unfinished) if parent is not None else [user_level_id]
+        aborted = []
+        for engine_id in engine_ids:
+            state = self._states.get(engine_id)
+            if state is None:
+                continue
+            aborted.append(engine_id)
+            self._drop(state)
+            if notify:
+                state.detokenizer.release()
+                state.finish_reason = "abort"
+                self._emit(state)
+        if parent is not None:
+            self._forget_user_request(parent.external_req_id, user_level_id)
+            self._parents.pop(user_level_id, None)
+        return aborted
 
     def _drop(self, state: RequestState) -> None:
         del self._states[state.request_id]
         parent = state.parent
-        if parent is not None:
-            parent.unfinished.discard(state.request_id)
-            if parent.finished:
-                self._parents.pop(parent.request_id, None)
+        if parent is None:
+            self._forget_user_request(state.external_req_id, state.request_id)
+            return
+        parent.unfinished.discard(state.request_id)
+        if parent.finished:
+            self._parents.pop(parent.request_id, None)
+            self._forget_user_request(parent.external_req_id, parent.request_id)
+
+    def _forget_user_request(self, external_id: str, user_level_id: str) -> None:
+        ids = self._external_ids.get(external_id)
+        if ids is not None and user_level_id in ids:
+            ids.remove(user_level_id)
+            if not ids:
+                del self._external_ids[external_id]
 
     def _update_state(self, state: RequestState, engine_output: EngineCoreOutput) -> bool:
         """Feed new tokens; returns True when the request finished (engine finish or stop string)."""
         detok = state.detokenizer
-        stop_str = detok.update(engine_output.new_token_ids, engine_output.finished)
+        stop_terminated = engine_output.finish_reason == FinishReason.STOP  # EOS or a stop token id
+        stop_str = detok.update(engine_output.new_token_ids, engine_output.finished, stop_terminated)
         state.logprobs.update(engine_output.new_logprobs, engine_output.new_prompt_logprobs)
         if stop_str is not None:
             state.logprobs.truncate(len(detok.token_ids))
@@ -289,7 +351,7 @@ def _make_request_output(state: RequestState, completions: list[CompletionOutput
         prompt_logprobs = None
     state.prompt_logprobs_sent = state.prompt_logprobs_sent or prompt_logprobs is not None
     return RequestOutput(
-        request_id=state.user_request_id,
+        request_id=state.external_req_id,
         prompt=state.prompt,
         prompt_token_ids=state.prompt_token_ids,
         outputs=completions,

@@ -1,6 +1,7 @@
 """n > 1: one user request fanned out into n child engine requests, merged back into one stream.
 
-Child i has request id `f"{i}_{parent_id}"` (as vLLM v1), `n=1`, and seed `seed + i` when the parent is
+Child i has request id `f"{i}_{parent_id}"` (as vLLM v1; `parent_id` is the parent's internal id, the user's
+id stays in `external_req_id`), `n=1`, and seed `seed + i` when the parent is
 seeded. The parent's outputs tag each completion with its `index`; the parent is finished once every child
 finished, and aborting the parent aborts every child.
 """
@@ -20,13 +21,15 @@ class ParentRequest:
     Args:
         request: the user's validated request (`sampling_params.n > 1`).
     Attributes:
-        request_id: the user's request id.
+        request_id: the parent's internal id (unique).
+        external_req_id: the user's request id (what its outputs carry).
         child_requests: the n engine requests, in index order.
         unfinished: child ids still running.
     """
 
     def __init__(self, request: EngineCoreRequest) -> None:
         self.request_id = request.request_id
+        self.external_req_id = request.external_req_id or request.request_id
         self.output_kind = request.sampling_params.output_kind
         self.child_requests = [_make_child(request, i) for i in range(request.sampling_params.n)]
         self.unfinished = {child.request_id for child in self.child_requests}

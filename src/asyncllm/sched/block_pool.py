@@ -22,6 +22,18 @@ BlockHash = bytes
 ROOT_BLOCK_HASH: BlockHash = b""  # the parent of a sequence's first block
 
 
+def root_block_hash(cache_salt: str | None) -> BlockHash:
+    """The parent hash of a sequence's first block: empty, or for a salted request sha256("cache_salt" NUL salt).
+
+    A salt thus changes the hash of every block of the request (the chain starts from it), so requests with
+    different salts, or one salted and one not, never share a cached block: vLLM's `cache_salt`, which it mixes
+    into the first block's hash as an extra key.
+    """
+    if cache_salt is None:
+        return ROOT_BLOCK_HASH
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
+
+
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """Chained hash of one full block: sha256(parent hash || int64 token ids), 32 bytes.
 

@@ -46,7 +46,9 @@ class Request:
     """One request's engine state.
 
     Attributes:
-        request_id: unique among in-flight requests.
+        request_id: the internal id (unique; the key everywhere in the engine).
+        external_req_id: the user's id (not unique; for logs and messages).
+        cache_salt: mixed into the first block hash (prefix-cache isolation), or None.
         prompt_token_ids: [num_prompt_tokens] token ids.
         output_token_ids: tokens sampled so far (kept across preemption and recomputed on resume).
         sampling_params: the request's validated parameters.
@@ -72,8 +74,12 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float = 0.0,
         priority: int = 0,
+        external_req_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.external_req_id = external_req_id or request_id
+        self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
@@ -102,6 +108,8 @@ class Request:
             request.eos_token_id,
             request.arrival_time,
             request.priority,
+            request.external_req_id,
+            request.cache_salt,
         )
 
     @property

@@ -11,6 +11,8 @@ With the "priority" policy, waiting and running requests are ordered by (priorit
 running request is the one preempted, and a waiting request of strictly better priority that finds no room
 (`max_num_seqs` or blocks) preempts running requests of worse priority before the step is scheduled.
 Every request records QUEUED, SCHEDULED and PREEMPTED events (engine monotonic clock) for the frontend.
+An exception while scheduling or updating one request fails that request alone (`failed_requests`, its blocks
+freed); the engine keeps serving the others.
 A structured-output request first waits for its grammar (`StructuredOutputManager`, status WAITING_FOR_GRAMMAR,
 no blocks) and is queued once it is compiled; each step's output carries the grammar bitmask of the constrained
 requests that sample, and their matchers advance with the sampled tokens.
@@ -20,6 +22,7 @@ Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token
 from __future__ import annotations
 
 import bisect
+import logging
 
 from asyncllm.config import SchedulerConfig
 from asyncllm.messages.engine import (
@@ -34,6 +37,8 @@ from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue, priority_key
 from asyncllm.structured_outputs.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -184,14 +189,18 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             req = self.running[index]
             num_tokens = min(req.num_tokens_to_compute, budget)
-            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
-            while new_block_ids is None:
-                victim = self.running.pop()  # never scheduled yet this step: it sits at or after `index`
-                self._preempt(victim)
-                num_preempted += 1
-                if victim is req:
-                    break
+            try:
                 new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
+                while new_block_ids is None:
+                    victim = self.running.pop()  # never scheduled yet this step: it sits at or after `index`
+                    self._preempt(victim)
+                    num_preempted += 1
+                    if victim is req:
+                        break
+                    new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
+            except Exception as e:  # this request alone fails; `index` now points at the next one
+                self._fail_request(req, e)
+                continue
             if new_block_ids is None:
                 break
             output.scheduled_cached_reqs.append(
@@ -218,11 +227,15 @@ class Scheduler:
         manager = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek_request()
-            computed_blocks = manager.get_computed_blocks(req)
-            num_cached = len(computed_blocks) * self.block_size
-            num_tokens = min(req.num_tokens - num_cached, budget)
-            if manager.allocate_slots(req, num_tokens, computed_blocks) is None:
-                break
+            try:
+                computed_blocks = manager.get_computed_blocks(req)
+                num_cached = len(computed_blocks) * self.block_size
+                num_tokens = min(req.num_tokens - num_cached, budget)
+                if manager.allocate_slots(req, num_tokens, computed_blocks) is None:
+                    break
+            except Exception as e:  # this request alone fails
+                self._fail_request(req, e)
+                continue
             self.waiting.pop_request()
             manager.record_prefix_cache_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
@@ -272,37 +285,44 @@ class Scheduler:
             `finished_requests` lists the ids finished this step or aborted since the last step.
         """
         outputs: list[EngineCoreOutput] = []
-        finished: set[int] = set()
         for req_id, token_ids in model_runner_output.sampled_token_ids.items():
             req = self.requests.get(req_id)
             if req is None or not token_ids or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted while the step ran
-            req.append_output_token_ids(token_ids)
-            if req.grammar is not None and not req.grammar.accept(token_ids):
-                self._fail_running(req, f"the grammar rejected sampled token {token_ids}")
-                finished.add(id(req))
+            try:
+                output = self._update_request(req, token_ids, model_runner_output)
+            except Exception as e:  # this request alone fails
+                self._fail_request(req, e)
                 continue
-            if req.check_stop(self.max_model_len):
-                finished.add(id(req))
-                self._free_request(req)
-            output = EngineCoreOutput(
-                req_id,
-                token_ids,
-                req.finish_reason,
-                req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                events=req.take_events(),
-                new_logprobs=model_runner_output.logprobs.get(req_id),
-                new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req_id),
-            )
-            outputs.append(output)
-        if finished:
-            self.running = [req for req in self.running if id(req) not in finished]
+            if output is not None:
+                outputs.append(output)
+        self.running = [req for req in self.running if not req.is_finished]
         return EngineCoreOutputs(
             outputs=outputs,
             scheduler_stats=self.get_stats(),
             finished_requests=self._take_finished_to_report(),
             failed_requests=self._take_failed(),
+        )
+
+    def _update_request(
+        self, req: Request, token_ids: list[int], model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        """Apply one request's sampled tokens and stop rules; its output (None when it failed)."""
+        req.append_output_token_ids(token_ids)
+        if req.grammar is not None and not req.grammar.accept(token_ids):
+            self._fail_request(req, f"the grammar rejected sampled token {token_ids}")
+            return None
+        if req.check_stop(self.max_model_len):
+            self._free_request(req)
+        return EngineCoreOutput(
+            req.request_id,
+            token_ids,
+            req.finish_reason,
+            req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            events=req.take_events(),
+            new_logprobs=model_runner_output.logprobs.get(req.request_id),
+            new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req.request_id),
         )
 
     def make_empty_outputs(self) -> EngineCoreOutputs:
@@ -317,12 +337,23 @@ class Scheduler:
         failed, self._failed_requests = self._failed_requests, {}
         return failed or None
 
-    def _fail_running(self, req: Request, error: str) -> None:
-        """End a request the engine cannot continue (it fails alone: `failed_requests`, no output)."""
-        req.status = RequestStatus.FINISHED_ABORTED
+    def _fail_request(self, req: Request, error: str | Exception) -> None:
+        """End a request the engine cannot continue, wherever it is (waiting, running, or just finished): it
+        fails alone (`failed_requests`, no output; its stream raises `EngineGenerateError`), its blocks are
+        freed, and the engine keeps serving the others."""
+        if isinstance(error, Exception):
+            logger.exception("request %r (%s) failed in the scheduler", req.external_req_id, req.request_id)
+            error = f"{type(error).__name__}: {error}"
         self._failed_requests[req.request_id] = error
-        self._free_request(req)
-        self._finished_req_ids_to_report.pop()  # reported as failed, not as finished
+        if req.request_id in self.requests:
+            req.status = RequestStatus.FINISHED_ABORTED
+            self.running = [r for r in self.running if r is not req]
+            self.waiting.remove_requests([req])
+            if self.structured_output_manager is not None:
+                self.structured_output_manager.discard([req.request_id])
+            self._free_request(req)
+        if req.request_id in self._finished_req_ids_to_report:
+            self._finished_req_ids_to_report.remove(req.request_id)  # reported as failed, not as finished
 
     def _take_finished_to_report(self) -> list[str] | None:
         ids, self._finished_req_ids_to_report = self._finished_req_ids_to_report, []

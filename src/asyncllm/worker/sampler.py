@@ -27,7 +27,7 @@ class SamplingMetadata:
     """Per-row sampling parameters of one step, as tensors.
 
     Fields:
-        temperature: [num_reqs] float32; 0 for greedy rows.
+        temperature: [num_reqs] float32; 0 for greedy rows (`SamplingParams.greedy`: below `SAMPLING_EPS`).
         top_k: [num_reqs] int64 (vocab_size = disabled), or None when no row uses top-k.
         top_p: [num_reqs] float32 (1.0 = disabled), or None when no row uses top-p.
         generators: row index -> the seeded generator of that row, already seeded for this step.
@@ -66,7 +66,7 @@ class SamplingMetadata:
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_ps = [p.top_p for p in params]
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
             top_k=torch.tensor(top_ks, dtype=torch.int64) if min(top_ks) < vocab_size else None,
             top_p=torch.tensor(top_ps, dtype=torch.float32) if min(top_ps) < 1.0 else None,
             generators=generators,

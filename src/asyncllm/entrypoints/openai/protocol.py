@@ -51,6 +51,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # prefix-cache isolation (`AsyncLLM.generate(cache_salt=)`), vLLM's extra field
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's `SamplingParams` (DELTA outputs) for this request.

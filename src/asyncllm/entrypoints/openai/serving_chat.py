@@ -56,7 +56,7 @@ async def create_chat_completion(llm: Any, ctx: ServingContext, request: ChatCom
     request_id = make_id("chatcmpl")
     try:
         params = request.to_sampling_params(max_tokens, _num_logprobs(request))
-        stream = llm.generate(messages, params, request_id=request_id)
+        stream = llm.generate(messages, params, request_id=request_id, cache_salt=request.cache_salt)
     except InvalidRequestError as error:
         raise to_api_error(error, field_names(request)) from error
     if request.stream:

@@ -44,7 +44,9 @@ def completion_prompts(request: CompletionRequest) -> list[PromptType]:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
-async def submit(llm: Any, prompts: list[PromptType], params: Any, request_id: str) -> list[GenerateOutputStream]:
+async def submit(
+    llm: Any, prompts: list[PromptType], params: Any, request_id: str, cache_salt: str | None = None
+) -> list[GenerateOutputStream]:
     """`llm.generate()` each prompt (ids `<request_id>-<i>` for a batch); all or none are submitted.
 
     Raises:
@@ -54,7 +56,7 @@ async def submit(llm: Any, prompts: list[PromptType], params: Any, request_id: s
     try:
         for i, prompt in enumerate(prompts):
             engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(llm.generate(prompt, params, request_id=engine_id))
+            streams.append(llm.generate(prompt, params, request_id=engine_id, cache_salt=cache_salt))
     except BaseException:
         await close_streams(streams)
         raise
@@ -74,7 +76,7 @@ async def create_completion(llm: Any, ctx: ServingContext, request: CompletionRe
     prompts = completion_prompts(request)
     params = request.to_sampling_params(request.max_tokens, request.logprobs)
     request_id = make_id("cmpl")
-    streams = await submit(llm, prompts, params, request_id)
+    streams = await submit(llm, prompts, params, request_id, request.cache_salt)
     if request.stream:
         writer = _CompletionStreamWriter(request, request_id, model)
         events = stream_events(ctx, streams, writer.events, writer.final_events)
