@@ -66,10 +66,17 @@ def reference(single: AsyncLLM) -> dict[str, list[int]]:
     return anyio.run(body)
 
 
+def engine_of(llm: AsyncLLM, user_id: str) -> int | None:
+    """The engine rank holding the one in-flight request submitted with `user_id` (the client keys requests by
+    their internal ids)."""
+    (internal_id,) = llm._output_processor.internal_ids_of(user_id)
+    return client(llm).engine_of(internal_id)
+
+
 async def _run_all(llm: AsyncLLM, prompts: list[str], params: SamplingParams, ranks: list[int] | None = None):
     streams = [llm.generate(p, params) for p in prompts]
     if ranks is not None:
-        ranks.extend(client(llm).engine_of(s.request_id) for s in streams)
+        ranks.extend(engine_of(llm, s.request_id) for s in streams)
     results: list = [None] * len(streams)
 
     async def collect(i: int) -> None:
@@ -111,11 +118,11 @@ def test_a_shared_200_token_prefix_follows_its_engine_and_hits_the_prefix_cache(
 
     async def body() -> None:
         first = dp.generate({"prompt_token_ids": [*prefix, 11, 12]}, greedy(4), data_parallel_rank=1)
-        assert client(dp).engine_of(first.request_id) == 1
+        assert engine_of(dp, first.request_id) == 1
         await first.collect()
         # Both engines are idle: without affinity the tie would go to rank 0.
         second = dp.generate({"prompt_token_ids": [*prefix, 21, 22, 23]}, greedy(4))
-        assert client(dp).engine_of(second.request_id) == 1
+        assert engine_of(dp, second.request_id) == 1
         output = await second.collect()
         assert output.num_cached_tokens >= 192  # 12 full blocks of the shared 200 tokens
 
@@ -125,7 +132,7 @@ def test_a_shared_200_token_prefix_follows_its_engine_and_hits_the_prefix_cache(
 def test_pinning_aborts_and_bad_ranks(dp) -> None:
     async def body() -> None:
         stream = dp.generate("Tell me a long story about a dragon.", greedy(200, ignore_eos=True), data_parallel_rank=1)
-        assert client(dp).engine_of(stream.request_id) == 1
+        assert engine_of(dp, stream.request_id) == 1
         async for out in stream:
             if len(out.outputs[0].token_ids) >= 2:
                 await dp.abort(stream.request_id)

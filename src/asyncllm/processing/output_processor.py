@@ -121,6 +121,10 @@ class OutputProcessor:
         """True while a request submitted with the user's id `user_id` is in flight."""
         return user_id in self._external_ids
 
+    def internal_ids_of(self, user_id: str) -> list[str]:
+        """The internal ids of the in-flight requests submitted with the user's id `user_id` (empty when none)."""
+        return list(self._external_ids.get(user_id, ()))
+
     def external_id_of(self, request_id: str) -> str:
         """The user's id of the in-flight internal id `request_id` (`request_id` itself when unknown)."""
         state = self._states.get(request_id)
