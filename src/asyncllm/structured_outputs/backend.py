@@ -40,6 +40,20 @@ def import_xgrammar() -> Any:
     return xgrammar
 
 
+def preload_xgrammar() -> bool:
+    """Import xgrammar now if it is installed (it imports `transformers`: seconds), so the first constrained
+    request's check does not pay for it on the event loop. Call it from a worker thread at start-up.
+
+    Returns:
+        True when xgrammar is installed (and now imported).
+    """
+    try:
+        import_xgrammar()
+    except InvalidRequestError:
+        return False
+    return True
+
+
 def check_constraint(params: StructuredOutputsParams) -> None:
     """Check that the constraint is well-formed and supported, without compiling it for a vocabulary.
 
