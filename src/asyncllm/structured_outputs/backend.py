@@ -102,8 +102,8 @@ def build_grammar(xgr: Any, kind: str, spec: str) -> xgrammar.Grammar:
     """
     if kind == "json":
         return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+    if kind == "json_object":  # an object, compact (xgrammar's builtin JSON grammar allows any value, any spacing)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
         return xgr.Grammar.from_regex(spec)
     if kind == "choice":
