@@ -106,6 +106,26 @@ async def test_forced_tool_calls_streamed_and_not_are_equal_and_valid(base_url: 
 
 
 @pytest.mark.timeout(600)
+async def test_auto_tool_choice_streamed_equals_non_streamed(base_url: str) -> None:
+    """ "auto": the model answers in its own words or its own `<tool_call>` format; either way the streamed
+    deltas reassemble to the non-streamed message, and any call names an offered tool with valid arguments."""
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 48}
+    async with client(base_url) as oai:
+        full = await oai.chat.completions.create(**kwargs)
+        async with oai.chat.completions.stream(**kwargs) as stream:
+            streamed = await stream.get_final_completion()
+    choice, streamed_choice = full.choices[0], streamed.choices[0]
+    assert (streamed_choice.message.content or None) == choice.message.content
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+    assert [(c.function.name, c.function.arguments) for c in streamed_choice.message.tool_calls or []] == calls
+    assert streamed_choice.finish_reason == choice.finish_reason
+    assert choice.finish_reason in (("tool_calls",) if calls else ("stop", "length"))
+    for name, arguments in calls:
+        assert name in SCHEMAS
+        json.loads(arguments)
+
+
+@pytest.mark.timeout(600)
 async def test_response_formats_give_valid_json(base_url: str) -> None:
     ask = [{"role": "user", "content": "Give a JSON object with the name and age of a person."}]
     schema_format: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}

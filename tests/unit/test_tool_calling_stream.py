@@ -7,7 +7,9 @@ import random
 
 import pytest
 
+from asyncllm.outputs import ToolCall
 from asyncllm.processing.tool_calling_stream import (
+    BufferedParserStream,
     HermesCallStream,
     NamedCallStream,
     PlainStream,
@@ -93,3 +95,20 @@ def test_named_and_plain_streams(seed: int) -> None:
     for pieces in splits(args, seed):
         assert reassemble(NamedCallStream("clock"), pieces) == ("", [("clock", args)])
         assert reassemble(PlainStream(), pieces) == (args, [])
+
+
+def test_other_parsers_are_read_once_at_the_end_and_unknown_names_stay_content() -> None:
+    class Pythonic:
+        """A toy whole-text parser: `name(json)` lines are calls."""
+
+        def extract_tool_calls(self, text: str) -> tuple[str, list[ToolCall]]:
+            calls = [ToolCall("call_x", line.split("(")[0], line[line.index("(") + 1 : -1]) for line in text.split()]
+            return "", calls
+
+    stream = BufferedParserStream(Pythonic(), ["add"])
+    assert stream.feed('add({"a":1})').calls == []  # nothing before the end
+    delta = stream.feed(' add({"a":2})', finished=True)
+    assert [(c.index, c.name, c.arguments) for c in delta.calls] == [(0, "add", '{"a":1}'), (1, "add", '{"a":2}')]
+    unknown = BufferedParserStream(Pythonic(), ["add"])
+    assert unknown.feed('rm({"a":1})', finished=True).content == 'rm({"a":1})'
+    assert unknown.calls == []

@@ -25,10 +25,13 @@ import re
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from asyncllm.processing.tool_parsers import ToolParser
+
+class WholeTextParser(Protocol):
+    """What `BufferedParserStream` needs of a `tool_parsers.ToolParser`."""
+
+    def extract_tool_calls(self, text: str) -> tuple[str, list[Any]]: ...
 
 
 def make_tool_call_id() -> str:
@@ -260,7 +263,7 @@ class BufferedParserStream(ToolCallStream):
         tool_names: the offered tools.
     """
 
-    def __init__(self, parser: ToolParser, tool_names: Collection[str]) -> None:
+    def __init__(self, parser: WholeTextParser, tool_names: Collection[str]) -> None:
         super().__init__()
         self.parser = parser
         self.tool_names = frozenset(tool_names)
