@@ -63,7 +63,7 @@ def client(base_url: str) -> AsyncOpenAI:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("choice", [pytest.param("required", marks=pytest.mark.slow), "named"])
 async def test_forced_tool_calls_streamed_and_not_are_equal_and_valid(base_url: str, choice: str) -> None:
     tool_choice: Any = NAMED if choice == "named" else "required"
     kwargs: dict[str, Any] = {

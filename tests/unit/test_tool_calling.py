@@ -140,3 +140,5 @@ def test_finish_fills_tool_calls(tokenizer: Tokenizer) -> None:
     assert auto.outputs[0].text == "It is noon."
     cut = plan_chat(tokenizer, msgs, None, [ADD], {"type": "function", "function": {"name": "add"}})
     assert cut.finish(output('{"a": 4, "b"')).outputs[0].tool_calls is None
+    early = plan_chat(tokenizer, msgs, None, [ADD, NOW], "required").finish(output('[{"name": "ad'))
+    assert (early.outputs[0].tool_calls, early.outputs[0].text) == (None, '[{"name": "ad')  # cut-off text kept

@@ -89,7 +89,8 @@ class ChatPlan:
             stream.feed(completion.text, finished=True)
             calls = [ToolCall(call.id, call.name, call.arguments) for call in stream.calls]
             text = stream.content
-            if self.mode in ("required", "named") and not all(_is_json_object(c.arguments) for c in calls):
+            forced = self.mode in ("required", "named")
+            if forced and (not calls or not all(_is_json_object(c.arguments) for c in calls)):
                 calls, text = [], completion.text
             completion.text = text
             completion.tool_calls = calls or None
