@@ -327,6 +327,7 @@ WEATHER = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_required_parallel_calls_end_even_when_the_model_repeats_itself(llm: AsyncLLM) -> None:
     """Regression: this prompt made the model repeat calculator calls until max_tokens (400) before the array
