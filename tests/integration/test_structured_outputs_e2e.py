@@ -20,6 +20,7 @@ from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
 from asyncllm.config import ModelConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.model.loader import load_model
+from asyncllm.processing.tool_calling import MAX_PARALLEL_TOOL_CALLS
 from asyncllm.structured_outputs import StructuredOutputsParams
 from tests.reference import clear_prefix_len, greedy_margins
 
@@ -301,4 +302,44 @@ async def test_forced_tool_calls_have_arguments_valid_for_the_tool_schema(mode: 
         assert completion.text == ""
         if choice == named:
             assert call.name == "clock"
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Search the web",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_required_parallel_calls_end_even_when_the_model_repeats_itself(llm: AsyncLLM) -> None:
+    """Regression: this prompt made the model repeat calculator calls until max_tokens (400) before the array
+    of forced calls had `maxItems`; now the grammar closes the array after `MAX_PARALLEL_TOOL_CALLS` calls."""
+    question = "What is the weather in Paris, London, Berlin, Rome and Madrid?"
+    params = SamplingParams(max_tokens=400, temperature=0.0)
+    tools = [SEARCH, WEATHER, CALCULATOR]
+    out = await llm.chat(chat(question), params, tools=tools, tool_choice="required")
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop", completion.text
+    assert completion.tool_calls is not None
+    assert 1 <= len(completion.tool_calls) <= MAX_PARALLEL_TOOL_CALLS
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in completion.tool_calls:
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])

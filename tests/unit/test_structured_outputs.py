@@ -5,6 +5,7 @@ model runner that samples the lowest allowed token."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -240,3 +241,24 @@ def test_constrained_request_and_bitmask_cross_process_boundaries_intact() -> No
     (got,), _ = decode_args(msgspec.msgpack.decode(frame, type=RpcRequest))
     assert got == schedule
     assert torch.equal(got.grammar_bitmask.to_tensor(), torch.tensor([[-1, 5, 0]], dtype=torch.int32))
+
+
+def test_vocabulary_tables_are_built_at_start_in_the_background(tokenizer: Tokenizer) -> None:
+    """The first constrained request no longer pays for xgrammar's import, the tokenizer and TokenizerInfo."""
+    loads: list[int] = []
+
+    def loader() -> Tokenizer:
+        loads.append(1)
+        return tokenizer
+
+    manager = StructuredOutputManager(loader, VOCAB)
+    deadline = time.monotonic() + 120
+    while manager.prebuild_seconds is None:
+        assert time.monotonic() < deadline, "prebuild did not finish"
+        time.sleep(0.05)
+    assert manager._compiler is not None
+    manager._get_compiler()
+    assert loads == [1]  # built once, reused by compiles
+    lazy = StructuredOutputManager(loader, VOCAB, prebuild=False)
+    time.sleep(0.2)
+    assert lazy._compiler is None

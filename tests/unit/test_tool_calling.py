@@ -11,7 +11,7 @@ import pytest
 from asyncllm.errors import InvalidRequestError
 from asyncllm.model.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, RequestOutput, ToolCall
-from asyncllm.processing.tool_calling import forced_call_schema, normalize_tools, plan_chat
+from asyncllm.processing.tool_calling import MAX_PARALLEL_TOOL_CALLS, forced_call_schema, normalize_tools, plan_chat
 from asyncllm.processing.tool_parsers import HermesToolParser, ToolParser, get_tool_parser, register_tool_parser
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_outputs import StructuredOutputsParams
@@ -90,6 +90,10 @@ def test_forced_schemas_accept_exactly_valid_calls() -> None:
     for bad in ([], [{"name": "add", "arguments": {"a": 1}}], [{"name": "now", "arguments": {}}] * 2):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, required)
+    parallel = forced_call_schema(specs, None, parallel=True)  # bounded: a repeating model still ends
+    jsonschema.validate([{"name": "now", "arguments": {}}] * MAX_PARALLEL_TOOL_CALLS, parallel)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "now", "arguments": {}}] * (MAX_PARALLEL_TOOL_CALLS + 1), parallel)
 
 
 def test_template_without_tools_gets_a_system_prompt_and_hermes_history(tokenizer: Tokenizer) -> None:
@@ -136,3 +140,5 @@ def test_finish_fills_tool_calls(tokenizer: Tokenizer) -> None:
     assert auto.outputs[0].text == "It is noon."
     cut = plan_chat(tokenizer, msgs, None, [ADD], {"type": "function", "function": {"name": "add"}})
     assert cut.finish(output('{"a": 4, "b"')).outputs[0].tool_calls is None
+    early = plan_chat(tokenizer, msgs, None, [ADD, NOW], "required").finish(output('[{"name": "ad'))
+    assert (early.outputs[0].tool_calls, early.outputs[0].text) == (None, '[{"name": "ad')  # cut-off text kept

@@ -65,6 +65,7 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--allowed-headers", nargs="*", default=["*"], help="CORS headers")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests may finish on exit")
+    p.add_argument("--tool-call-parser", default="hermes", help="reads the model's own tool calls")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(command="serve", run=_run_serve)
@@ -111,6 +112,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
         allowed_methods=ns.allowed_methods,
         allowed_headers=ns.allowed_headers,
         allow_credentials=ns.allow_credentials,
+        tool_call_parser=ns.tool_call_parser,
     )
     run_server(config, ns.host, ns.port, ns.grace_period, ns.log_level)
     return 0

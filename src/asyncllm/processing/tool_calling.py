@@ -11,8 +11,9 @@ Tools and `tool_choice` follow OpenAI's Chat Completions API:
 - "required" and a named function force a valid call with structured outputs, so they work with any model (as
   vLLM does): named -> the output is the arguments object, valid for that function's `parameters` schema;
   required -> a JSON array of `{"name", "arguments"}` objects (one of the tools each; at most one item unless
-  `parallel_tool_calls`).
-- "auto" generates freely and parses the model's own format with a `ToolParser` ("hermes" by default).
+  `parallel_tool_calls`, and never more than `MAX_PARALLEL_TOOL_CALLS`, so a model that repeats calls still ends).
+- "auto" generates freely and parses the model's own format with a `ToolParser` ("hermes" by default); a call
+  of a function that was not offered stays content (vLLM's hermes parser returns it as a call).
 - "none" renders no tools and parses nothing.
 """
 
@@ -27,11 +28,20 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import RequestOutput, ToolCall
-from asyncllm.processing.tool_parsers import get_tool_parser, make_tool_call
+from asyncllm.processing.tool_calling_stream import (
+    BufferedParserStream,
+    HermesCallStream,
+    NamedCallStream,
+    PlainStream,
+    RequiredCallsStream,
+    ToolCallStream,
+)
+from asyncllm.processing.tool_parsers import get_tool_parser
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_outputs.params import StructuredOutputsParams
 
 ToolChoice = str | Mapping[str, Any]
+MAX_PARALLEL_TOOL_CALLS = 8  # "required" with parallel calls: at most this many (a small model may repeat forever)
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -55,24 +65,33 @@ class ChatPlan:
     forced_name: str | None = None
     parser: str = "hermes"
 
+    def new_stream(self) -> ToolCallStream:
+        """A fresh incremental reader of one completion's text (content and tool-call deltas; see
+        `asyncllm.processing.tool_calling_stream`)."""
+        if self.mode == "named" and self.forced_name is not None:
+            return NamedCallStream(self.forced_name)
+        if self.mode == "required":
+            return RequiredCallsStream()
+        if self.mode == "auto":
+            if self.parser == "hermes":
+                return HermesCallStream(self.tool_names)
+            return BufferedParserStream(get_tool_parser(self.parser), self.tool_names)
+        return PlainStream()
+
     def finish(self, output: RequestOutput) -> RequestOutput:
         """Fill `tool_calls` (and strip the call markup from `text`) on each finished completion.
 
+        "auto" keeps only calls of offered tools (a call of another name stays in the text, as content).
         Forced calls whose JSON was cut off (finish_reason "length") yield no tool call; the text is kept.
         """
         for completion in output.outputs:
-            calls: list[ToolCall] = []
-            text = completion.text
-            if self.mode == "named" and self.forced_name is not None:
-                arguments = _loads_or_none(text)
-                if isinstance(arguments, dict):
-                    calls, text = [make_tool_call(self.forced_name, arguments)], ""
-            elif self.mode == "required":
-                items = _loads_or_none(text)
-                if isinstance(items, list) and items:
-                    calls, text = [make_tool_call(i["name"], i["arguments"]) for i in items], ""
-            elif self.mode == "auto":
-                text, calls = get_tool_parser(self.parser).extract_tool_calls(text)
+            stream = self.new_stream()
+            stream.feed(completion.text, finished=True)
+            calls = [ToolCall(call.id, call.name, call.arguments) for call in stream.calls]
+            text = stream.content
+            forced = self.mode in ("required", "named")
+            if forced and (not calls or not all(_is_json_object(c.arguments) for c in calls)):
+                calls, text = [], completion.text
             completion.text = text
             completion.tool_calls = calls or None
         return output
@@ -188,10 +207,8 @@ def forced_call_schema(specs: list[dict[str, Any]], forced: str | None, parallel
         }
         for spec in specs
     ]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": variants}, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
+    max_items = MAX_PARALLEL_TOOL_CALLS if parallel else 1
+    return {"type": "array", "items": {"anyOf": variants}, "minItems": 1, "maxItems": max_items}
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], specs: list[dict[str, Any]]) -> str:
@@ -247,6 +264,10 @@ def _render_call(call: Any) -> str:
     parsed = _loads_or_none(arguments) if isinstance(arguments, str) else arguments
     body = json.dumps({"name": function.get("name"), "arguments": parsed}, ensure_ascii=False)
     return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def _is_json_object(text: str) -> bool:
+    return isinstance(_loads_or_none(text), dict)
 
 
 def _loads_or_none(text: str) -> Any:

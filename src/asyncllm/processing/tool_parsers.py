@@ -9,22 +9,16 @@ calling models (NousResearch), also used by Qwen2.5 and others: one JSON object
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import ToolCall
+from asyncllm.processing.tool_calling_stream import HermesCallStream, make_tool_call_id
 
 _PARSERS: dict[str, type[ToolParser]] = {}
 P = TypeVar("P", bound="type[ToolParser]")
-
-
-def make_tool_call_id() -> str:
-    """A fresh OpenAI-style tool call id ("call_" + 24 hex digits)."""
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def make_tool_call(name: str, arguments: Any) -> ToolCall:
@@ -70,40 +64,13 @@ def get_tool_parser(name: str) -> ToolParser:
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     """`<tool_call>{"name": "f", "arguments": {...}}</tool_call>` blocks (a missing closing tag at the very end,
-    as when generation stops on it, is accepted)."""
-
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+    as when generation stops on it, is accepted). The same rules as the streamed form
+    (`tool_calling_stream.HermesCallStream`, which `AsyncLLM.chat` and the server use): whitespace next to a call
+    is dropped, a malformed block stays content. Any function name is accepted here; the streamed form checks
+    names against the offered tools."""
 
     def extract_tool_calls(self, text: str) -> tuple[str, list[ToolCall]]:
-        calls: list[ToolCall] = []
-        kept: list[str] = []
-        position = 0
-        for match in self._BLOCK.finditer(text):
-            call = _parse_call(match.group(1))
-            if call is None:
-                continue
-            kept.append(text[position : match.start()])
-            position = match.end()
-            calls.append(call)
-        if not calls:
-            return text, []
-        kept.append(text[position:])
-        return "".join(kept).strip(), calls
-
-
-def _parse_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return make_tool_call(obj["name"], arguments)
+        stream = HermesCallStream(None)
+        stream.feed(text, finished=True)
+        calls = [ToolCall(call.id, call.name, call.arguments) for call in stream.calls]
+        return stream.content, calls

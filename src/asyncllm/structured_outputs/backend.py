@@ -40,6 +40,20 @@ def import_xgrammar() -> Any:
     return xgrammar
 
 
+def preload_xgrammar() -> bool:
+    """Import xgrammar now if it is installed (it imports `transformers`: seconds), so the first constrained
+    request's check does not pay for it on the event loop. Call it from a worker thread at start-up.
+
+    Returns:
+        True when xgrammar is installed (and now imported).
+    """
+    try:
+        import_xgrammar()
+    except InvalidRequestError:
+        return False
+    return True
+
+
 def check_constraint(params: StructuredOutputsParams) -> None:
     """Check that the constraint is well-formed and supported, without compiling it for a vocabulary.
 
@@ -88,8 +102,8 @@ def build_grammar(xgr: Any, kind: str, spec: str) -> xgrammar.Grammar:
     """
     if kind == "json":
         return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
-    if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar()
+    if kind == "json_object":  # an object, compact (xgrammar's builtin JSON grammar allows any value, any spacing)
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
         return xgr.Grammar.from_regex(spec)
     if kind == "choice":

@@ -8,6 +8,9 @@ Where the grammar state lives (as vLLM v1): in the engine core, next to the sche
 - Each request owns a `GrammarState` (its xgrammar matcher). Before a step, the manager fills one bitmask row per
   constrained request that samples in that step; the scheduler output carries the packed rows to every worker,
   so all tensor-parallel ranks apply the same mask. After the step, every sampled token advances the matcher.
+- The vocabulary tables (importing xgrammar, which imports `transformers`; loading the tokenizer; xgrammar's
+  `TokenizerInfo`) take seconds once per engine. They are built at engine start in a daemon thread, so the first
+  constrained request does not wait for them (unless it comes within those seconds; it then waits for the rest).
 - Preemption by recompute keeps a request's output tokens, so its matcher stays valid. `GrammarState.sync`
   still checks, before each mask, that the matcher has consumed exactly the request's output tokens, and rolls
   it back (or resets and replays) when the request holds fewer, so a scheduler that drops tokens stays correct.
@@ -16,8 +19,10 @@ Where the grammar state lives (as vLLM v1): in the engine core, next to the sche
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,13 +98,14 @@ class StructuredOutputManager:
     """Compiles grammars off the step loop and keeps the constrained requests' matchers.
 
     Args:
-        tokenizer_loader: returns the model's tokenizer (called once, in the pool, on the first request).
+        tokenizer_loader: returns the model's tokenizer (called once, by the prebuild thread or the first compile).
         vocab_size: the model's logits width (bitmask rows cover it; padding ids are never allowed).
         max_workers: compile threads.
+        prebuild: build the vocabulary tables now, in a daemon thread (when xgrammar is installed).
     Not thread-safe except for the compile jobs it runs itself: the engine core's thread calls every method.
     """
 
-    def __init__(self, tokenizer_loader: Any, vocab_size: int, max_workers: int = 1) -> None:
+    def __init__(self, tokenizer_loader: Any, vocab_size: int, max_workers: int = 1, prebuild: bool = True) -> None:
         self._tokenizer_loader = tokenizer_loader
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
@@ -110,6 +116,19 @@ class StructuredOutputManager:
         self._grammars: dict[tuple[str, str], Future[Any]] = {}
         self.pending: dict[str, Request] = {}
         self.num_compiled = 0
+        self.prebuild_seconds: float | None = None  # how long the prebuild took, once done
+        if prebuild and importlib.util.find_spec("xgrammar") is not None:
+            threading.Thread(target=self._prebuild, name="asyncllm-grammar-prebuild", daemon=True).start()
+
+    def _prebuild(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._get_compiler()
+        except Exception:  # the first compile retries and reports it on its request
+            logger.warning("building the grammar compiler's vocabulary tables failed", exc_info=True)
+            return
+        self.prebuild_seconds = time.perf_counter() - start
+        logger.debug("grammar compiler ready in %.2f s", self.prebuild_seconds)
 
     # ---- compilation --------------------------------------------------------------------------------
 

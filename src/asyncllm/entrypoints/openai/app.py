@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
@@ -32,6 +33,8 @@ from asyncllm.entrypoints.openai.responses import ModelCard, ModelList
 from asyncllm.entrypoints.openai.serving_base import ServingContext
 from asyncllm.entrypoints.openai.serving_chat import create_chat_completion
 from asyncllm.entrypoints.openai.serving_completion import create_completion
+from asyncllm.processing.tool_parsers import get_tool_parser
+from asyncllm.structured_outputs.backend import preload_xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class ServerConfig:
         root_path: ASGI root path when the server sits behind a path-prefixing proxy.
         allowed_origins: CORS origins; empty = no CORS headers at all.
         allowed_methods, allowed_headers, allow_credentials: the rest of the CORS policy.
+        tool_call_parser: the registered tool parser that reads the model's own calls for `tool_choice="auto"`.
     """
 
     engine_args: EngineArgs = field(default_factory=EngineArgs)
@@ -57,6 +61,7 @@ class ServerConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    tool_call_parser: str = "hermes"
 
 
 async def start_engine(args: EngineArgs) -> Any:
@@ -77,7 +82,9 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        get_tool_parser(config.tool_call_parser)  # an unknown name fails the start-up
         engine = llm if llm is not None else await start_engine(config.engine_args)
+        await anyio.to_thread.run_sync(preload_xgrammar)  # else the first constrained request imports it on the loop
         app.state.llm = engine
         app.state.ctx = _make_context(config, engine)
         try:
@@ -105,7 +112,7 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
 
 def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
     names = config.served_model_names or [str(config.engine_args.model)]
-    return ServingContext(names=list(names), max_model_len=llm.max_model_len)
+    return ServingContext(names=list(names), max_model_len=llm.max_model_len, tool_parser=config.tool_call_parser)
 
 
 def _running_llm(request: Request) -> Any:

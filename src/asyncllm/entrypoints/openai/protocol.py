@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic models); the responses are in `responses.py`.
 
-Field names and meanings follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`) plus
-vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`). Types are checked here; ranges are checked once, by `SamplingParams.validate()`.
+Field names and meanings follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`, with
+`tools`, `tool_choice`, `parallel_tool_calls` and `response_format`) plus vLLM's extra fields (`top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `structured_outputs`). Types are checked
+here; ranges are checked once, by `SamplingParams.validate()`.
 Unknown fields are rejected (HTTP 400 naming the field): a field the server cannot honour is never ignored.
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 
 
 class StreamOptions(BaseModel):
@@ -129,20 +132,85 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function: `name` (OpenAI's pattern), `description`, `parameters` (a JSON schema object)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """One entry of `tools`: `{"type": "function", "function": {...}}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice={"type": "function", "function": {"name": ...}}`: force a call of that function."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's extra `structured_outputs` body field: exactly one of `json` (a JSON schema), `json_object`,
+    `regex`, `choice`, `grammar` (see `asyncllm.structured_outputs.StructuredOutputsParams`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`. `max_completion_tokens` wins over the older `max_tokens`; None = up to the
     context length. `logprobs=true` returns the sampled token's logprob, `top_logprobs` (0..20) the most likely
-    alternatives. Not supported (400 when set): tools, `response_format` other than text, audio, images."""
+    alternatives. `tools`, `tool_choice` (None = "auto" with tools, else "none"), `parallel_tool_calls`
+    (None = true), `response_format` and `structured_outputs`: see `serving_chat_tools`. Not supported (400
+    when set): audio, images."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = Field(default=None, max_length=0)
-    tool_choice: Literal["none"] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     add_generation_prompt: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice(cls, value: Any) -> Any:
+        """One clear error naming `tool_choice` (pydantic's union errors would name each union member)."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        function = value.get("function") if isinstance(value, dict) else None
+        if (
+            isinstance(value, dict)
+            and set(value) == {"type", "function"}
+            and value["type"] == "function"
+            and isinstance(function, dict)
+            and set(function) == {"name"}
+            and isinstance(function["name"], str)
+        ):
+            return NamedToolChoice.model_validate(value)
+        raise ValueError("must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
     @property
     def max_tokens_field(self) -> str:
@@ -150,11 +218,30 @@ class ChatCompletionRequest(SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: `name`, `description`, `schema` (required here), `strict`. The output is
+    always constrained to the schema, whatever `strict` says (as vLLM does)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    """`response_format`: only `{"type": "text"}` (JSON modes need guided decoding, which asyncllm lacks)."""
+    """`response_format`: `{"type": "text"}` (free text), `{"type": "json_object"}` (one JSON object), or
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (JSON valid for the schema)."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only allowed with it")
+        return self
 
 
 ChatMessage.model_rebuild()

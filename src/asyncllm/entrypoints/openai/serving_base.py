@@ -34,10 +34,12 @@ class ServingContext:
         names: accepted `model` values; the first is reported in responses. A request without `model` gets it.
         max_model_len: tokens per sequence at most (prompt + output); None = the model's context length.
         in_flight: ids of the requests being served (graceful shutdown aborts those left after the grace period).
+        tool_parser: the registered tool parser for `tool_choice="auto"` (`asyncllm.processing.tool_parsers`).
     """
 
     names: list[str]
     max_model_len: int | None
+    tool_parser: str = "hermes"
     in_flight: set[str] = field(default_factory=set)
 
     @property
