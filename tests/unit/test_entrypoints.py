@@ -129,3 +129,16 @@ def test_chat_logprobs_shape() -> None:
     assert [t.token for t in first.top_logprobs] == ["Hel", "He"]
     assert [t.token for t in second.top_logprobs] == ["p", "lo"]
     assert to_chat_logprobs([5], POSITIONS[:1], k=0).content[0].top_logprobs == []  # type: ignore[index]
+
+
+def test_the_server_prebuilds_the_grammar_compiler_and_the_library_does_not() -> None:
+    from asyncllm.entrypoints.cli import make_parser
+
+    assert EngineArgs().prebuild_grammar_compiler is False
+    assert EngineArgs().create_engine_config().scheduler.prebuild_grammar_compiler is False
+    served = make_parser().parse_args(["serve"])
+    assert engine_args_from(served, "m").prebuild_grammar_compiler is True
+    opted_out = make_parser().parse_args(["serve", "--no-prebuild-grammar-compiler"])
+    assert engine_args_from(opted_out, "m").prebuild_grammar_compiler is False
+    generated = make_parser().parse_args(["generate", "hi"])
+    assert engine_args_from(generated, "m").prebuild_grammar_compiler is False

@@ -43,7 +43,9 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.ready_info = self._cap_max_model_len(self.executor.get_ready_info(num_blocks))
         self.structured_output_manager = StructuredOutputManager(
-            make_tokenizer_loader(config.model.model_path), self.ready_info.vocab_size
+            make_tokenizer_loader(config.model.model_path),
+            self.ready_info.vocab_size,
+            prebuild=config.scheduler.prebuild_grammar_compiler,
         )
         self.scheduler = Scheduler(
             config.scheduler,

@@ -68,7 +68,7 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--tool-call-parser", default="hermes", help="reads the model's own tool calls")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
-    p.set_defaults(command="serve", run=_run_serve)
+    p.set_defaults(command="serve", run=_run_serve, prebuild_grammar_compiler=True)  # a server serves tools
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
