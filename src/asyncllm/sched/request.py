@@ -9,8 +9,15 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from asyncllm.messages.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from asyncllm.messages.engine import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+    SpecDecodeMetrics,
+)
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.sched.repetition import RepetitionDetector
 
 
 class RequestStatus(enum.IntEnum):
@@ -23,6 +30,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
+    FINISHED_REPETITION = 7  # `SamplingParams.repetition_detection` found a repeated pattern
 
     @property
     def is_finished(self) -> bool:
@@ -39,7 +47,10 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
 }
+
+REPETITION_STOP_REASON = "repetition_detected"  # `stop_reason` of a request finished by repetition (as vLLM)
 
 
 class Request:
@@ -55,13 +66,16 @@ class Request:
         priority: lower runs first (the priority queue; FCFS ignores it).
         num_computed_tokens: tokens whose K/V are in the KV cache (or scheduled to be, once scheduled).
         status: a `RequestStatus`.
-        stop_reason: the stop token id that finished it (None for EOS, length, abort).
+        stop_reason: the stop token id that finished it, "repetition_detected" for a repetition, None for EOS,
+            length, abort.
         num_preemptions: times this request was preempted.
         num_cached_tokens: tokens served from the prefix cache when first scheduled (-1 before that).
         block_hashes: chained hashes of its full blocks so far (prefix caching), kept across preemption.
         events: engine events not yet sent to the frontend (taken by `take_events`).
         grammar: its `structured_outputs.manager.GrammarState` once its grammar is compiled, else None.
         grammar_future: the compilation it waits for (status WAITING_FOR_GRAMMAR), else None.
+        repetition: its `RepetitionDetector` when `repetition_detection` is enabled, else None.
+        spec_decode_metrics: its speculative decoding counters (None when speculative decoding is off).
     """
 
     def __init__(
@@ -83,7 +97,7 @@ class Request:
         self.priority = priority
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = -1
         self.block_hashes: list[bytes] = []
@@ -91,6 +105,9 @@ class Request:
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.grammar: Any = None
         self.grammar_future: Any = None
+        detection = sampling_params.repetition_detection
+        self.repetition = RepetitionDetector(detection) if detection is not None and detection.enabled else None
+        self.spec_decode_metrics: SpecDecodeMetrics | None = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
@@ -152,7 +169,9 @@ class Request:
         Order: a stop token id (stop_reason = the id) or EOS (unless `ignore_eos`; stop_reason None) -> STOP,
         honoured only once at least `min_tokens` tokens precede it (vLLM's min_tokens semantics); then
         a terminated structured-output grammar -> STOP; then `max_tokens` reached -> LENGTH; then prompt +
-        output reaching `max_model_len` -> LENGTH.
+        output reaching `max_model_len` -> LENGTH; then a repeated tail (`repetition_detection`) -> REPETITION
+        (vLLM's order). Call it after each appended token: with speculative decoding a step appends several,
+        and the request must end at the first one that stops it.
         Stop strings are the frontend's job.
 
         Returns:
@@ -175,4 +194,16 @@ class Request:
         if (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
+        return self._check_repetition()
+
+    def _check_repetition(self) -> bool:
+        """Feed the detector the output tokens it has not seen; finish with REPETITION on a repeated tail."""
+        detector = self.repetition
+        if detector is None:
+            return False
+        for token_id in self.output_token_ids[detector.num_tokens :]:
+            if detector.add_token(token_id):
+                self.status = RequestStatus.FINISHED_REPETITION
+                self.stop_reason = REPETITION_STOP_REASON
+                return True
         return False

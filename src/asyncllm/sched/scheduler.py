@@ -14,6 +14,10 @@ Every request records QUEUED, SCHEDULED and PREEMPTED events (engine monotonic c
 A structured-output request first waits for its grammar (`StructuredOutputManager`, status WAITING_FOR_GRAMMAR,
 no blocks) and is queued once it is compiled; each step's output carries the grammar bitmask of the constrained
 requests that sample, and their matchers advance with the sampled tokens.
+With speculative decoding (`SpeculativeConfig`), a decoding request also gets the n-gram proposer's draft
+tokens scheduled after its last token (KV slots allocated for them); after the step, the drafts the sampler
+rejected are taken back from `num_computed_tokens` (their KV slots are overwritten later), and the accepted
+tokens are appended one at a time, so a stop rule ends the request at the exact token.
 Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token budget").
 """
 
@@ -21,18 +25,21 @@ from __future__ import annotations
 
 import bisect
 
-from asyncllm.config import SchedulerConfig
+from asyncllm.config import SchedulerConfig, SpeculativeConfig
 from asyncllm.messages.engine import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    LogprobsLists,
     SchedulerStats,
+    SpecDecodeMetrics,
 )
 from asyncllm.messages.scheduler import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue, priority_key
+from asyncllm.spec_decode.ngram_proposer import NgramProposer
 from asyncllm.structured_outputs.manager import StructuredOutputManager
 
 
@@ -48,6 +55,7 @@ class Scheduler:
         enable_prefix_caching: reuse cached full blocks of shared prefixes.
         kv_cache_bytes: bytes of the KV cache over all workers (reported in the stats only).
         structured_output_manager: compiles grammars and keeps matchers; None rejects constrained requests.
+        speculative_config: n-gram speculative decoding, or None (off).
     Raises:
         ValueError: if `max_model_len` does not fit in the KV cache.
         ConfigError: unknown scheduling policy.
@@ -62,6 +70,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         kv_cache_bytes: int = 0,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if num_kv_blocks * block_size < max_model_len:
             raise ValueError(f"{num_kv_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}")
@@ -80,10 +89,16 @@ class Scheduler:
         self.num_preemptions = 0
         self.structured_output_manager = structured_output_manager
         self._failed_requests: dict[str, str] = {}  # for the frontend: requests whose grammar failed to compile
+        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.spec_decode_stats = (
+            SpecDecodeMetrics.empty(speculative_config.num_speculative_tokens) if speculative_config else None
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the frontend validated."""
         req = Request.from_engine_core_request(request)
+        if self.proposer is not None:
+            req.spec_decode_metrics = SpecDecodeMetrics.empty(self.proposer.num_speculative_tokens)
         manager = self.structured_output_manager
         if req.sampling_params.structured_outputs is not None:
             if manager is None:
@@ -138,6 +153,15 @@ class Scheduler:
             num_prefix_cache_hits=self.kv_cache_manager.num_prefix_cache_hits,
             block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_bytes,
+            spec_decode=self._copy_spec_stats(),
+        )
+
+    def _copy_spec_stats(self) -> SpecDecodeMetrics | None:
+        stats = self.spec_decode_stats
+        if stats is None:
+            return None
+        return SpecDecodeMetrics(
+            stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.num_accepted_tokens_per_pos)
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -160,7 +184,7 @@ class Scheduler:
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
         if self.structured_output_manager is not None:  # rows of the constrained requests that sample now
             sampling = [
-                req for i in output.num_scheduled_tokens if (req := self.requests[i]).num_tokens_to_compute == 0
+                req for i in output.num_scheduled_tokens if (req := self.requests[i]).num_tokens_to_compute <= 0
             ]
             output.grammar_bitmask = self.structured_output_manager.make_bitmask(sampling)
         return output
@@ -184,7 +208,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             req = self.running[index]
             num_tokens = min(req.num_tokens_to_compute, budget)
-            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
+            drafts = self._propose_drafts(req, budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens + len(drafts))
+            if new_block_ids is None and drafts:  # no room for the drafts: run the plain decode instead
+                drafts = []
+                new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
             while new_block_ids is None:
                 victim = self.running.pop()  # never scheduled yet this step: it sits at or after `index`
                 self._preempt(victim)
@@ -197,10 +225,24 @@ class Scheduler:
             output.scheduled_cached_reqs.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
             )
+            if drafts:
+                output.scheduled_spec_decode_tokens[req.request_id] = drafts
+                num_tokens += len(drafts)
             output.num_scheduled_tokens[req.request_id] = num_tokens
             budget -= num_tokens
             index += 1
         return budget, num_preempted
+
+    def _propose_drafts(self, req: Request, budget: int) -> list[int]:
+        """The n-gram drafts to verify after a decoding request's last token (none for a prefill chunk, a
+        structured-output request, or when the token budget, `max_tokens` or `max_model_len` leave no room)."""
+        if self.proposer is None or req.num_tokens_to_compute != 1 or req.grammar is not None:
+            return []
+        room = min(budget, self.max_model_len - req.num_tokens) - 1
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return self.proposer.propose(req.all_token_ids, room)
 
     def _preempt_for_priority(self, budget: int) -> None:
         """Preempt running requests of worse priority while the best waiting one has no room to start."""
@@ -277,14 +319,20 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or not token_ids or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted while the step ran
-            req.append_output_token_ids(token_ids)
-            if req.grammar is not None and not req.grammar.accept(token_ids):
-                self._fail_running(req, f"the grammar rejected sampled token {token_ids}")
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                self._apply_verification(req, len(drafts), len(token_ids) - 1)
+            token_ids, error = self._append_until_stop(req, token_ids)
+            if error is not None:
+                self._fail_running(req, error)
                 finished.add(id(req))
                 continue
-            if req.check_stop(self.max_model_len):
+            if req.is_finished:
                 finished.add(id(req))
                 self._free_request(req)
+            new_logprobs = model_runner_output.logprobs.get(req_id)
+            if new_logprobs is not None and len(new_logprobs) > len(token_ids):  # a stop inside an accepted run
+                new_logprobs = _truncate_logprobs(new_logprobs, len(token_ids))
             output = EngineCoreOutput(
                 req_id,
                 token_ids,
@@ -292,8 +340,9 @@ class Scheduler:
                 req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 events=req.take_events(),
-                new_logprobs=model_runner_output.logprobs.get(req_id),
+                new_logprobs=new_logprobs,
                 new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req_id),
+                spec_decode_metrics=req.spec_decode_metrics if req.is_finished else None,
             )
             outputs.append(output)
         if finished:
@@ -304,6 +353,28 @@ class Scheduler:
             finished_requests=self._take_finished_to_report(),
             failed_requests=self._take_failed(),
         )
+
+    def _apply_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Take the rejected drafts back from `num_computed_tokens` and count the verification."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        if req.spec_decode_metrics is not None:
+            req.spec_decode_metrics.observe(num_drafts, num_accepted)
+        if self.spec_decode_stats is not None:
+            self.spec_decode_stats.observe(num_drafts, num_accepted)
+
+    def _append_until_stop(self, req: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
+        """Append sampled tokens one at a time until a stop rule finishes the request.
+
+        Returns:
+            The tokens appended (a prefix of `token_ids`), and an error when the grammar rejected one.
+        """
+        for num_appended, token_id in enumerate(token_ids, 1):
+            req.append_output_token_ids([token_id])
+            if req.grammar is not None and not req.grammar.accept([token_id]):
+                return token_ids[:num_appended], f"the grammar rejected sampled token {token_ids}"
+            if req.check_stop(self.max_model_len):
+                return token_ids[:num_appended], None
+        return token_ids, None
 
     def make_empty_outputs(self) -> EngineCoreOutputs:
         """The outputs of a step that ran nothing (still reports aborted and failed ids, and stats)."""
@@ -333,3 +404,8 @@ class Scheduler:
         del self.requests[req.request_id]
         self._finished_req_ids.append(req.request_id)
         self._finished_req_ids_to_report.append(req.request_id)
+
+
+def _truncate_logprobs(lists: LogprobsLists, num_tokens: int) -> LogprobsLists:
+    """The logprobs of the first `num_tokens` positions."""
+    return LogprobsLists(lists.token_ids[:num_tokens], lists.logprobs[:num_tokens], lists.ranks[:num_tokens])
