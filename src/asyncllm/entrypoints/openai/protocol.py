@@ -2,7 +2,8 @@
 
 Field names and meanings follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`) plus
 vLLM's extra sampling fields (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`). Types are checked here; ranges are checked once, by `SamplingParams.validate()`.
+`stop_token_ids`, `repetition_detection`). Types are checked here; ranges are checked once, by
+`SamplingParams.validate()`.
 Unknown fields are rejected (HTTP 400 naming the field): a field the server cannot honour is never ignored.
 """
 
@@ -13,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from asyncllm.sampling_params import MAX_LOGPROBS, RepetitionDetectionParams, RequestOutputKind, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -23,6 +24,16 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class RepetitionDetection(BaseModel):
+    """vLLM's `repetition_detection` object (see `asyncllm.RepetitionDetectionParams`); a request it stops
+    finishes with `finish_reason: "repetition"`, as vLLM's server answers."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
 
 
 class SamplingFields(BaseModel):
@@ -51,6 +62,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    repetition_detection: RepetitionDetection | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's `SamplingParams` (DELTA outputs) for this request.
@@ -79,6 +91,11 @@ class SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA,
+            repetition_detection=(
+                RepetitionDetectionParams(**self.repetition_detection.model_dump())
+                if self.repetition_detection is not None
+                else None
+            ),
         )
 
     @property
