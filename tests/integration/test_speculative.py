@@ -23,7 +23,7 @@ from tests.integration.conftest import wait_until_idle
 pytestmark = pytest.mark.slow
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 PROMPTS = [
     "Repeat this list exactly: apples, bananas, cherries, dates, elderberries, figs, grapes.",
     "Fix the typo in this code and print the fixed code:\ndef add(a, b):\n    retrun a + b\n",
@@ -68,11 +68,23 @@ def reference(model_path: str) -> Iterator[AsyncLLM]:
     anyio.run(engine.shutdown)
 
 
-@pytest.fixture(scope="module", params=["thread", "process"])
-def speculative(request: pytest.FixtureRequest, model_path: str) -> Iterator[AsyncLLM]:
-    engine = AsyncLLM.from_engine_args(_engine_args(model_path, spec=True, process=request.param == "process"))
+@pytest.fixture(scope="module")
+def speculative(model_path: str) -> Iterator[AsyncLLM]:
+    """The speculative engine in thread mode (most tests)."""
+    engine = AsyncLLM.from_engine_args(_engine_args(model_path, spec=True))
     yield engine
     anyio.run(engine.shutdown)
+
+
+@pytest.fixture(scope="module")
+def speculative_process(model_path: str) -> Iterator[AsyncLLM]:
+    """The speculative engine in its own process."""
+    engine = AsyncLLM.from_engine_args(_engine_args(model_path, spec=True, process=True))
+    yield engine
+    anyio.run(engine.shutdown)
+
+
+_REFERENCE_OUTPUTS: list[RequestOutput] = []  # the reference engine's greedy answers, computed once per module
 
 
 async def _chat_all(llm: AsyncLLM, params: SamplingParams) -> list[RequestOutput]:
@@ -87,10 +99,18 @@ async def _chat_all(llm: AsyncLLM, params: SamplingParams) -> list[RequestOutput
     return results
 
 
-def test_greedy_outputs_equal_without_speculation(reference: AsyncLLM, speculative: AsyncLLM) -> None:
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_greedy_outputs_equal_without_speculation(
+    reference: AsyncLLM, mode: str, request: pytest.FixtureRequest
+) -> None:
+    speculative: AsyncLLM = request.getfixturevalue("speculative" if mode == "thread" else "speculative_process")
+
     async def body() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        expected = await _chat_all(reference, params)
+        if not _REFERENCE_OUTPUTS:
+            _REFERENCE_OUTPUTS.extend(await _chat_all(reference, params))
+        expected = _REFERENCE_OUTPUTS
         before = (await speculative.get_scheduler_stats()).num_preemptions
         got = await _chat_all(speculative, params)
         for prompt, want, have in zip(PROMPTS, expected, got, strict=True):
@@ -144,6 +164,32 @@ def test_stop_token_stop_string_and_max_tokens_cut_the_same_token(reference: Asy
     anyio.run(body)
 
 
+def test_penalties_and_min_tokens_apply_per_draft_position(reference: AsyncLLM, speculative: AsyncLLM) -> None:
+    """Penalties count the drafts before each verified position, min_tokens masks by position: greedy ids equal."""
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        repetition_penalty=1.2,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+        min_tokens=20,
+    )
+
+    async def body() -> None:
+        before = (await speculative.get_scheduler_stats()).spec_decode
+        for prompt in PROMPTS[:3]:
+            messages = [{"role": "user", "content": prompt}]
+            want = await reference.chat(messages, params)
+            have = await speculative.chat(messages, params)
+            assert have.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+        after = (await speculative.get_scheduler_stats()).spec_decode
+        assert before is not None
+        assert after is not None
+        assert after.num_accepted_tokens > before.num_accepted_tokens
+
+    anyio.run(body)
+
+
 def _two_sample_chi_square(a: Counter[int], b: Counter[int], min_expected: float = 5.0) -> tuple[float, int]:
     """Chi-square statistic of two samples over the tokens both saw often enough (rare ones pooled)."""
     total_a, total_b = sum(a.values()), sum(b.values())
@@ -164,6 +210,7 @@ def _chi_square_critical_0_001(df: int) -> float:
     return df * (1 - 2 / (9 * df) + 3.0902 * math.sqrt(2 / (9 * df))) ** 3
 
 
+@pytest.mark.timeout(600)
 def test_sampled_distribution_of_a_drafted_position_matches(reference: AsyncLLM, speculative: AsyncLLM) -> None:
     """The second token (the first position verified against drafts) over 400 draws per engine."""
     prompt = "apple banana cherry apple banana cherry apple banana cherry apple"
@@ -215,3 +262,32 @@ def test_repetition_detection_stops_a_loop_and_never_cuts_a_normal_answer(specul
         await wait_until_idle(speculative, within=30.0)
 
     anyio.run(body)
+
+
+def test_tensor_parallel_mp_workers_verify_the_same_drafts(reference: AsyncLLM, model_path: str) -> None:
+    """TP=3 over `mp` worker processes: every rank gets the drafts in the SchedulerOutput; greedy ids unchanged."""
+    args = EngineArgs(
+        model=model_path,
+        engine_process=False,
+        max_model_len=256,
+        num_kv_blocks=32,
+        distributed_executor_backend="mp",
+        tensor_parallel_size=3,
+        speculative_config=SPEC,
+    )
+    engine = AsyncLLM.from_engine_args(args)
+
+    async def body() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=24)
+        for prompt in PROMPTS[:2]:
+            messages = [{"role": "user", "content": prompt}]
+            want = await reference.chat(messages, params)
+            have = await engine.chat(messages, params)
+            assert have.outputs[0].token_ids == want.outputs[0].token_ids
+            assert have.spec_decode_metrics is not None
+            assert have.spec_decode_metrics.num_drafts > 0
+
+    try:
+        anyio.run(body)
+    finally:
+        anyio.run(engine.shutdown)

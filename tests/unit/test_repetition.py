@@ -139,3 +139,21 @@ def test_length_wins_when_both_hit_on_the_same_token() -> None:
     emitted, reason, _ = _scheduler_run([1, 1, 1, 1, 1], params)
     assert emitted == [1, 1, 1, 1]
     assert reason == FinishReason.LENGTH
+
+
+def test_openai_request_body_carries_repetition_detection() -> None:
+    pytest.importorskip("pydantic")
+    from asyncllm.entrypoints.openai.protocol import CompletionRequest
+
+    body = {"prompt": "hi", "repetition_detection": {"max_pattern_size": 8, "min_count": 3}}
+    params = CompletionRequest.model_validate(body).to_sampling_params(max_tokens=16, logprobs=None)
+    assert params.repetition_detection == RepetitionDetectionParams(max_pattern_size=8, min_count=3)
+    bad = {"prompt": "hi", "repetition_detection": {"max_pattern_size": 8, "min_count": 1}}
+    with pytest.raises(InvalidRequestError, match=r"repetition_detection\.min_count"):
+        CompletionRequest.model_validate(bad).to_sampling_params(max_tokens=16, logprobs=None)
+
+
+def test_output_processor_reports_the_repetition_finish_reason() -> None:
+    from asyncllm.processing.output_processor import _finish_reason_str
+
+    assert _finish_reason_str(FinishReason.REPETITION) == "repetition"

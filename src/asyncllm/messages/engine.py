@@ -90,6 +90,10 @@ class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     def __len__(self) -> int:
         return len(self.ranks)
 
+    def head(self, num_positions: int) -> LogprobsLists:
+        """The logprobs of the first `num_positions` positions."""
+        return LogprobsLists(self.token_ids[:num_positions], self.logprobs[:num_positions], self.ranks[:num_positions])
+
     @classmethod
     def concat(cls, parts: list[LogprobsLists]) -> LogprobsLists:
         """One `LogprobsLists` of `parts` in order."""
@@ -145,6 +149,11 @@ class SpecDecodeMetrics(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     @classmethod
     def empty(cls, num_speculative_tokens: int) -> SpecDecodeMetrics:
         return cls(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+
+    def copy(self) -> SpecDecodeMetrics:
+        return SpecDecodeMetrics(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos)
+        )
 
     @property
     def acceptance_rate(self) -> float:

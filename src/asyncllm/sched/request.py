@@ -163,6 +163,22 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
+    def append_until_stop(self, token_ids: list[int], max_model_len: int) -> tuple[list[int], str | None]:
+        """Append tokens sampled in one step one at a time, applying the grammar and the stop rules after each,
+        so a stop inside a run of accepted draft tokens ends the request at exactly that token.
+
+        Returns:
+            The tokens appended (a prefix of `token_ids`), and an error text when the grammar rejected one (the
+            request must then fail).
+        """
+        for num_appended, token_id in enumerate(token_ids, 1):
+            self.append_output_token_ids([token_id])
+            if self.grammar is not None and not self.grammar.accept([token_id]):
+                return token_ids[:num_appended], f"the grammar rejected sampled token {token_ids}"
+            if self.check_stop(max_model_len):
+                return token_ids[:num_appended], None
+        return token_ids, None
+
     def check_stop(self, max_model_len: int) -> bool:
         """Apply the stop rules after new tokens were appended; set `status` and `stop_reason` if finished.
 

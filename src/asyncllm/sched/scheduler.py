@@ -31,7 +31,6 @@ from asyncllm.messages.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    LogprobsLists,
     SchedulerStats,
     SpecDecodeMetrics,
 )
@@ -153,15 +152,7 @@ class Scheduler:
             num_prefix_cache_hits=self.kv_cache_manager.num_prefix_cache_hits,
             block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_bytes,
-            spec_decode=self._copy_spec_stats(),
-        )
-
-    def _copy_spec_stats(self) -> SpecDecodeMetrics | None:
-        stats = self.spec_decode_stats
-        if stats is None:
-            return None
-        return SpecDecodeMetrics(
-            stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, list(stats.num_accepted_tokens_per_pos)
+            spec_decode=self.spec_decode_stats.copy() if self.spec_decode_stats is not None else None,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -236,7 +227,8 @@ class Scheduler:
     def _propose_drafts(self, req: Request, budget: int) -> list[int]:
         """The n-gram drafts to verify after a decoding request's last token (none for a prefill chunk, a
         structured-output request, or when the token budget, `max_tokens` or `max_model_len` leave no room)."""
-        if self.proposer is None or req.num_tokens_to_compute != 1 or req.grammar is not None:
+        structured = req.sampling_params.structured_outputs is not None
+        if self.proposer is None or req.num_tokens_to_compute != 1 or structured:
             return []
         room = min(budget, self.max_model_len - req.num_tokens) - 1
         max_tokens = req.sampling_params.max_tokens
@@ -322,7 +314,7 @@ class Scheduler:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
                 self._apply_verification(req, len(drafts), len(token_ids) - 1)
-            token_ids, error = self._append_until_stop(req, token_ids)
+            token_ids, error = req.append_until_stop(token_ids, self.max_model_len)
             if error is not None:
                 self._fail_running(req, error)
                 finished.add(id(req))
@@ -332,7 +324,7 @@ class Scheduler:
                 self._free_request(req)
             new_logprobs = model_runner_output.logprobs.get(req_id)
             if new_logprobs is not None and len(new_logprobs) > len(token_ids):  # a stop inside an accepted run
-                new_logprobs = _truncate_logprobs(new_logprobs, len(token_ids))
+                new_logprobs = new_logprobs.head(len(token_ids))
             output = EngineCoreOutput(
                 req_id,
                 token_ids,
@@ -362,20 +354,6 @@ class Scheduler:
         if self.spec_decode_stats is not None:
             self.spec_decode_stats.observe(num_drafts, num_accepted)
 
-    def _append_until_stop(self, req: Request, token_ids: list[int]) -> tuple[list[int], str | None]:
-        """Append sampled tokens one at a time until a stop rule finishes the request.
-
-        Returns:
-            The tokens appended (a prefix of `token_ids`), and an error when the grammar rejected one.
-        """
-        for num_appended, token_id in enumerate(token_ids, 1):
-            req.append_output_token_ids([token_id])
-            if req.grammar is not None and not req.grammar.accept([token_id]):
-                return token_ids[:num_appended], f"the grammar rejected sampled token {token_ids}"
-            if req.check_stop(self.max_model_len):
-                return token_ids[:num_appended], None
-        return token_ids, None
-
     def make_empty_outputs(self) -> EngineCoreOutputs:
         """The outputs of a step that ran nothing (still reports aborted and failed ids, and stats)."""
         return EngineCoreOutputs(
@@ -404,8 +382,3 @@ class Scheduler:
         del self.requests[req.request_id]
         self._finished_req_ids.append(req.request_id)
         self._finished_req_ids_to_report.append(req.request_id)
-
-
-def _truncate_logprobs(lists: LogprobsLists, num_tokens: int) -> LogprobsLists:
-    """The logprobs of the first `num_tokens` positions."""
-    return LogprobsLists(lists.token_ids[:num_tokens], lists.logprobs[:num_tokens], lists.ranks[:num_tokens])
