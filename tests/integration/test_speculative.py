@@ -169,15 +169,15 @@ def test_penalties_and_min_tokens_apply_per_draft_position(reference: AsyncLLM, 
     params = SamplingParams(
         temperature=0.0,
         max_tokens=MAX_TOKENS,
-        repetition_penalty=1.2,
-        frequency_penalty=0.4,
-        presence_penalty=0.2,
-        min_tokens=20,
+        repetition_penalty=1.05,
+        frequency_penalty=0.1,
+        presence_penalty=0.1,
+        min_tokens=20,  # the short answer to "What is 12 times 7?" must go on past its EOS
     )
 
     async def body() -> None:
         before = (await speculative.get_scheduler_stats()).spec_decode
-        for prompt in PROMPTS[:3]:
+        for prompt in [*PROMPTS[:3], PROMPTS[15]]:
             messages = [{"role": "user", "content": prompt}]
             want = await reference.chat(messages, params)
             have = await speculative.chat(messages, params)

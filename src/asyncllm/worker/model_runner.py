@@ -211,7 +211,7 @@ class ModelRunner:
         seq_lens = starts + query_lens
         chunks = zip(states, starts.tolist(), seq_lens.tolist(), strict=True)
         input_ids = np.concatenate(
-            [np.asarray((s.token_ids + spec.get(s.req_id, []))[start:end], dtype=np.int64) for s, start, end in chunks]
+            [np.asarray([*s.token_ids[start:end], *spec.get(s.req_id, ())], dtype=np.int64) for s, start, end in chunks]
         )
         offsets = np.repeat(starts - np.cumsum(query_lens) + query_lens, query_lens)
         positions = offsets + np.arange(int(query_lens.sum()), dtype=np.int64)
