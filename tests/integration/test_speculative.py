@@ -190,6 +190,44 @@ def test_penalties_and_min_tokens_apply_per_draft_position(reference: AsyncLLM, 
     anyio.run(body)
 
 
+def test_structured_output_requests_get_no_drafts_and_stay_valid(speculative: AsyncLLM) -> None:
+    """Drafts are not proposed for structured-output requests (documented); they decode as before, next to a
+    free request that is speculated in the same steps."""
+    from asyncllm import StructuredOutputsParams
+
+    regex = "(apples, bananas, cherries, )+"
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    async def body() -> None:
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        results = await _gather(speculative.chat(messages, constrained), speculative.chat(messages, free))
+        structured, unconstrained = results
+        assert structured.spec_decode_metrics is not None
+        assert structured.spec_decode_metrics.num_drafts == 0
+        text = structured.outputs[0].text
+        assert text.startswith("apples, bananas, cherries, ")
+        assert set(text.split(", ")) <= {"apples", "bananas", "cherries", ""}
+        assert unconstrained.spec_decode_metrics is not None
+        assert unconstrained.spec_decode_metrics.num_drafts > 0
+
+    anyio.run(body)
+
+
+async def _gather(*coroutines: Any) -> list[Any]:
+    results: list[Any] = [None] * len(coroutines)
+
+    async def one(i: int) -> None:
+        results[i] = await coroutines[i]
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(coroutines)):
+            tg.start_soon(one, i)
+    return results
+
+
 def _two_sample_chi_square(a: Counter[int], b: Counter[int], min_expected: float = 5.0) -> tuple[float, int]:
     """Chi-square statistic of two samples over the tokens both saw often enough (rare ones pooled)."""
     total_a, total_b = sum(a.values()), sum(b.values())
