@@ -10,7 +10,7 @@ the ratio speculative / reference, the draft acceptance rate, and the load avera
 after. Greedy outputs are also compared token for token (they must be equal).
 
     .venv/bin/python benchmarks/speculative.py [--k 4] [--lookup-min 1] [--lookup-max 3] [--max-tokens 96]
-        [--rounds 2] [--num-threads N]
+        [--rounds 2] [--num-threads N] [--workloads extractive,free-form]
 """
 
 from __future__ import annotations
@@ -98,7 +98,9 @@ async def main(args: argparse.Namespace) -> None:
             f"{'workload':<11} {'streams':>7} {'reference tok/s':>16} {'speculative tok/s':>18} {'ratio':>6}  "
             f"{'acceptance':>14}  greedy equal"
         )
-        for name, prompts in (("extractive", EXTRACTIVE), ("free-form", FREE_FORM)):
+        workloads = {"extractive": EXTRACTIVE, "free-form": FREE_FORM}
+        for name in args.workloads.split(","):
+            prompts = workloads[name]
             for streams in (1, 8):
                 best_ref = best_spec = 0.0
                 rate, equal = "-", True
@@ -125,4 +127,5 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--workloads", default="extractive,free-form", help="comma-separated subset")
     asyncio.run(main(parser.parse_args()))
