@@ -14,7 +14,7 @@ from asyncllm.errors import (
     StreamIncompleteError,
 )
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall, Usage
-from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 from asyncllm.structured_outputs.params import StructuredOutputsParams
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "InvalidRequestError",
     "Logprob",
     "ModelNotFoundError",
+    "RepetitionDetectionParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -8,6 +8,7 @@ default model once) and splits the arguments into `ModelConfig`, `CacheConfig`, 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -111,6 +112,64 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`, method "ngram" only; see docs/speculative.md).
+
+    Fields:
+        method: "ngram" (prompt lookup: draft tokens copied from an earlier occurrence of the last n-gram).
+        num_speculative_tokens: draft tokens proposed per request and step at most (k >= 1).
+        prompt_lookup_min: smallest n-gram looked up (>= 1).
+        prompt_lookup_max: largest n-gram looked up (>= prompt_lookup_min); longer matches are tried first.
+    """
+
+    method: Literal["ngram"]
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_user(cls, value: dict[str, Any] | str) -> SpeculativeConfig:
+        """Parse `EngineArgs.speculative_config`: a dict, or its JSON text (the CLI flag).
+
+        vLLM's defaults: both lookup sizes missing -> 5 and 5; one missing -> the other's value.
+
+        Raises:
+            ConfigError: not a dict / JSON object, unknown keys, a method other than "ngram", missing
+                `num_speculative_tokens`, or a value out of range (naming the key).
+        """
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ConfigError(f"EngineArgs.speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"EngineArgs.speculative_config={value!r}: must be a dict (or its JSON text) or None")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}")
+        if value.get("method") != "ngram":
+            raise ConfigError(f"speculative_config.method={value.get('method')!r}: only 'ngram' is supported")
+        if "num_speculative_tokens" not in value:
+            raise ConfigError("speculative_config.num_speculative_tokens is required (draft tokens per step)")
+        low: Any = value.get("prompt_lookup_min")
+        high: Any = value.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        config = cls("ngram", value["num_speculative_tokens"], low, high)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            number = getattr(config, name)
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise ConfigError(f"speculative_config.{name}={number!r} is invalid: must be an integer >= 1")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ConfigError(
+                f"speculative_config.prompt_lookup_min={low} is invalid: must be <= prompt_lookup_max ({high})"
+            )
+        return config
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     """Stats the frontend logs.
 
@@ -132,6 +191,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(kw_only=True)
@@ -181,6 +241,9 @@ class EngineArgs:
             output pay nothing).
         log_stats: log engine stats (throughput, queue, KV cache, prefix cache hits) periodically.
         stats_log_interval: seconds between two stats log lines (with `log_stats`).
+        speculative_config: None (off) or n-gram speculative decoding as in vLLM, a dict or its JSON text:
+            {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}.
+            See docs/speculative.md.
     Raises:
         ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -210,6 +273,7 @@ class EngineArgs:
     prebuild_grammar_compiler: bool = False
     log_stats: bool = False
     stats_log_interval: float = 5.0
+    speculative_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineArgs:
@@ -262,6 +326,8 @@ class EngineArgs:
             raise ConfigError(f"EngineArgs.ray_cpus_per_worker={self.ray_cpus_per_worker!r}: must be > 0")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
             raise ConfigError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_user(self.speculative_config)
         self._validate_data_parallel()
 
     def _validate_data_parallel(self) -> None:
@@ -318,8 +384,14 @@ class EngineArgs:
         observability = ObservabilityConfig(
             log_stats=bool(self.log_stats), stats_log_interval=float(self.stats_log_interval)
         )
+        speculative = None if self.speculative_config is None else SpeculativeConfig.from_user(self.speculative_config)
         return EngineConfig(
-            model=model, cache=cache, scheduler=scheduler, parallel=parallel, observability=observability
+            model=model,
+            cache=cache,
+            scheduler=scheduler,
+            parallel=parallel,
+            observability=observability,
+            speculative=speculative,
         )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReasonStr = Literal["stop", "length", "abort"]
+from asyncllm.messages.engine import SpecDecodeMetrics
+
+FinishReasonStr = Literal["stop", "length", "abort", "repetition"]
 
 
 @dataclass
@@ -58,8 +60,10 @@ class CompletionOutput:
         text: generated text (all of it, or the new part for DELTA streams).
         token_ids: generated token ids (all, or the new ones for DELTA streams).
         finish_reason: "stop" (EOS, stop string or stop token), "length" (max_tokens or max_model_len),
-            "abort" (cancelled), or None while the sequence is still running.
-        stop_reason: the stop string or stop token id that ended the sequence; None for EOS or otherwise.
+            "abort" (cancelled), "repetition" (`SamplingParams.repetition_detection` found a repeated tail), or
+            None while the sequence is still running.
+        stop_reason: the stop string or stop token id that ended the sequence, "repetition_detected" for
+            "repetition"; None for EOS or otherwise.
         logprobs: with `SamplingParams.logprobs=k`, one dict per entry of `token_ids` (the same slice),
             `{token_id: Logprob}` with the k most likely tokens plus the sampled one; else None.
         cumulative_logprob: sum of the sampled tokens' logprobs over all tokens generated so far (also in
@@ -113,6 +117,9 @@ class RequestOutput:
             in DELTA streams only in the first output that has them.
         usage: token counts; set on the finished output (streamed or from `GenerateOutputStream.collect()`).
         metrics: the request's timing so far (see `RequestMetrics` for clocks); None if not tracked.
+        spec_decode_metrics: on the finished output, when the engine runs speculative decoding: the request's
+            draft steps, draft tokens, accepted tokens and accepted tokens per draft position
+            (`SpecDecodeMetrics`; with n > 1, those of the completion that finished last); else None.
     """
 
     request_id: str
@@ -124,6 +131,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     usage: Usage | None = None
     metrics: RequestMetrics | None = None
+    spec_decode_metrics: SpecDecodeMetrics | None = None
 
 
 @dataclass

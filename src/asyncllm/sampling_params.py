@@ -29,6 +29,49 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+class RepetitionDetectionParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Stop a request whose generated tail is one pattern repeated (vLLM's `RepetitionDetectionParams`).
+
+    The request finishes with finish_reason "repetition" (stop_reason "repetition_detected") as soon as its
+    last `L * min_count` output tokens are one pattern of `L` tokens repeated `min_count` times, for some
+    `L` in [`min_pattern_size`, `max_pattern_size`]. Checked after every generated token (cost
+    O(max_pattern_size) per token, see `sched/repetition.py`).
+
+    Fields:
+        max_pattern_size: largest pattern size in tokens; 0 disables detection.
+        min_pattern_size: smallest pattern size in tokens; 0 means 1. At most `max_pattern_size`.
+        min_count: repetitions that trigger it; >= 2 when detection is enabled.
+    """
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_pattern_size > 0
+
+    def validate(self) -> None:
+        """Raises:
+        InvalidRequestError: naming the field (`repetition_detection.<field>`) and its allowed range.
+        """
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            _check_int(f"repetition_detection.{name}", getattr(self, name), 0)
+        if not self.enabled:
+            return
+        if self.min_pattern_size > self.max_pattern_size:
+            _bad(
+                "repetition_detection.min_pattern_size",
+                self.min_pattern_size,
+                f"<= max_pattern_size ({self.max_pattern_size})",
+            )
+        if self.min_count < 2:
+            _bad("repetition_detection.min_count", self.min_count, "an integer >= 2 when max_pattern_size > 0")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to sample one request. Same names and meanings as vLLM's `SamplingParams`.
 
@@ -70,6 +113,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice or grammar
             (`StructuredOutputsParams`); None = free text. Not combinable with `min_tokens` > 0 (the grammar
             may allow only EOS).
+        repetition_detection: stop with finish_reason "repetition" when the output's tail repeats a pattern
+            (`RepetitionDetectionParams`); None (default) = off.
     """
 
     n: int = 1
@@ -95,6 +140,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stream_interval: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +161,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if not isinstance(self.output_kind, RequestOutputKind):
             _bad("output_kind", self.output_kind, "a RequestOutputKind")
         self._validate_structured_outputs()
+        if self.repetition_detection is not None:
+            if not isinstance(self.repetition_detection, RepetitionDetectionParams):
+                _bad("repetition_detection", self.repetition_detection, "a RepetitionDetectionParams or None")
+            self.repetition_detection.validate()
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Check the token ids in `stop_token_ids`, `logit_bias` and `allowed_token_ids` against the model.

@@ -136,6 +136,8 @@ def merge_outputs(into: RequestOutput, new: RequestOutput, aggregate: bool) -> N
         into.metrics = new.metrics
     if new.usage is not None:
         into.usage = new.usage
+    if new.spec_decode_metrics is not None:
+        into.spec_decode_metrics = new.spec_decode_metrics
 
 
 def _copy_completion(completion: CompletionOutput) -> CompletionOutput:

@@ -9,7 +9,7 @@ from asyncllm import SamplingParams
 from asyncllm.engine.dp_utility import UTILITY_COMBINERS, sum_scheduler_stats
 from asyncllm.engine.load_balancer import LoadBalancer, affinity_slack
 from asyncllm.errors import InvalidRequestError
-from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats, SpecDecodeMetrics
 
 
 def request(request_id: str, tokens: list[int]) -> EngineCoreRequest:
@@ -112,5 +112,9 @@ def test_sum_scheduler_stats() -> None:
     assert total.prefix_cache_hit_rate == pytest.approx(50 / 400)
     assert (total.num_preemptions, total.kv_cache_bytes, total.block_size, total.engine_index) == (3, 2000, 16, 0)
     assert sum_scheduler_stats([two]) is two
+    assert total.spec_decode is None
+    spec_one = SchedulerStats(engine_index=0, spec_decode=SpecDecodeMetrics(2, 8, 5, [2, 2, 1, 0]))
+    spec_two = SchedulerStats(engine_index=1, spec_decode=SpecDecodeMetrics(1, 2, 1, [1, 0]))
+    assert sum_scheduler_stats([spec_one, spec_two]).spec_decode == SpecDecodeMetrics(3, 10, 6, [3, 2, 1, 0])
     assert UTILITY_COMBINERS["reset_prefix_cache"]([True, False]) is False
     assert UTILITY_COMBINERS["collective_rpc"]([[1, 2], [3]]) == [1, 2, 3]

@@ -55,6 +55,7 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             kv_cache_bytes=self.executor.get_kv_cache_bytes(),
             structured_output_manager=self.structured_output_manager,
+            speculative_config=config.speculative,
         )
 
     def _cap_max_model_len(self, info: EngineReadyInfo) -> EngineReadyInfo:

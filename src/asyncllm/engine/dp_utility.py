@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from asyncllm.errors import EngineGenerateError
-from asyncllm.messages.engine import UTILITY_METHODS, SchedulerStats, UtilityResult
+from asyncllm.messages.engine import UTILITY_METHODS, SchedulerStats, SpecDecodeMetrics, UtilityResult
 
 
 def sum_scheduler_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
@@ -31,6 +31,24 @@ def sum_scheduler_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
         num_prefix_cache_hits=hits,
         block_size=per_engine[0].block_size if per_engine else 0,
         kv_cache_bytes=sum(s.kv_cache_bytes for s in per_engine),
+        spec_decode=sum_spec_decode([s.spec_decode for s in per_engine if s.spec_decode is not None]),
+    )
+
+
+def sum_spec_decode(per_engine: list[SpecDecodeMetrics]) -> SpecDecodeMetrics | None:
+    """The engines' speculative decoding counters summed (per draft position too); None when none has them."""
+    if not per_engine:
+        return None
+    width = max(len(m.num_accepted_tokens_per_pos) for m in per_engine)
+    per_pos = [
+        sum(m.num_accepted_tokens_per_pos[i] for m in per_engine if i < len(m.num_accepted_tokens_per_pos))
+        for i in range(width)
+    ]
+    return SpecDecodeMetrics(
+        num_drafts=sum(m.num_drafts for m in per_engine),
+        num_draft_tokens=sum(m.num_draft_tokens for m in per_engine),
+        num_accepted_tokens=sum(m.num_accepted_tokens for m in per_engine),
+        num_accepted_tokens_per_pos=per_pos,
     )
 
 

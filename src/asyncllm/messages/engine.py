@@ -22,6 +22,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    REPETITION = 3  # `SamplingParams.repetition_detection` (vLLM's FINISHED_REPETITION)
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -98,6 +99,10 @@ class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     def __len__(self) -> int:
         return len(self.ranks)
 
+    def head(self, num_positions: int) -> LogprobsLists:
+        """The logprobs of the first `num_positions` positions."""
+        return LogprobsLists(self.token_ids[:num_positions], self.logprobs[:num_positions], self.ranks[:num_positions])
+
     @classmethod
     def concat(cls, parts: list[LogprobsLists]) -> LogprobsLists:
         """One `LogprobsLists` of `parts` in order."""
@@ -135,6 +140,47 @@ class EngineCoreEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         return cls(event_type, time.monotonic() if timestamp is None else timestamp)
 
 
+class SpecDecodeMetrics(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Speculative decoding counters (of one request, or of the engine since start).
+
+    Fields:
+        num_drafts: verification steps that had at least one draft token.
+        num_draft_tokens: draft tokens proposed and verified.
+        num_accepted_tokens: draft tokens the target model accepted.
+        num_accepted_tokens_per_pos: [num_speculative_tokens] accepted drafts by position in the draft (0 = first).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    @classmethod
+    def empty(cls, num_speculative_tokens: int) -> SpecDecodeMetrics:
+        return cls(num_accepted_tokens_per_pos=[0] * num_speculative_tokens)
+
+    def copy(self) -> SpecDecodeMetrics:
+        return SpecDecodeMetrics(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos)
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens, in [0, 1]; 0.0 before any draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verification step: `num_accepted` leading drafts of `num_draft_tokens` were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_accepted:
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one request produced in one engine step.
 
@@ -142,12 +188,15 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         request_id: the request.
         new_token_ids: tokens sampled this step (usually one; empty for a partial prefill chunk).
         finish_reason: set on the request's last output from the engine.
-        stop_reason: the stop token id that ended it (None for EOS or length).
+        stop_reason: the stop token id that ended it, "repetition_detected" for a repetition (None for EOS or
+            length).
         num_cached_tokens: prompt tokens served from the prefix cache.
         new_logprobs: logprobs of `new_token_ids` (when the request asked for `logprobs`).
         new_prompt_logprobs: logprobs of prompt tokens 1.. (when it asked for `prompt_logprobs`; sent once,
             with the first sampled token).
         events: the request's engine events since its previous output, oldest first (None: none).
+        spec_decode_metrics: the request's speculative decoding counters, on its finished output when the
+            engine runs speculative decoding (None otherwise).
     """
 
     request_id: str
@@ -158,6 +207,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
     events: list[EngineCoreEvent] | None = None
+    spec_decode_metrics: SpecDecodeMetrics | None = None
 
     @property
     def finished(self) -> bool:
@@ -182,6 +232,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
             grows as blocks are first written, see `worker/kv_cache_sizing.py`).
         engine_index: data-parallel rank of the engine core that published them (0 without DP, and in a sum
             over engines).
+        spec_decode: speculative decoding counters since start (None when speculative decoding is off).
     """
 
     num_running_reqs: int = 0
@@ -196,6 +247,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     block_size: int = 0
     kv_cache_bytes: int = 0
     engine_index: int = 0
+    spec_decode: SpecDecodeMetrics | None = None
 
     @property
     def kv_cache_usage(self) -> float:

@@ -94,6 +94,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         total_num_scheduled_tokens: sum of `num_scheduled_tokens`.
         finished_req_ids: requests that finished or were aborted since the last step; workers drop them.
         grammar_bitmask: allowed-token masks of the structured-output requests that sample this step, or None.
+        scheduled_spec_decode_tokens: req_id -> draft tokens to verify after its last token (speculative
+            decoding); they are the last `len(drafts)` of its `num_scheduled_tokens`.
     """
 
     scheduled_new_reqs: list[NewRequestData] = msgspec.field(default_factory=list)
@@ -102,14 +104,15 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: GrammarBitmask | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Tokens sampled in one step.
 
     Fields:
-        sampled_token_ids: req_id -> tokens sampled this step; a request whose prefill is still partial
-            after this step is absent (nothing sampled).
+        sampled_token_ids: req_id -> tokens sampled this step (with draft tokens: the accepted drafts plus one
+            bonus or corrected token); a request whose prefill is still partial after this step is absent.
         logprobs: req_id -> logprobs of its sampled tokens (requests that asked for `logprobs`).
         prompt_logprobs: req_id -> logprobs of its prompt tokens 1.. (requests that asked for
             `prompt_logprobs`, in the step that samples their first token).

@@ -72,5 +72,14 @@ class LoggingStatLogger(StatLoggerBase):
             stats.prefix_cache_hit_rate * 100,
             stats.num_preemptions,
         )
+        if stats.spec_decode is not None:
+            spec = stats.spec_decode
+            logger.info(
+                "Speculative decoding: acceptance rate %.1f%%, %d draft tokens in %d drafts, accepted per position %s",
+                spec.acceptance_rate * 100,
+                spec.num_draft_tokens,
+                spec.num_drafts,
+                spec.num_accepted_tokens_per_pos,
+            )
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self.num_lines_logged += 1

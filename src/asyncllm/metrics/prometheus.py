@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncllm.messages.engine import SchedulerStats
+from asyncllm.messages.engine import SchedulerStats, SpecDecodeMetrics
 from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.stats import IterationStats
 
@@ -37,7 +37,10 @@ class PrometheusStatLogger(StatLoggerBase):
     `asyncllm:prompt_tokens_total`, `asyncllm:generation_tokens_total`, `asyncllm:request_success_total` (label
     `finished_reason`); histograms (seconds) `asyncllm:time_to_first_token_seconds`,
     `asyncllm:inter_token_latency_seconds`, `asyncllm:e2e_request_latency_seconds`,
-    `asyncllm:request_queue_time_seconds`.
+    `asyncllm:request_queue_time_seconds`. With speculative decoding (registered at its first stats):
+    counters `asyncllm:spec_decode_num_drafts_total`, `asyncllm:spec_decode_num_draft_tokens_total`,
+    `asyncllm:spec_decode_num_accepted_tokens_total` and `asyncllm:spec_decode_num_accepted_tokens_per_pos_total`
+    (label `position`, 0 = first draft token), as vLLM's.
 
     Args:
         model_name: value of the `model_name` label.
@@ -81,6 +84,9 @@ class PrometheusStatLogger(StatLoggerBase):
         ).labels(**labels)
         self._last_totals: dict[int, SchedulerStats] = {}  # by engine rank
         self._per_engine: dict[int, tuple[Any, ...]] = {}
+        self._make = make
+        self._spec: dict[str, Any] | None = None
+        self._last_spec: dict[int, SpecDecodeMetrics] = {}  # by engine rank
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None:
@@ -108,6 +114,35 @@ class PrometheusStatLogger(StatLoggerBase):
             if now > before:
                 counter.inc(now - before)
         self._last_totals[stats.engine_index] = stats
+        if stats.spec_decode is not None:
+            self._record_spec_decode(stats.engine_index, stats.spec_decode)
+
+    def _record_spec_decode(self, engine_index: int, totals: SpecDecodeMetrics) -> None:
+        """Add one engine's speculative decoding totals since its previous stats to the counters."""
+        import prometheus_client as prom
+
+        if self._spec is None:
+            docs = {
+                "num_drafts": "Speculative decoding steps with drafts.",
+                "num_draft_tokens": "Draft tokens proposed.",
+                "num_accepted_tokens": "Draft tokens accepted.",
+            }
+            self._spec = {key: self._make(prom.Counter, f"spec_decode_{key}", doc) for key, doc in docs.items()}
+            self._spec["per_pos"] = self._make(
+                prom.Counter,
+                "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the draft.",
+                extra_labels=["position"],
+            )
+        last = self._last_spec.get(engine_index, SpecDecodeMetrics())
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            delta = getattr(totals, key) - getattr(last, key)
+            self._spec[key].labels(**self._labels).inc(max(delta, 0))
+        last_per_pos = last.num_accepted_tokens_per_pos
+        for pos, count in enumerate(totals.num_accepted_tokens_per_pos):
+            delta = count - (last_per_pos[pos] if pos < len(last_per_pos) else 0)
+            self._spec["per_pos"].labels(position=str(pos), **self._labels).inc(max(delta, 0))
+        self._last_spec[engine_index] = totals
 
     def _engine_metrics(self, engine_index: int) -> tuple[Any, ...]:
         """The labelled children of the per-engine gauges and counters of one engine (made once)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, SpecDecodeMetrics
 from asyncllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 from asyncllm.outputs import CompletionOutput, FinishReasonStr, RequestOutput
 from asyncllm.processing.detokenizer import IncrementalDetokenizer
@@ -50,6 +50,7 @@ class RequestState:
         num_cached_tokens: prompt tokens served from the prefix cache.
         finish_reason, stop_reason: set when the request finished.
         stats: timing and token counts, for `RequestOutput.metrics` and the stat loggers.
+        spec_decode_metrics: the engine's speculative decoding counters of the request, once it finished.
     """
 
     request_id: str
@@ -70,6 +71,7 @@ class RequestState:
     finish_reason: FinishReasonStr | None = None
     stop_reason: int | str | None = None
     stats: RequestStateStats | None = None
+    spec_decode_metrics: SpecDecodeMetrics | None = None
 
     @property
     def user_level_id(self) -> str:
@@ -302,6 +304,7 @@ class OutputProcessor:
         if engine_output.finish_reason is not None:
             state.finish_reason = _finish_reason_str(engine_output.finish_reason)
             state.stop_reason = engine_output.stop_reason
+            state.spec_decode_metrics = engine_output.spec_decode_metrics
             return True
         return False
 
@@ -363,6 +366,7 @@ def _make_request_output(state: RequestState, completions: list[CompletionOutput
         num_cached_tokens=state.num_cached_tokens,
         prompt_logprobs=prompt_logprobs,
         metrics=state.stats.to_metrics() if state.stats is not None else None,
+        spec_decode_metrics=state.spec_decode_metrics if finished else None,
     )
 
 
@@ -404,5 +408,6 @@ def _finish_reason_str(reason: FinishReason) -> FinishReasonStr:
         FinishReason.STOP: "stop",
         FinishReason.LENGTH: "length",
         FinishReason.ABORT: "abort",
+        FinishReason.REPETITION: "repetition",
     }
     return names[reason]

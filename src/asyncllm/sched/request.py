@@ -9,8 +9,15 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from asyncllm.messages.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from asyncllm.messages.engine import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreRequest,
+    FinishReason,
+    SpecDecodeMetrics,
+)
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.sched.repetition import RepetitionDetector
 
 
 class RequestStatus(enum.IntEnum):
@@ -23,6 +30,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH_CAPPED = 5
     FINISHED_ABORTED = 6
+    FINISHED_REPETITION = 7  # `SamplingParams.repetition_detection` found a repeated pattern
 
     @property
     def is_finished(self) -> bool:
@@ -39,7 +47,10 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
 }
+
+REPETITION_STOP_REASON = "repetition_detected"  # `stop_reason` of a request finished by repetition (as vLLM)
 
 
 class Request:
@@ -57,13 +68,16 @@ class Request:
         priority: lower runs first (the priority queue; FCFS ignores it).
         num_computed_tokens: tokens whose K/V are in the KV cache (or scheduled to be, once scheduled).
         status: a `RequestStatus`.
-        stop_reason: the stop token id that finished it (None for EOS, length, abort).
+        stop_reason: the stop token id that finished it, "repetition_detected" for a repetition, None for EOS,
+            length, abort.
         num_preemptions: times this request was preempted.
         num_cached_tokens: tokens served from the prefix cache when first scheduled (-1 before that).
         block_hashes: chained hashes of its full blocks so far (prefix caching), kept across preemption.
         events: engine events not yet sent to the frontend (taken by `take_events`).
         grammar: its `structured_outputs.manager.GrammarState` once its grammar is compiled, else None.
         grammar_future: the compilation it waits for (status WAITING_FOR_GRAMMAR), else None.
+        repetition: its `RepetitionDetector` when `repetition_detection` is enabled, else None.
+        spec_decode_metrics: its speculative decoding counters (None when speculative decoding is off).
     """
 
     def __init__(
@@ -89,7 +103,7 @@ class Request:
         self.priority = priority
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = -1
         self.block_hashes: list[bytes] = []
@@ -97,6 +111,9 @@ class Request:
         self._stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.grammar: Any = None
         self.grammar_future: Any = None
+        detection = sampling_params.repetition_detection
+        self.repetition = RepetitionDetector(detection) if detection is not None and detection.enabled else None
+        self.spec_decode_metrics: SpecDecodeMetrics | None = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
@@ -154,13 +171,31 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
+    def append_until_stop(self, token_ids: list[int], max_model_len: int) -> tuple[list[int], str | None]:
+        """Append tokens sampled in one step one at a time, applying the grammar and the stop rules after each,
+        so a stop inside a run of accepted draft tokens ends the request at exactly that token.
+
+        Returns:
+            The tokens appended (a prefix of `token_ids`), and an error text when the grammar rejected one (the
+            request must then fail).
+        """
+        for num_appended, token_id in enumerate(token_ids, 1):
+            self.append_output_token_ids([token_id])
+            if self.grammar is not None and not self.grammar.accept([token_id]):
+                return token_ids[:num_appended], f"the grammar rejected sampled token {token_ids}"
+            if self.check_stop(max_model_len):
+                return token_ids[:num_appended], None
+        return token_ids, None
+
     def check_stop(self, max_model_len: int) -> bool:
         """Apply the stop rules after new tokens were appended; set `status` and `stop_reason` if finished.
 
         Order: a stop token id (stop_reason = the id) or EOS (unless `ignore_eos`; stop_reason None) -> STOP,
         honoured only once at least `min_tokens` tokens precede it (vLLM's min_tokens semantics); then
         a terminated structured-output grammar -> STOP; then `max_tokens` reached -> LENGTH; then prompt +
-        output reaching `max_model_len` -> LENGTH.
+        output reaching `max_model_len` -> LENGTH; then a repeated tail (`repetition_detection`) -> REPETITION
+        (vLLM's order). Call it after each appended token: with speculative decoding a step appends several,
+        and the request must end at the first one that stops it.
         Stop strings are the frontend's job.
 
         Returns:
@@ -183,4 +218,16 @@ class Request:
         if (max_tokens is not None and self.num_output_tokens >= max_tokens) or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
+        return self._check_repetition()
+
+    def _check_repetition(self) -> bool:
+        """Feed the detector the output tokens it has not seen; finish with REPETITION on a repeated tail."""
+        detector = self.repetition
+        if detector is None:
+            return False
+        for token_id in self.output_token_ids[detector.num_tokens :]:
+            if detector.add_token(token_id):
+                self.status = RequestStatus.FINISHED_REPETITION
+                self.stop_reason = REPETITION_STOP_REASON
+                return True
         return False

@@ -16,6 +16,10 @@ freed); the engine keeps serving the others.
 A structured-output request first waits for its grammar (`StructuredOutputManager`, status WAITING_FOR_GRAMMAR,
 no blocks) and is queued once it is compiled; each step's output carries the grammar bitmask of the constrained
 requests that sample, and their matchers advance with the sampled tokens.
+With speculative decoding (`SpeculativeConfig`), a decoding request also gets the n-gram proposer's draft
+tokens scheduled after its last token (KV slots allocated for them); after the step, the drafts the sampler
+rejected are taken back from `num_computed_tokens` (their KV slots are overwritten later), and the accepted
+tokens are appended one at a time, so a stop rule ends the request at the exact token.
 Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token budget").
 """
 
@@ -24,18 +28,20 @@ from __future__ import annotations
 import bisect
 import logging
 
-from asyncllm.config import SchedulerConfig
+from asyncllm.config import SchedulerConfig, SpeculativeConfig
 from asyncllm.messages.engine import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
+    SpecDecodeMetrics,
 )
 from asyncllm.messages.scheduler import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue, priority_key
+from asyncllm.spec_decode.ngram_proposer import NgramProposer
 from asyncllm.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -53,6 +59,7 @@ class Scheduler:
         enable_prefix_caching: reuse cached full blocks of shared prefixes.
         kv_cache_bytes: bytes of the KV cache over all workers (reported in the stats only).
         structured_output_manager: compiles grammars and keeps matchers; None rejects constrained requests.
+        speculative_config: n-gram speculative decoding, or None (off).
     Raises:
         ValueError: if `max_model_len` does not fit in the KV cache.
         ConfigError: unknown scheduling policy.
@@ -67,6 +74,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         kv_cache_bytes: int = 0,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if num_kv_blocks * block_size < max_model_len:
             raise ValueError(f"{num_kv_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}")
@@ -85,10 +93,16 @@ class Scheduler:
         self.num_preemptions = 0
         self.structured_output_manager = structured_output_manager
         self._failed_requests: dict[str, str] = {}  # for the frontend: requests whose grammar failed to compile
+        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.spec_decode_stats = (
+            SpecDecodeMetrics.empty(speculative_config.num_speculative_tokens) if speculative_config else None
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the frontend validated."""
         req = Request.from_engine_core_request(request)
+        if self.proposer is not None:
+            req.spec_decode_metrics = SpecDecodeMetrics.empty(self.proposer.num_speculative_tokens)
         manager = self.structured_output_manager
         if req.sampling_params.structured_outputs is not None:
             if manager is None:
@@ -143,6 +157,7 @@ class Scheduler:
             num_prefix_cache_hits=self.kv_cache_manager.num_prefix_cache_hits,
             block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_bytes,
+            spec_decode=self.spec_decode_stats.copy() if self.spec_decode_stats is not None else None,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -165,7 +180,7 @@ class Scheduler:
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
         if self.structured_output_manager is not None:  # rows of the constrained requests that sample now
             sampling = [
-                req for i in output.num_scheduled_tokens if (req := self.requests[i]).num_tokens_to_compute == 0
+                req for i in output.num_scheduled_tokens if (req := self.requests[i]).num_tokens_to_compute <= 0
             ]
             output.grammar_bitmask = self.structured_output_manager.make_bitmask(sampling)
         return output
@@ -190,7 +205,7 @@ class Scheduler:
             req = self.running[index]
             num_tokens = min(req.num_tokens_to_compute, budget)
             try:
-                new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
+                drafts, new_block_ids = self._allocate_with_drafts(req, num_tokens, budget)
                 while new_block_ids is None:
                     victim = self.running.pop()  # never scheduled yet this step: it sits at or after `index`
                     self._preempt(victim)
@@ -206,10 +221,38 @@ class Scheduler:
             output.scheduled_cached_reqs.append(
                 CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
             )
+            if drafts:
+                output.scheduled_spec_decode_tokens[req.request_id] = drafts
+                num_tokens += len(drafts)
             output.num_scheduled_tokens[req.request_id] = num_tokens
             budget -= num_tokens
             index += 1
         return budget, num_preempted
+
+    def _allocate_with_drafts(self, req: Request, num_tokens: int, budget: int) -> tuple[list[int], list[int] | None]:
+        """KV slots for `num_tokens` plus this step's n-gram drafts; without the drafts when they do not fit.
+
+        Returns:
+            (drafts, new block ids or None when not even `num_tokens` fit).
+        """
+        drafts = self._propose_drafts(req, budget)
+        new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens + len(drafts))
+        if new_block_ids is None and drafts:  # no room for the drafts: run the plain decode instead
+            drafts = []
+            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
+        return drafts, new_block_ids
+
+    def _propose_drafts(self, req: Request, budget: int) -> list[int]:
+        """The n-gram drafts to verify after a decoding request's last token (none for a prefill chunk, a
+        structured-output request, or when the token budget, `max_tokens` or `max_model_len` leave no room)."""
+        structured = req.sampling_params.structured_outputs is not None
+        if self.proposer is None or req.num_tokens_to_compute != 1 or structured:
+            return []
+        room = min(budget, self.max_model_len - req.num_tokens) - 1
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        return self.proposer.propose(req.all_token_ids, room)
 
     def _preempt_for_priority(self, budget: int) -> None:
         """Preempt running requests of worse priority while the best waiting one has no room to start."""
@@ -290,7 +333,7 @@ class Scheduler:
             if req is None or not token_ids or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted while the step ran
             try:
-                output = self._update_request(req, token_ids, model_runner_output)
+                output = self._update_request(req, token_ids, scheduler_output, model_runner_output)
             except Exception as e:  # this request alone fails
                 self._fail_request(req, e)
                 continue
@@ -305,15 +348,26 @@ class Scheduler:
         )
 
     def _update_request(
-        self, req: Request, token_ids: list[int], model_runner_output: ModelRunnerOutput
+        self,
+        req: Request,
+        token_ids: list[int],
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
     ) -> EngineCoreOutput | None:
-        """Apply one request's sampled tokens and stop rules; its output (None when it failed)."""
-        req.append_output_token_ids(token_ids)
-        if req.grammar is not None and not req.grammar.accept(token_ids):
-            self._fail_request(req, f"the grammar rejected sampled token {token_ids}")
+        """Apply one request's verified drafts, sampled tokens and stop rules (checked per appended token, so a
+        stop inside an accepted run ends the request there); its output (None when it failed)."""
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req.request_id)
+        if drafts:
+            self._apply_verification(req, len(drafts), len(token_ids) - 1)
+        token_ids, error = req.append_until_stop(token_ids, self.max_model_len)
+        if error is not None:
+            self._fail_request(req, error)
             return None
-        if req.check_stop(self.max_model_len):
+        if req.is_finished:
             self._free_request(req)
+        new_logprobs = model_runner_output.logprobs.get(req.request_id)
+        if new_logprobs is not None and len(new_logprobs) > len(token_ids):  # a stop inside an accepted run
+            new_logprobs = new_logprobs.head(len(token_ids))
         return EngineCoreOutput(
             req.request_id,
             token_ids,
@@ -321,9 +375,18 @@ class Scheduler:
             req.stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             events=req.take_events(),
-            new_logprobs=model_runner_output.logprobs.get(req.request_id),
+            new_logprobs=new_logprobs,
             new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req.request_id),
+            spec_decode_metrics=req.spec_decode_metrics if req.is_finished else None,
         )
+
+    def _apply_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Take the rejected drafts back from `num_computed_tokens` and count the verification."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        if req.spec_decode_metrics is not None:
+            req.spec_decode_metrics.observe(num_drafts, num_accepted)
+        if self.spec_decode_stats is not None:
+            self.spec_decode_stats.observe(num_drafts, num_accepted)
 
     def make_empty_outputs(self) -> EngineCoreOutputs:
         """The outputs of a step that ran nothing (still reports aborted and failed ids, and stats)."""

@@ -20,6 +20,8 @@ from asyncllm.messages.scheduler import ModelRunnerOutput, NewRequestData, Sched
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.spec_decode.rejection_sampler import RejectionSampler, VerificationResult
+from asyncllm.spec_decode.verification import build_verification_metadata
 from asyncllm.structured_outputs.bitmask import unpack_bitmask
 from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
@@ -107,6 +109,7 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.sampler = Sampler(seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
 
@@ -125,13 +128,16 @@ class ModelRunner:
             return ModelRunnerOutput()
         states = [self.requests[req_id] for req_id in scheduler_output.num_scheduled_tokens]
         query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
-        input_ids, positions, meta = self._prepare_inputs(states, query_lens)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        input_ids, positions, meta = self._prepare_inputs(states, query_lens, spec)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
         rows, sampled_states = self._select_sampling_rows(states, query_lens)
         if not sampled_states:
             return ModelRunnerOutput()
+        if spec:
+            return self._verify_drafts(hidden, rows, sampled_states, scheduler_output)
         logits = self.model.compute_logits(hidden[rows])
         sampling_meta = self._make_sampling_metadata(sampled_states)
         if scheduler_output.grammar_bitmask is not None:
@@ -197,19 +203,62 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(
-        self, states: list[CachedRequestState], query_lens: np.ndarray
+        self, states: list[CachedRequestState], query_lens: np.ndarray, spec: dict[str, list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids and positions ([num_tokens] int64 each) and the attention metadata."""
+        """Flat input ids and positions ([num_tokens] int64 each) and the attention metadata. A request with
+        draft tokens (`spec`) gets them after its known tokens."""
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         seq_lens = starts + query_lens
         chunks = zip(states, starts.tolist(), seq_lens.tolist(), strict=True)
-        input_ids = np.concatenate([np.asarray(s.token_ids[start:end], dtype=np.int64) for s, start, end in chunks])
+        input_ids = np.concatenate(
+            [np.asarray([*s.token_ids[start:end], *spec.get(s.req_id, ())], dtype=np.int64) for s, start, end in chunks]
+        )
         offsets = np.repeat(starts - np.cumsum(query_lens) + query_lens, query_lens)
         positions = offsets + np.arange(int(query_lens.sum()), dtype=np.int64)
         meta = build_attention_metadata(
             query_lens.tolist(), seq_lens.tolist(), [s.block_ids for s in states], self.block_size
         )
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta
+
+    def _verify_drafts(
+        self,
+        hidden: torch.Tensor,
+        last_rows: torch.Tensor,
+        states: list[CachedRequestState],
+        scheduler_output: SchedulerOutput,
+    ) -> ModelRunnerOutput:
+        """Speculative step: logits at every draft position of every sampling request in one matrix, then
+        rejection sampling (`spec_decode/rejection_sampler.py`); each request gets 1..k+1 tokens."""
+        drafts = [scheduler_output.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
+        last = last_rows.tolist()
+        rows = torch.cat([torch.arange(end - len(d), end + 1) for end, d in zip(last, drafts, strict=True)])
+        logits = self.model.compute_logits(hidden[rows])
+        sampling_meta = build_verification_metadata(states, drafts, self.vocab_size)
+        if scheduler_output.grammar_bitmask is not None:  # constrained requests have no drafts: one row each
+            first_rows = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
+            self._add_grammar_bitmask(sampling_meta, states, scheduler_output, first_rows)
+        result = self.rejection_sampler(logits, sampling_meta, drafts)
+        output = ModelRunnerOutput()
+        for state, token_ids in zip(states, result.token_ids, strict=True):
+            state.token_ids.extend(token_ids)
+            output.sampled_token_ids[state.req_id] = token_ids
+        self._add_verified_logprobs(output, states, logits, result)
+        return output
+
+    @staticmethod
+    def _add_verified_logprobs(
+        output: ModelRunnerOutput, states: list[CachedRequestState], logits: torch.Tensor, result: VerificationResult
+    ) -> None:
+        """Sample logprobs of each emitted token, from the raw logits of the row that emitted it."""
+        for state, token_ids, rows in zip(states, result.token_ids, result.rows, strict=True):
+            k = state.sampling_params.logprobs
+            if k is not None:
+                index = torch.tensor(rows, dtype=torch.int64)
+                lists = compute_logprobs(logits[index], torch.tensor(token_ids, dtype=torch.int64), [k] * len(rows))
+                output.logprobs[state.req_id] = lists
+            if state.needs_prompt_logprobs:
+                output.prompt_logprobs[state.req_id] = LogprobsLists.concat(state.prompt_logprobs_parts)
+                state.prompt_logprobs_parts, state.needs_prompt_logprobs = [], False
 
     @staticmethod
     def _select_sampling_rows(
@@ -237,16 +286,23 @@ class ModelRunner:
         return SamplingMetadata.from_params(params, self.vocab_size, generators, rows)
 
     def _add_grammar_bitmask(
-        self, meta: SamplingMetadata, states: list[CachedRequestState], scheduler_output: SchedulerOutput
+        self,
+        meta: SamplingMetadata,
+        states: list[CachedRequestState],
+        scheduler_output: SchedulerOutput,
+        first_rows: list[int] | None = None,
     ) -> None:
         """Map the scheduler's per-request grammar masks onto this step's sampled rows.
 
+        Args:
+            first_rows: each state's first logits row (speculative steps); None = row i is state i.
         Raises:
             KeyError: a masked request does not sample this step (a scheduler/worker protocol bug).
         """
         grammar = scheduler_output.grammar_bitmask
         assert grammar is not None
-        row_of = {state.req_id: row for row, state in enumerate(states)}
+        first_rows = first_rows if first_rows is not None else list(range(len(states)))
+        row_of = {state.req_id: row for row, state in zip(first_rows, states, strict=True)}
         meta.grammar_rows = torch.tensor([row_of[req_id] for req_id in grammar.req_ids], dtype=torch.int64)
         meta.grammar_allowed = unpack_bitmask(grammar.to_tensor(), self.vocab_size)
 

@@ -104,12 +104,26 @@ class Sampler:
         Source: exponential race (argmax p/q, q ~ Exp(1)) as in vLLM's `random_sample`; top-k/top-p masking
             with one ascending sort as in vLLM's `apply_top_k_top_p`.
         """
+        greedy_tokens, probs = self.compute_probs(logits, meta)
+        if probs is None:
+            return greedy_tokens
+        sampled = probs.div_(self.draw_noise(probs, meta.generators)).argmax(dim=-1)
+        return torch.where(meta.temperature == 0, greedy_tokens, sampled)
+
+    def compute_probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target distribution of every row, in the order `__call__` documents.
+
+        Returns:
+            [num_reqs] int64 argmax of the edited logits (the token of greedy rows), and [num_reqs, vocab_size]
+            float32 probabilities after temperature, min-p, top-k and top-p (None when every row is greedy;
+            rows of greedy requests hold their temperature-1 distribution and are not to be sampled from).
+        """
         if meta.grammar_rows is not None and meta.grammar_allowed is not None:
             logits = apply_grammar_bitmask(logits, meta.grammar_rows, meta.grammar_allowed)
         logits = meta.edits.apply_before_temperature(logits)
         greedy_tokens = logits.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy_tokens
+            return greedy_tokens, None
         is_greedy = meta.temperature == 0
         temperature = torch.where(is_greedy, 1.0, meta.temperature)
         scaled = logits / temperature.unsqueeze(1)
@@ -119,11 +133,10 @@ class Sampler:
         if top_k is not None:  # greedy rows keep vocab_size (disabled); they must not force a full sort
             top_k = torch.where(is_greedy, top_k[~is_greedy].max(), top_k)
         scaled = apply_top_k_top_p(scaled, top_k, meta.top_p)
-        probs = scaled.softmax(dim=-1)
-        sampled = probs.div_(self._draw_noise(probs, meta.generators)).argmax(dim=-1)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+        return greedy_tokens, scaled.softmax(dim=-1)
 
-    def _draw_noise(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    def draw_noise(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """[num_reqs, vocab_size] Exp(1) noise: seeded rows from their generator, the others from the shared one."""
         noise = torch.empty_like(probs)
         if len(generators) < probs.shape[0]:
             noise.exponential_(generator=self.generator)

@@ -2,8 +2,9 @@
 
 Field names and meanings follow the OpenAI API reference (`/v1/completions`, `/v1/chat/completions`, with
 `tools`, `tool_choice`, `parallel_tool_calls` and `response_format`) plus vLLM's extra fields (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `structured_outputs`). Types are checked
-here; ranges are checked once, by `SamplingParams.validate()`.
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `structured_outputs`,
+`repetition_detection`, `cache_salt`). Types are checked here; ranges are checked once, by
+`SamplingParams.validate()`.
 Unknown fields are rejected (HTTP 400 naming the field): a field the server cannot honour is never ignored.
 """
 
@@ -14,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from asyncllm.sampling_params import MAX_LOGPROBS, RepetitionDetectionParams, RequestOutputKind, SamplingParams
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 
@@ -26,6 +27,16 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class RepetitionDetection(BaseModel):
+    """vLLM's `repetition_detection` object (see `asyncllm.RepetitionDetectionParams`); a request it stops
+    finishes with `finish_reason: "repetition"`, as vLLM's server answers."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
 
 
 class SamplingFields(BaseModel):
@@ -56,6 +67,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # prefix-cache isolation (`AsyncLLM.generate(cache_salt=)`), vLLM's extra field
     cache_salt: str | None = Field(default=None, min_length=1)
+    repetition_detection: RepetitionDetection | None = None
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's `SamplingParams` (DELTA outputs) for this request.
@@ -84,6 +96,11 @@ class SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA,
+            repetition_detection=(
+                RepetitionDetectionParams(**self.repetition_detection.model_dump())
+                if self.repetition_detection is not None
+                else None
+            ),
         )
 
     @property

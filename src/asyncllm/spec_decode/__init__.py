@@ -1,0 +1,1 @@
+"""Speculative decoding: the n-gram proposer (engine core), rejection sampling (worker), metrics."""
