@@ -87,6 +87,8 @@ class ParallelConfig:
             or the Ray already initialized in the engine's process, else a new local cluster.
         ray_placement_timeout_s: seconds to wait for the Ray placement group's resources.
         ray_cpus_per_worker: CPUs reserved per rank in the Ray placement group (may be fractional).
+        engine_timeout: seconds without a heartbeat from the engine process after which the client declares it
+            unresponsive (streams fail with `EngineDeadError`); None = never (only a process exit is noticed).
     """
 
     engine_process: bool = True
@@ -96,6 +98,7 @@ class ParallelConfig:
     ray_address: str | None = None
     ray_placement_timeout_s: float = 60.0
     ray_cpus_per_worker: float = 1.0
+    engine_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,10 @@ class EngineArgs:
             new local cluster).
         ray_placement_timeout_s: seconds to wait for the Ray placement group's CPUs before failing.
         ray_cpus_per_worker: CPUs each rank reserves in the Ray placement group (fractional allowed; default 1).
+        engine_timeout: seconds the engine may stay silent (no heartbeat) while a task waits for its outputs
+            before the client reports it unresponsive (`EngineDeadError`, e.g. a SIGSTOPped or frozen engine
+            process). The heartbeat comes from a thread of the engine beside its busy loop, so a long step is not
+            silence. None (default) = off: only an engine that exits is noticed. See docs/reliability.md.
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
         scheduling_policy: "fcfs" (default) or "priority" (`generate(..., priority=)`, lower first).
         log_stats: log engine stats (throughput, queue, KV cache, prefix cache hits) periodically.
@@ -179,6 +186,7 @@ class EngineArgs:
     ray_address: str | None = None
     ray_placement_timeout_s: float = 60.0
     ray_cpus_per_worker: float = 1.0
+    engine_timeout: float | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     log_stats: bool = False
@@ -232,6 +240,10 @@ class EngineArgs:
             )
         if not isinstance(self.ray_cpus_per_worker, (int, float)) or not self.ray_cpus_per_worker > 0:
             raise ConfigError(f"EngineArgs.ray_cpus_per_worker={self.ray_cpus_per_worker!r}: must be > 0")
+        timeout = self.engine_timeout
+        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if timeout is not None and (not number or not timeout > 0):
+            raise ConfigError(f"EngineArgs.engine_timeout={timeout!r}: must be None or > 0 (seconds)")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
             raise ConfigError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
 
@@ -272,6 +284,7 @@ class EngineArgs:
             ray_address=self.ray_address,
             ray_placement_timeout_s=float(self.ray_placement_timeout_s),
             ray_cpus_per_worker=float(self.ray_cpus_per_worker),
+            engine_timeout=None if self.engine_timeout is None else float(self.engine_timeout),
         )
         observability = ObservabilityConfig(
             log_stats=bool(self.log_stats), stats_log_interval=float(self.stats_log_interval)
