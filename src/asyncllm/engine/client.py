@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -53,7 +54,7 @@ from asyncllm.messages.engine import (
     UtilityCall,
     UtilityResult,
 )
-from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.messages.serial import MessageDecodeError, MsgpackDecoder, MsgpackEncoder
 from asyncllm.utils.loops import LoopBinding
 from asyncllm.utils.process import ChildProcess, make_ipc_dir, remove_ipc_dir
 
@@ -105,7 +106,10 @@ class EngineCoreClient:
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._outputs: deque[EngineCoreOutputs] = deque()
         self._results: dict[int, UtilityResult] = {}
-        self._call_ids = itertools.count()
+        self._pending_calls: set[int] = set()
+        # Random start: a stray or forged utility answer (e.g. a late one, a frame replayed on the socket) cannot
+        # be mistaken for the answer to a call of ours; answers to calls nobody waits for are dropped.
+        self._call_ids = itertools.count(secrets.randbelow(1 << 62))
         self._loop = LoopBinding("this AsyncLLM")
         self._reading = False
         self._turn_passed: anyio.Event | None = None
@@ -217,11 +221,13 @@ class EngineCoreClient:
         if method not in UTILITY_METHODS:
             raise EngineGenerateError(f"unknown utility method {method!r}; known: {sorted(UTILITY_METHODS)}")
         call_id = next(self._call_ids)
+        self._pending_calls.add(call_id)
         try:
             self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
             await self._read_until(lambda: call_id in self._results)
             result = self._results.pop(call_id)
         finally:
+            self._pending_calls.discard(call_id)
             self._results.pop(call_id, None)
         if result.error is not None:
             raise EngineGenerateError(f"engine utility call {method} failed: {result.error}")
@@ -352,11 +358,12 @@ class EngineCoreClient:
             return
         try:
             outputs: EngineCoreOutputs = self._decoder.decode([f.buffer for f in frames])
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        except MessageDecodeError as e:
             logger.error("dropped an undecodable output message: %s", e)
             return
-        if outputs.utility_result is not None:
-            self._results[outputs.utility_result.call_id] = outputs.utility_result
+        result = outputs.utility_result
+        if result is not None and result.call_id in self._pending_calls:
+            self._results[result.call_id] = result
         if outputs.outputs or outputs.finished_requests or outputs.failed_requests:
             self._outputs.append(outputs)
 

@@ -47,7 +47,7 @@ from asyncllm.messages.engine import (
     UtilityCall,
     UtilityResult,
 )
-from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.messages.serial import MessageDecodeError, MsgpackDecoder, MsgpackEncoder
 from asyncllm.utils.process import die_with_parent, read_launch_message
 
 logger = logging.getLogger(__name__)
@@ -176,8 +176,10 @@ class EngineCoreProc:
             frames = socket.recv_multipart(copy=False)
             try:
                 self._inputs.put(decode_request([f.buffer for f in frames], decoders))
-            except Exception as e:
+            except MessageDecodeError as e:
                 logger.warning("dropped a malformed request (%d frames): %s", len(frames), _brief(e))
+            except Exception:  # a decoder bug must not stop the engine's only input path either
+                logger.exception("dropped a request the decoder failed on (%d frames)", len(frames))
         socket.close(linger=0)
 
     def _send_outputs(self, address: str) -> None:
@@ -217,18 +219,17 @@ def decode_request(frames: list[memoryview], decoders: dict[EngineCoreRequestTyp
     """Decode `[type byte, payload, *array frames]` into `(EngineCoreRequestType, payload object)`.
 
     Raises:
-        ValueError: unknown type byte or missing payload.
-        msgspec.DecodeError / msgspec.ValidationError: a payload that is not the expected struct.
+        MessageDecodeError: unknown type byte, missing payload, or a payload that is not the expected struct.
     """
     if not frames:
-        raise ValueError("empty message")
+        raise MessageDecodeError("empty message")
     kind = _REQUEST_TYPES.get(bytes(frames[0]))
     if kind is None:
-        raise ValueError(f"unknown request type {bytes(frames[0][:8])!r}")
+        raise MessageDecodeError(f"unknown request type {bytes(frames[0][:8])!r}")
     if kind is EngineCoreRequestType.SHUTDOWN:
         return kind, None
     if len(frames) < 2:
-        raise ValueError(f"{kind.name} without a payload")
+        raise MessageDecodeError(f"{kind.name} without a payload")
     return kind, decoders[kind].decode(frames[1:])
 
 

@@ -261,6 +261,7 @@ UTILITY_METHODS: dict[str, Any] = {
     "reset_prefix_cache": bool,
     "collective_rpc": list[Any],
     "echo": list[Any],
+    "count_request_states": dict[str, int],
 }
 """The `EngineCore` methods a client may call, with the type their result is decoded to on the client."""
 
