@@ -96,6 +96,8 @@ class ParallelConfig:
         data_parallel_rank: this engine core's rank (set per engine by the client; 0 without DP).
         restart_dead_engines: with DP, an engine that dies fails its own requests and a fresh engine takes its
             rank, instead of making the whole client dead.
+        engine_timeout: seconds without a heartbeat from the engine process after which the client declares it
+            unresponsive (streams fail with `EngineDeadError`); None = never (only a process exit is noticed).
     """
 
     engine_process: bool = True
@@ -109,6 +111,7 @@ class ParallelConfig:
     data_parallel_backend: DataParallelBackend = "mp"
     data_parallel_rank: int = 0
     restart_dead_engines: bool = False
+    engine_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,10 @@ class EngineArgs:
             `asyncllm[ray]`; uses `ray_address`, `ray_cpus_per_worker`, `ray_placement_timeout_s`).
         restart_dead_engines: with `data_parallel_size > 1`, a dead engine fails only its own requests and a
             fresh engine takes its rank (default False: the first engine death makes the AsyncLLM dead).
+        engine_timeout: seconds the engine may stay silent (no heartbeat) while a task waits for its outputs
+            before the client reports it unresponsive (`EngineDeadError`, e.g. a SIGSTOPped or frozen engine
+            process). The heartbeat comes from a thread of the engine beside its busy loop, so a long step is not
+            silence. None (default) = off: only an engine that exits is noticed. See docs/reliability.md.
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
         scheduling_policy: "fcfs" (default) or "priority" (`generate(..., priority=)`, lower first).
         prebuild_grammar_compiler: import xgrammar and build its vocabulary tables in a background thread as
@@ -268,6 +275,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     data_parallel_backend: DataParallelBackend = "mp"
     restart_dead_engines: bool = False
+    engine_timeout: float | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
     prebuild_grammar_compiler: bool = False
@@ -324,6 +332,10 @@ class EngineArgs:
             )
         if not isinstance(self.ray_cpus_per_worker, (int, float)) or not self.ray_cpus_per_worker > 0:
             raise ConfigError(f"EngineArgs.ray_cpus_per_worker={self.ray_cpus_per_worker!r}: must be > 0")
+        timeout = self.engine_timeout
+        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if timeout is not None and (not number or not timeout > 0):
+            raise ConfigError(f"EngineArgs.engine_timeout={timeout!r}: must be None or > 0 (seconds)")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
             raise ConfigError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
         if self.speculative_config is not None:
@@ -337,6 +349,11 @@ class EngineArgs:
             raise ConfigError(
                 "EngineArgs.data_parallel_size > 1 needs engine_process=True: engine cores in threads of one process"
                 " share its interpreter lock, so a second one adds no throughput"
+            )
+        if self.data_parallel_size > 1 and self.engine_timeout is not None:
+            raise ConfigError(
+                "EngineArgs.engine_timeout is not supported with data_parallel_size > 1 yet: the engines share one"
+                " heartbeat socket, so one frozen engine would go unnoticed"
             )
 
     def create_engine_config(self) -> EngineConfig:
@@ -380,6 +397,7 @@ class EngineArgs:
             data_parallel_size=self.data_parallel_size,
             data_parallel_backend=self.data_parallel_backend,
             restart_dead_engines=bool(self.restart_dead_engines),
+            engine_timeout=None if self.engine_timeout is None else float(self.engine_timeout),
         )
         observability = ObservabilityConfig(
             log_stats=bool(self.log_stats), stats_log_interval=float(self.stats_log_interval)

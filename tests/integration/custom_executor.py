@@ -22,3 +22,24 @@ class TaggedExecutor(UniProcExecutor):
         if method == "get_model_info" and unique_reply_rank is None:  # a user's call, not the engine's start-up
             return [[*r, "tagged"] for r in results]
         return results
+
+
+class FaultyForwardExecutor(UniProcExecutor):
+    """The `uni` executor whose model forward raises in step `FAIL_AT_STEP` (1-based; warm-up not counted).
+
+    The exception is raised inside the model's `forward` (a one-shot forward pre-hook), as a real fault in a
+    kernel would be, so it travels the worker -> executor -> engine core path unchanged.
+    """
+
+    FAIL_AT_STEP = 5
+    MESSAGE = "injected fault in the model forward"
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        self.num_steps = getattr(self, "num_steps", 0) + 1
+        if self.num_steps == self.FAIL_AT_STEP and self.worker is not None:
+            self.worker.model_runner.model.register_forward_pre_hook(_raise_fault)
+        return super().execute_model(scheduler_output)
+
+
+def _raise_fault(module: Any, args: Any) -> None:
+    raise RuntimeError(f"{FaultyForwardExecutor.MESSAGE} at step {FaultyForwardExecutor.FAIL_AT_STEP}")

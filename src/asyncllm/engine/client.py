@@ -13,6 +13,12 @@ Death: a watcher thread waits for the engine (process or thread) to end; if it e
 marked dead (`errored`, `check_health()`, `add_request()` raise) and an `ENGINE_CORE_DEAD` message is pushed into
 our own PULL socket, so every waiter fails within milliseconds even when no output flows. The engine core itself
 sends `[ENGINE_CORE_DEAD, reason]` when a step raises.
+
+Unresponsive engine (only with `ParallelConfig.engine_timeout`): a heartbeat thread binds a third PULL socket and
+reads the beats a thread of the engine sends beside its busy loop; when a task waits for outputs and no beat came
+for `engine_timeout` seconds (a SIGSTOPped or frozen engine process), the client is marked dead the same way, and
+`shutdown()` then kills the process without waiting for it. A busy engine (a long step) keeps beating, so it is
+never declared dead. vLLM's V0 multiprocessing client had such a heartbeat; vLLM V1 watches only the process.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -33,6 +40,7 @@ import msgspec
 import zmq
 
 from asyncllm import errors
+from asyncllm.engine.core_proc import heartbeat_address
 from asyncllm.engine.launcher import EngineLauncher, launch_engine
 from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
 from asyncllm.messages.engine import (
@@ -46,7 +54,7 @@ from asyncllm.messages.engine import (
     UtilityCall,
     UtilityResult,
 )
-from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.messages.serial import MessageDecodeError, MsgpackDecoder, MsgpackEncoder
 from asyncllm.utils.loops import LoopBinding
 from asyncllm.utils.process import ChildProcess, make_ipc_dir, remove_ipc_dir
 
@@ -98,11 +106,16 @@ class EngineCoreClient:
         self._decoder = MsgpackDecoder(EngineCoreOutputs)
         self._outputs: deque[EngineCoreOutputs] = deque()
         self._results: dict[int, UtilityResult] = {}
-        self._call_ids = itertools.count()
+        self._pending_calls: set[int] = set()
+        # Random start: a stray or forged utility answer (e.g. a late one, a frame replayed on the socket) cannot
+        # be mistaken for the answer to a call of ours; answers to calls nobody waits for are dropped.
+        self._call_ids = itertools.count(secrets.randbelow(1 << 62))
         self._loop = LoopBinding("this AsyncLLM")
         self._reading = False
         self._turn_passed: anyio.Event | None = None
         self.launcher: EngineLauncher | None = None
+        self._unresponsive = False
+        self._heartbeat_watcher: threading.Thread | None = None
         in_thread = not config.parallel.engine_process if in_thread is None else in_thread
         self.ipc_dir = make_ipc_dir()
         try:  # every failure from here on removes the ipc directory (and whatever else was made)
@@ -113,6 +126,14 @@ class EngineCoreClient:
             raise
         self._watcher = threading.Thread(target=self._watch_engine, name="asyncllm-engine-watch", daemon=True)
         self._watcher.start()
+        if config.parallel.engine_timeout is not None:
+            self._heartbeat_watcher = threading.Thread(
+                target=self._watch_heartbeats,
+                args=(config.parallel.engine_timeout,),
+                name="asyncllm-engine-heartbeat",
+                daemon=True,
+            )
+            self._heartbeat_watcher.start()
         # Safety net for a client dropped without shutdown(): at interpreter exit, stop the engine, remove the dir.
         self._leftovers = weakref.finalize(self, _clean_up_leftovers, launcher, self.ipc_dir)
 
@@ -195,11 +216,13 @@ class EngineCoreClient:
         if method not in UTILITY_METHODS:
             raise EngineGenerateError(f"unknown utility method {method!r}; known: {sorted(UTILITY_METHODS)}")
         call_id = next(self._call_ids)
+        self._pending_calls.add(call_id)
         try:
             self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
             await self._read_until(lambda: call_id in self._results)
             result = self._results.pop(call_id)
         finally:
+            self._pending_calls.discard(call_id)
             self._results.pop(call_id, None)
         if result.error is not None:
             raise EngineGenerateError(f"engine utility call {method} failed: {result.error}")
@@ -220,10 +243,12 @@ class EngineCoreClient:
         self._closed = True
         with contextlib.suppress(EngineDeadError, zmq.ZMQError):
             self._send(EngineCoreRequestType.SHUTDOWN, None)
-        if self.launcher is not None:
-            self.launcher.stop(SHUTDOWN_TIMEOUT_S)
+        if self.launcher is not None:  # an unresponsive engine will not exit by itself: force it at once
+            self.launcher.stop(0 if self._unresponsive else SHUTDOWN_TIMEOUT_S)
         self._push_dead_message(SHUT_DOWN)  # wakes a reader blocked on another thread's loop
         self._watcher.join(SHUTDOWN_TIMEOUT_S)
+        if self._heartbeat_watcher is not None:
+            self._heartbeat_watcher.join(SHUTDOWN_TIMEOUT_S)  # it closes its socket before the context ends
         self._close_resources()
         self._leftovers.detach()
 
@@ -344,11 +369,12 @@ class EngineCoreClient:
             return
         try:
             outputs: EngineCoreOutputs = self._decoder.decode([f.buffer for f in frames])
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        except MessageDecodeError as e:
             logger.error("dropped an undecodable output message: %s", e)
             return
-        if outputs.utility_result is not None:
-            self._results[outputs.utility_result.call_id] = outputs.utility_result
+        result = outputs.utility_result
+        if result is not None and result.call_id in self._pending_calls:
+            self._results[result.call_id] = result
         if outputs.outputs or outputs.finished_requests or outputs.failed_requests:
             self._outputs.append(outputs)
 
@@ -373,6 +399,30 @@ class EngineCoreClient:
         reason = self.launcher.describe_exit()
         self._mark_dead(reason)
         self._push_dead_message(reason)
+
+    def _watch_heartbeats(self, timeout_s: float) -> None:
+        """Read the engine's heartbeats; mark the engine dead when a task waits for outputs and none came for
+        `timeout_s` seconds. Ends at shutdown or death; owns (binds and closes) the heartbeat socket."""
+        socket = self._ctx.socket(zmq.PULL)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.bind(heartbeat_address(self._output_address))
+            last_heard = time.monotonic()
+            while not self._closed and self._dead is None:
+                if socket.poll(POLL_INTERVAL_MS):
+                    while socket.poll(0):
+                        socket.recv(zmq.NOBLOCK)
+                    last_heard = time.monotonic()
+                    continue
+                silent_s = time.monotonic() - last_heard
+                if silent_s > timeout_s and self._reading:
+                    reason = f"unresponsive: no heartbeat for {silent_s:.1f} s (engine_timeout={timeout_s:g} s)"
+                    self._unresponsive = True
+                    self._mark_dead(reason)
+                    self._push_dead_message(reason)
+                    return
+        finally:
+            socket.close(linger=0)
 
     def _push_dead_message(self, reason: str) -> None:
         """Wake a reader through its own socket (thread-safe: a new socket owned by this thread)."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncllm.config import EngineConfig
+from asyncllm.errors import InvalidRequestError
 from asyncllm.executors import get_executor_class
 from asyncllm.executors.base import Executor
 from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, EngineReadyInfo, SchedulerStats
@@ -21,6 +22,28 @@ from asyncllm.structured_outputs.manager import StructuredOutputManager, make_to
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_SECONDS = 0.005  # an idle step waits this long for a compiling grammar instead of spinning
+
+
+def check_request(request: EngineCoreRequest, info: EngineReadyInfo) -> None:
+    """The checks the engine cannot trust to the sender: prompt length and token ids (against the model),
+    sampling parameters (re-run: a struct can be changed after its decoding validated it).
+
+    Raises:
+        InvalidRequestError: naming what is wrong.
+    """
+    ids = request.prompt_token_ids
+    if not ids or len(ids) >= info.max_model_len:
+        raise InvalidRequestError(f"the prompt has {len(ids)} tokens; 1 to {info.max_model_len - 1} are allowed")
+    bad = [t for t in ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {info.vocab_size})")
+    params = request.sampling_params
+    params.validate()
+    params.validate_vocab(info.vocab_size)
+    if params.max_tokens is not None and len(ids) + params.max_tokens > info.max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) > max_model_len ({info.max_model_len})"
+        )
 
 
 class EngineCore:
@@ -69,7 +92,17 @@ class EngineCore:
         return EngineReadyInfo(info.num_kv_blocks, capacity, info.vocab_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request (validated by the frontend)."""
+        """Queue a request. The frontend validated it; a request that arrives otherwise (a raw frame) is checked
+        again here, so no message can make a step fail for every request.
+
+        Raises:
+            InvalidRequestError: a prompt that is empty, too long, or has a token id outside the vocabulary, a
+                sampling parameter the frontend would have refused, or the id of a request still in the engine
+                (the request fails alone).
+        """
+        check_request(request, self.ready_info)
+        if request.request_id in self.scheduler.requests:  # two live requests under one id break the step
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in the engine")
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -120,6 +153,22 @@ class EngineCore:
             ExecutorError: a worker raised, died, or did not answer within `timeout` seconds.
         """
         return self.executor.collective_rpc(method, tuple(args), kwargs, timeout, unique_reply_rank)
+
+    def count_request_states(self) -> dict[str, int]:
+        """How many requests each per-request structure holds now (leak checks; all 0 when idle): the scheduler's
+        request map, waiting queue, running list and KV block tables, grammars pending, and the requests cached
+        by the busiest worker's model runner (finished requests leave it in the step after they finish)."""
+        scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
+        return {
+            "scheduler.requests": len(scheduler.requests),
+            "scheduler.waiting": len(scheduler.waiting),
+            "scheduler.running": len(scheduler.running),
+            "kv_cache_manager.block_tables": len(manager._req_to_blocks),
+            "kv_cache_manager.num_cached_blocks": len(manager._req_to_num_cached_blocks),
+            "structured_outputs.pending": len(self.structured_output_manager.pending),
+            "model_runner.requests": max(self.executor.collective_rpc("count_requests")),
+        }
 
     def echo(self, *args: Any) -> list[Any]:
         """Return the arguments (round-trip probes of the client <-> core path)."""

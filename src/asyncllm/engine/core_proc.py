@@ -8,6 +8,10 @@ a queue; an output thread encodes and sends `EngineCoreOutputs` to the client's 
 encoding never run on the step loop. Malformed frames (bad type byte, undecodable payload, pickles) are logged
 and dropped: the decoders are typed msgspec decoders, so nothing in a frame is ever executed.
 
+Heartbeat (only with `ParallelConfig.engine_timeout`): a fourth thread sends `ENGINE_HEARTBEAT` to the client's
+heartbeat socket every `engine_timeout / 4` seconds (at most 1 s). It shares nothing with the busy loop, so a long
+step never silences it; only a frozen (SIGSTOPped, swapped-out, deadlocked-in-C) process does.
+
 Start-up: build the core, then send an `EngineHandshake` (ready info, or the start-up error) on the DEALER.
 Death: an exception in a step sends `[ENGINE_CORE_DEAD, reason]` and stops (the process exits with code 1).
 Follows vLLM v1's `vllm/v1/engine/core.py` (`EngineCoreProc`).
@@ -15,6 +19,7 @@ Follows vLLM v1's `vllm/v1/engine/core.py` (`EngineCoreProc`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -33,6 +38,7 @@ from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
 from asyncllm.messages.engine import (
     CLIENT_REQUEST_TYPES,
     ENGINE_CORE_DEAD,
+    ENGINE_HEARTBEAT,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -41,13 +47,14 @@ from asyncllm.messages.engine import (
     UtilityCall,
     UtilityResult,
 )
-from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
+from asyncllm.messages.serial import MessageDecodeError, MsgpackDecoder, MsgpackEncoder
 from asyncllm.utils.process import die_with_parent, read_launch_message
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_LINGER_MS = 2000
 INPUT_POLL_MS = 100  # the input thread checks for shutdown this often while idle
 OUTPUT_FLUSH_TIMEOUT_S = 5.0
+MAX_HEARTBEAT_INTERVAL_S = 1.0
 _REQUEST_TYPES = {t.value: t for t in CLIENT_REQUEST_TYPES}
 _STOP = object()
 CoreFactory = str | Callable[[EngineConfig], Any] | None
@@ -128,6 +135,14 @@ class EngineCoreProc:
         )
         self._input_thread.start()
         self._output_thread.start()
+        if config.parallel.engine_timeout is not None:
+            interval = min(config.parallel.engine_timeout / 4, MAX_HEARTBEAT_INTERVAL_S)
+            threading.Thread(
+                target=self._send_heartbeats,
+                args=(heartbeat_address(output_address), interval),
+                name="engine-heartbeat",
+                daemon=True,
+            ).start()
 
     def run(self) -> int:
         """Serve until a SHUTDOWN request (returns 0) or a failed step (sends ENGINE_CORE_DEAD, returns 1).
@@ -167,8 +182,10 @@ class EngineCoreProc:
             frames = socket.recv_multipart(copy=False)
             try:
                 self._inputs.put(decode_request([f.buffer for f in frames], decoders))
-            except Exception as e:
+            except MessageDecodeError as e:
                 logger.warning("dropped a malformed request (%d frames): %s", len(frames), _brief(e))
+            except Exception:  # a decoder bug must not stop the engine's only input path either
+                logger.exception("dropped a request the decoder failed on (%d frames)", len(frames))
         socket.close(linger=0)
 
     def _send_outputs(self, address: str) -> None:
@@ -188,23 +205,39 @@ class EngineCoreProc:
             socket.send_multipart(encode_outputs(encoder, item), copy=False)
         socket.close()
 
+    def _send_heartbeats(self, address: str, interval_s: float) -> None:
+        """Send `ENGINE_HEARTBEAT` every `interval_s` seconds until the engine stops (never blocks: a full queue
+        towards a client that stopped reading drops the beat)."""
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 4)
+        socket.connect(address)
+        while not self._stopping.wait(interval_s):
+            with contextlib.suppress(zmq.Again):
+                socket.send(ENGINE_HEARTBEAT, zmq.NOBLOCK)
+        socket.close(linger=0)
+
+
+def heartbeat_address(output_address: str) -> str:
+    """The client's heartbeat socket address, next to its output socket."""
+    return f"{output_address}-heartbeat"
+
 
 def decode_request(frames: list[memoryview], decoders: dict[EngineCoreRequestType, MsgpackDecoder]) -> tuple[Any, Any]:
     """Decode `[type byte, payload, *array frames]` into `(EngineCoreRequestType, payload object)`.
 
     Raises:
-        ValueError: unknown type byte or missing payload.
-        msgspec.DecodeError / msgspec.ValidationError: a payload that is not the expected struct.
+        MessageDecodeError: unknown type byte, missing payload, or a payload that is not the expected struct.
     """
     if not frames:
-        raise ValueError("empty message")
+        raise MessageDecodeError("empty message")
     kind = _REQUEST_TYPES.get(bytes(frames[0]))
     if kind is None:
-        raise ValueError(f"unknown request type {bytes(frames[0][:8])!r}")
+        raise MessageDecodeError(f"unknown request type {bytes(frames[0][:8])!r}")
     if kind is EngineCoreRequestType.SHUTDOWN:
         return kind, None
     if len(frames) < 2:
-        raise ValueError(f"{kind.name} without a payload")
+        raise MessageDecodeError(f"{kind.name} without a payload")
     return kind, decoders[kind].decode(frames[1:])
 
 

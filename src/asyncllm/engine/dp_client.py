@@ -89,7 +89,7 @@ class DPEngineCoreClient(EngineCoreClient):
         self._ready_infos: dict[int, EngineReadyInfo] = {}
         self._balancer = LoadBalancer(config.cache.block_size, config.cache.enable_prefix_caching)
         self._lb_lock = threading.RLock()  # the balancer is used by the loop thread and the death watcher
-        self._pending_calls: dict[int, int] = {}  # utility call id -> rank
+        self._call_ranks: dict[int, int] = {}  # utility call id -> rank
         self._scaling = False
         self._ray_engines: RayEngines | None = None
         super().__init__(config, in_thread=False, ready_timeout_s=ready_timeout_s, core_factory=core_factory)
@@ -172,7 +172,8 @@ class DPEngineCoreClient(EngineCoreClient):
         calls = {rank: next(self._call_ids) for rank in self.engine_ranks}
         try:
             for rank, call_id in calls.items():
-                self._pending_calls[call_id] = rank
+                self._call_ranks[call_id] = rank
+                self._pending_calls.add(call_id)
                 self._send(
                     EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)), self._identities[rank]
                 )
@@ -181,7 +182,8 @@ class DPEngineCoreClient(EngineCoreClient):
         finally:
             for call_id in calls.values():
                 self._results.pop(call_id, None)
-                self._pending_calls.pop(call_id, None)
+                self._call_ranks.pop(call_id, None)
+                self._pending_calls.discard(call_id)
         return {rank: decode_utility_result(method, rank, result) for rank, result in results.items()}
 
     def shutdown(self) -> None:
@@ -363,7 +365,7 @@ class DPEngineCoreClient(EngineCoreClient):
         with self._lb_lock:
             lost = self._balancer.remove_engine(rank)
         self._identities.pop(rank, None)
-        calls = [call_id for call_id, r in list(self._pending_calls.items()) if r == rank]
+        calls = [call_id for call_id, r in list(self._call_ranks.items()) if r == rank]
         self._push_outputs(EngineCoreOutputs(failed_requests=dict.fromkeys(lost, reason), engine_index=rank))
         for call_id in calls:
             self._push_outputs(EngineCoreOutputs(utility_result=UtilityResult(call_id, error=reason)))

@@ -306,6 +306,9 @@ ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 """First frame of the message an engine core sends when it dies of an exception (it stops right after); the
 second frame is the reason, UTF-8 ("ExceptionType: message")."""
 
+ENGINE_HEARTBEAT = b"ENGINE_HEARTBEAT"
+"""The one frame an engine core sends on the client's heartbeat socket while alive (see `engine_timeout`)."""
+
 
 class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Payload of a UTILITY request: call `EngineCore.<method>(*args)` and answer with `UtilityResult(call_id)`.
@@ -324,6 +327,7 @@ UTILITY_METHODS: dict[str, Any] = {
     "reset_prefix_cache": bool,
     "collective_rpc": list[Any],
     "echo": list[Any],
+    "count_request_states": dict[str, int],
 }
 """The `EngineCore` methods a client may call, with the type their result is decoded to on the client."""
 

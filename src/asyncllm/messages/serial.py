@@ -13,6 +13,7 @@ index of the frame holding them (out of band).
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,14 @@ EXT_TORCH = 2
 ALLOWED_DTYPE_KINDS = frozenset("biuf")  # bool, signed, unsigned, float; no object/void/str arrays
 
 Buffer = bytes | bytearray | memoryview
+# What `MsgpackEncoder` writes (numpy's `dtype.str` of a plain numeric dtype). `numpy.dtype()` parses far more
+# (comma lists, tuples, and raises TypeError or even SyntaxError on junk), so anything else is refused unparsed.
+_DTYPE_STR = re.compile(r"[<>|=]?[biuf][1248]")
+
+
+class MessageDecodeError(ValueError):
+    """A frame that is not a valid message of the expected type: malformed msgpack, a payload of the wrong shape
+    or type, or a bad array extension (unknown dtype, wrong size, missing frame). The only error decoding raises."""
 
 
 class MsgpackEncoder:
@@ -82,8 +91,7 @@ class MsgpackDecoder:
     Args:
         type_: the expected type, e.g. `EngineCoreRequest`; `Any` decodes to plain objects.
     Raises (from `decode`):
-        msgspec.DecodeError / msgspec.ValidationError: malformed or mistyped payload.
-        ValueError: a bad array extension (unknown dtype, wrong size, missing frame).
+        MessageDecodeError: malformed or mistyped payload, or a bad array extension.
     """
 
     def __init__(self, type_: Any = Any) -> None:
@@ -91,15 +99,26 @@ class MsgpackDecoder:
         self._frames: Sequence[Buffer] = ()
 
     def decode(self, frames: Sequence[Buffer]) -> Any:
+        """Decode `frames` (frame 0: the msgpack payload; the rest: out-of-band array data).
+
+        Raises:
+            MessageDecodeError: see the class docstring.
+        """
+        if not frames:
+            raise MessageDecodeError("no frames")
         self._frames = frames
         try:
             return self._decoder.decode(frames[0])
+        except MessageDecodeError:
+            raise
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, OverflowError) as e:
+            raise MessageDecodeError(f"{type(e).__name__}: {e}") from e
         finally:
             self._frames = ()
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code not in (EXT_NUMPY, EXT_TORCH):
-            raise ValueError(f"unknown msgpack extension type {code}")
+            raise MessageDecodeError(f"unknown msgpack extension type {code}")
         array = self._decode_array(data)
         if code == EXT_TORCH:
             import torch
@@ -112,12 +131,12 @@ class MsgpackDecoder:
         import numpy as np
 
         dtype_str, shape, payload = msgspec.msgpack.decode(data, type=tuple[str, list[int], int | bytes])
+        if not _DTYPE_STR.fullmatch(dtype_str) or any(d < 0 for d in shape):
+            raise MessageDecodeError(f"refusing array extension with dtype {dtype_str[:16]!r} and shape {shape[:8]}")
         dtype = np.dtype(dtype_str)
-        if dtype.kind not in ALLOWED_DTYPE_KINDS or any(d < 0 for d in shape):
-            raise ValueError(f"refusing array extension with dtype {dtype_str!r} and shape {shape}")
         if isinstance(payload, int):
             if not 0 < payload < len(self._frames):
-                raise ValueError(f"array extension refers to missing frame {payload}")
+                raise MessageDecodeError(f"array extension refers to missing frame {payload}")
             buffer: Buffer = self._frames[payload]
         else:
             buffer = payload
@@ -125,5 +144,5 @@ class MsgpackDecoder:
         for d in shape:
             count *= d
         if memoryview(buffer).nbytes != count * dtype.itemsize:
-            raise ValueError("array extension size does not match its dtype and shape")
+            raise MessageDecodeError("array extension size does not match its dtype and shape")
         return np.frombuffer(buffer, dtype=dtype).reshape(shape)

@@ -71,7 +71,12 @@ def read_gguf_metadata(path: str | pathlib.Path) -> dict[str, Any]:
         ValueError: not a GGUF file (bad magic), an unsupported version or value type, or a truncated file.
     """
     with open(path, "rb") as f:
-        return _read_kv_section(f, path)[1]
+        try:
+            return _read_kv_section(f, path)[1]
+        except ValueError as e:
+            if str(path) in str(e):
+                raise
+            raise ValueError(f"{path}: {e}") from e
 
 
 def _read_kv_section(f: BinaryIO, path: str | pathlib.Path) -> tuple[int, dict[str, Any]]:

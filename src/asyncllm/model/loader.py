@@ -241,7 +241,12 @@ def _iter_gguf_weights(path: pathlib.Path, arch: ModelArchConfig) -> Iterator[tu
         block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
         shape = [int(n) for n in reversed(info.shape)]  # ggml lists the fastest-varying dim first
         row_bytes = shape[-1] // block_elems * block_bytes
-        raw = data[info.offset : info.offset + math.prod(shape[:-1]) * row_bytes].reshape(*shape[:-1], row_bytes)
+        end = info.offset + math.prod(shape[:-1]) * row_bytes
+        if end > data.nbytes:
+            raise ValueError(
+                f"{path} is truncated: tensor {info.name} ends at byte {end}, the file has {data.nbytes} bytes"
+            )
+        raw = data[info.offset : end].reshape(*shape[:-1], row_bytes)
         array = np.array(dequantize(raw, qtype), dtype=np.float32)  # a writable copy, off the file map
         weight = torch.from_numpy(array.reshape(shape))
         name = _hf_name(info.name)

@@ -14,6 +14,7 @@ import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from asyncllm.errors import ConfigError
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
@@ -88,10 +89,23 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads / tp_size, head_dim] float32 tensor per
-        layer (this rank's KV heads only), on lazily committed memory (`kv_cache_sizing.allocate_zeroed`)."""
+        layer (this rank's KV heads only), on lazily committed memory (`kv_cache_sizing.allocate_zeroed`).
+
+        Raises:
+            ConfigError: the operating system refuses that much memory (names the size and what is available).
+        """
         arch = self.arch
         shape = (num_blocks, 2, self.config.cache.block_size, self.num_local_kv_heads, arch.head_dim)
-        self.model_runner.kv_caches = [allocate_zeroed(shape) for _ in range(arch.num_hidden_layers)]
+        try:
+            self.model_runner.kv_caches = [allocate_zeroed(shape) for _ in range(arch.num_hidden_layers)]
+        except (OSError, MemoryError, RuntimeError) as e:
+            self.model_runner.kv_caches = []
+            size = num_blocks * 2 * shape[2] * shape[3] * shape[4] * 4 * arch.num_hidden_layers
+            raise ConfigError(
+                f"the KV cache of {num_blocks} blocks ({size / 2**30:.1f} GiB on this rank) does not fit in memory "
+                f"({available_memory_bytes() / 2**30:.1f} GiB available): lower num_kv_blocks or "
+                f"kv_cache_memory_bytes ({type(e).__name__}: {e})"
+            ) from e
         self.warm_up()
 
     @torch.inference_mode()
@@ -127,6 +141,10 @@ class Worker:
         """(max_model_len, vocab_size): max_model_len is the configured value capped by the model's context."""
         context = self.arch.max_position_embeddings
         return min(self.config.model.max_model_len or context, context), self.arch.vocab_size
+
+    def count_requests(self) -> int:
+        """Requests whose state the model runner caches now (leak checks: 0 once the engine is idle)."""
+        return len(self.model_runner.requests)
 
     def get_pid(self) -> int:
         """This worker's process id (tests and tools use it to find worker processes)."""
