@@ -43,3 +43,28 @@ class FaultyForwardExecutor(UniProcExecutor):
 
 def _raise_fault(module: Any, args: Any) -> None:
     raise RuntimeError(f"{FaultyForwardExecutor.MESSAGE} at step {FaultyForwardExecutor.FAIL_AT_STEP}")
+
+
+class SchedulerFaultExecutor(UniProcExecutor):
+    """The `uni` executor, built in the engine's own process (either mode), which injects a fault into the
+    scheduler there: `Request.check_stop` raises for the request whose user id is `VICTIM` once it has 3 output
+    tokens. Proves that an exception the scheduler raises for one request fails that request alone."""
+
+    VICTIM = "victim"
+    MESSAGE = "injected scheduler fault"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from asyncllm.sched.request import Request
+
+        check_stop = Request.check_stop
+        if getattr(check_stop, "injected_fault", False):
+            return  # a second engine in this process (thread mode): the patch is in place already
+
+        def failing_check_stop(request: Request, max_model_len: int) -> bool:
+            if request.external_req_id == SchedulerFaultExecutor.VICTIM and request.num_output_tokens >= 3:
+                raise RuntimeError(SchedulerFaultExecutor.MESSAGE)
+            return check_stop(request, max_model_len)
+
+        failing_check_stop.injected_fault = True  # type: ignore[attr-defined]
+        Request.check_stop = failing_check_stop  # type: ignore[method-assign]

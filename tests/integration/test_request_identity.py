@@ -11,8 +11,9 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncllm import AsyncLLM, EngineGenerateError, InvalidRequestError, RequestOutput, SamplingParams
+from asyncllm import AsyncLLM, EngineArgs, EngineGenerateError, InvalidRequestError, RequestOutput, SamplingParams
 from tests.integration.conftest import collect, greedy, run, wait_until_idle
+from tests.integration.custom_executor import SchedulerFaultExecutor
 
 LONG = "Write a long story about a dragon who learns to bake bread."
 SHORT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -123,34 +124,27 @@ def test_abort_of_a_user_id_reaches_every_request_with_it(llm: AsyncLLM) -> None
     run("asyncio", body)
 
 
-def test_a_scheduler_error_for_one_request_fails_that_request_alone(
-    llm: AsyncLLM, mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Fault injection inside the engine's scheduler (thread mode: the engine runs in this process)."""
-    if mode != "thread":
-        pytest.skip("the fault is injected by patching the engine's code in this process (thread mode)")
-    from asyncllm.sched.request import Request
-
-    check_stop = Request.check_stop
-
-    def failing_check_stop(self: Request, max_model_len: int) -> bool:
-        if self.external_req_id == "victim" and self.num_output_tokens >= 3:
-            raise RuntimeError("injected scheduler fault")
-        return check_stop(self, max_model_len)
+@pytest.mark.slow
+def test_a_scheduler_error_for_one_request_fails_that_request_alone(model_path: str, mode: str) -> None:
+    """Fault injection inside the engine's scheduler, in the engine's own process (a test executor patches the
+    scheduler's stop check there): the victim fails alone, a bystander and later requests get their usual output."""
+    executor = "tests.integration.custom_executor:SchedulerFaultExecutor"
+    args = EngineArgs(
+        model=model_path, engine_process=mode == "process", num_kv_blocks=64, distributed_executor_backend=executor
+    )
 
     async def body() -> None:
-        alone = await llm.generate(SHORT, greedy(16)).collect()
-        monkeypatch.setattr(Request, "check_stop", failing_check_stop)
-        victim = llm.generate(LONG, greedy(40, ignore_eos=True), request_id="victim")
-        bystander = llm.generate(SHORT, greedy(16), request_id="bystander")
-        with pytest.raises(EngineGenerateError, match=r"'victim'.*injected scheduler fault"):
-            await victim.collect()
-        assert (await bystander.collect()).outputs[0].token_ids == alone.outputs[0].token_ids
-        monkeypatch.undo()
-        assert llm.is_running
-        again = await llm.generate(SHORT, greedy(16), request_id="victim").collect()
-        assert again.outputs[0].token_ids == alone.outputs[0].token_ids
-        await wait_until_idle(llm)
+        async with AsyncLLM.from_engine_args(args) as llm:
+            alone = await llm.generate(SHORT, greedy(16)).collect()
+            victim = llm.generate(LONG, greedy(40, ignore_eos=True), request_id=SchedulerFaultExecutor.VICTIM)
+            bystander = llm.generate(SHORT, greedy(16), request_id="bystander")
+            with pytest.raises(EngineGenerateError, match=rf"'victim'.*{SchedulerFaultExecutor.MESSAGE}"):
+                await victim.collect()
+            assert (await bystander.collect()).outputs[0].token_ids == alone.outputs[0].token_ids
+            assert llm.is_running
+            again = await llm.generate(SHORT, greedy(16), request_id="after").collect()
+            assert again.outputs[0].token_ids == alone.outputs[0].token_ids
+            await wait_until_idle(llm)
 
     run("asyncio", body)
 

@@ -24,15 +24,16 @@ async def stall_one_consumer(llm: AsyncLLM) -> None:
     first = await stalled.__anext__()  # the stalled consumer reads one output, then stops reading
     num_first = len(first.outputs[0].token_ids)
     states = llm._output_processor._states
+    (internal_id,) = llm._output_processor.internal_ids_of(stalled.request_id)  # the engine's key of the request
     collector = stalled._collector
     num_busy_outputs = 0
     async for _ in busy:  # another stream keeps the outputs flowing (it drives the output handler)
         num_busy_outputs += 1
         held = collector._output
         assert held is None or len(held.outputs) == 1  # one merged output, never a list of pending ones
-        if stalled.request_id not in states:
+        if internal_id not in states:
             break  # the stalled request finished in the engine while nobody read it
-    assert stalled.request_id not in states, "the stalled request did not finish while the other one ran"
+    assert internal_id not in states, "the stalled request did not finish while the other one ran"
     held = collector._output
     assert held is not None
     assert held.finished

@@ -220,6 +220,7 @@ async def assert_nothing_left(llm: AsyncLLM) -> None:
     await wait_until_idle(llm, within=30.0)
     assert llm._output_processor._states == {}
     assert llm._output_processor._parents == {}
+    assert llm._output_processor._external_ids == {}
     assert not llm._handler._pending_batches
     assert not llm._client._outputs
     assert llm._client._results == {}
