@@ -14,11 +14,9 @@ marked dead (`errored`, `check_health()`, `add_request()` raise) and an `ENGINE_
 our own PULL socket, so every waiter fails within milliseconds even when no output flows. The engine core itself
 sends `[ENGINE_CORE_DEAD, reason]` when a step raises.
 
-Unresponsive engine (only with `ParallelConfig.engine_timeout`): a heartbeat thread binds a third PULL socket and
-reads the beats a thread of the engine sends beside its busy loop; when a task waits for outputs and no beat came
-for `engine_timeout` seconds (a SIGSTOPped or frozen engine process), the client is marked dead the same way, and
-`shutdown()` then kills the process without waiting for it. A busy engine (a long step) keeps beating, so it is
-never declared dead. vLLM's V0 multiprocessing client had such a heartbeat; vLLM V1 watches only the process.
+Unresponsive engine (only with `ParallelConfig.engine_timeout`): a `HeartbeatWatcher` (engine/heartbeat.py)
+marks the client dead the same way when a task waits for outputs and the engine sent no heartbeat for
+`engine_timeout` seconds; `shutdown()` then kills the process without waiting for it.
 """
 
 from __future__ import annotations
@@ -39,8 +37,8 @@ import anyio
 import msgspec
 import zmq
 
-from asyncllm import errors
-from asyncllm.engine.core_proc import heartbeat_address
+from asyncllm.engine.handshake import decode_handshake, startup_error
+from asyncllm.engine.heartbeat import HeartbeatWatcher
 from asyncllm.engine.launcher import EngineLauncher, launch_engine
 from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
 from asyncllm.messages.engine import (
@@ -49,7 +47,6 @@ from asyncllm.messages.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
-    EngineHandshake,
     EngineReadyInfo,
     UtilityCall,
     UtilityResult,
@@ -115,7 +112,7 @@ class EngineCoreClient:
         self._turn_passed: anyio.Event | None = None
         self.launcher: EngineLauncher | None = None
         self._unresponsive = False
-        self._heartbeat_watcher: threading.Thread | None = None
+        self._heartbeat_watcher: HeartbeatWatcher | None = None
         in_thread = not config.parallel.engine_process if in_thread is None else in_thread
         self.ipc_dir = make_ipc_dir()
         try:  # every failure from here on removes the ipc directory (and whatever else was made)
@@ -127,13 +124,14 @@ class EngineCoreClient:
         self._watcher = threading.Thread(target=self._watch_engine, name="asyncllm-engine-watch", daemon=True)
         self._watcher.start()
         if config.parallel.engine_timeout is not None:
-            self._heartbeat_watcher = threading.Thread(
-                target=self._watch_heartbeats,
-                args=(config.parallel.engine_timeout,),
-                name="asyncllm-engine-heartbeat",
-                daemon=True,
+            self._heartbeat_watcher = HeartbeatWatcher(
+                self._ctx,
+                self._output_address,
+                config.parallel.engine_timeout,
+                is_waiting=lambda: self._reading,
+                is_done=lambda: self._closed or self._dead is not None,
+                on_silence=self._mark_unresponsive,
             )
-            self._heartbeat_watcher.start()
         # Safety net for a client dropped without shutdown(): at interpreter exit, stop the engine, remove the dir.
         self._leftovers = weakref.finalize(self, _clean_up_leftovers, launcher, self.ipc_dir)
 
@@ -289,13 +287,10 @@ class EngineCoreClient:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._input.poll(POLL_INTERVAL_MS):
-                frames = self._input.recv_multipart()
-                try:
-                    identity, payload = frames
-                    handshake = msgspec.msgpack.decode(payload, type=EngineHandshake)
-                except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
-                    logger.error("dropped a malformed handshake (%d frames): %s", len(frames), e)
+                decoded = decode_handshake(self._input.recv_multipart())
+                if decoded is None:
                     continue
+                identity, handshake = decoded
                 if handshake.ready_info is None:
                     raise startup_error(handshake)
                 self.ready_info = handshake.ready_info
@@ -400,29 +395,11 @@ class EngineCoreClient:
         self._mark_dead(reason)
         self._push_dead_message(reason)
 
-    def _watch_heartbeats(self, timeout_s: float) -> None:
-        """Read the engine's heartbeats; mark the engine dead when a task waits for outputs and none came for
-        `timeout_s` seconds. Ends at shutdown or death; owns (binds and closes) the heartbeat socket."""
-        socket = self._ctx.socket(zmq.PULL)
-        socket.setsockopt(zmq.LINGER, 0)
-        try:
-            socket.bind(heartbeat_address(self._output_address))
-            last_heard = time.monotonic()
-            while not self._closed and self._dead is None:
-                if socket.poll(POLL_INTERVAL_MS):
-                    while socket.poll(0):
-                        socket.recv(zmq.NOBLOCK)
-                    last_heard = time.monotonic()
-                    continue
-                silent_s = time.monotonic() - last_heard
-                if silent_s > timeout_s and self._reading:
-                    reason = f"unresponsive: no heartbeat for {silent_s:.1f} s (engine_timeout={timeout_s:g} s)"
-                    self._unresponsive = True
-                    self._mark_dead(reason)
-                    self._push_dead_message(reason)
-                    return
-        finally:
-            socket.close(linger=0)
+    def _mark_unresponsive(self, reason: str) -> None:
+        """The heartbeat watcher heard nothing for `engine_timeout` seconds: dead, and wake every waiter."""
+        self._unresponsive = True
+        self._mark_dead(reason)
+        self._push_dead_message(reason)
 
     def _push_dead_message(self, reason: str) -> None:
         """Wake a reader through its own socket (thread-safe: a new socket owned by this thread)."""
@@ -464,12 +441,3 @@ def _clean_up_leftovers(launcher: EngineLauncher, ipc_dir: str) -> None:
     if not launcher.has_exited():
         launcher.stop(0)
     remove_ipc_dir(ipc_dir)
-
-
-def startup_error(handshake: EngineHandshake) -> BaseException:
-    """The exception to raise for a failed start-up: the `asyncllm.errors` class it names, else EngineDeadError."""
-    message = f"the engine core failed to start: {handshake.error}"
-    error_class = getattr(errors, handshake.error_type or "", None)
-    if isinstance(error_class, type) and issubclass(error_class, errors.AsyncLLMError):
-        return error_class(message)
-    return EngineDeadError(message)

@@ -8,9 +8,9 @@ a queue; an output thread encodes and sends `EngineCoreOutputs` to the client's 
 encoding never run on the step loop. Malformed frames (bad type byte, undecodable payload, pickles) are logged
 and dropped: the decoders are typed msgspec decoders, so nothing in a frame is ever executed.
 
-Heartbeat (only with `ParallelConfig.engine_timeout`): a fourth thread sends `ENGINE_HEARTBEAT` to the client's
-heartbeat socket every `engine_timeout / 4` seconds (at most 1 s). It shares nothing with the busy loop, so a long
-step never silences it; only a frozen (SIGSTOPped, swapped-out, deadlocked-in-C) process does.
+Heartbeat (only with `ParallelConfig.engine_timeout`): a fourth thread sends heartbeats to the client
+(engine/heartbeat.py). It shares nothing with the busy loop, so a long step never silences it; only a frozen
+(SIGSTOPped, swapped-out, deadlocked-in-C) process does.
 
 Start-up: build the core, then send an `EngineHandshake` (ready info, or the start-up error) on the DEALER.
 Death: an exception in a step sends `[ENGINE_CORE_DEAD, reason]` and stops (the process exits with code 1).
@@ -19,7 +19,6 @@ Follows vLLM v1's `vllm/v1/engine/core.py` (`EngineCoreProc`).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -35,10 +34,10 @@ import zmq
 
 from asyncllm.config import EngineConfig
 from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
+from asyncllm.engine.heartbeat import heartbeat_address, heartbeat_interval, send_heartbeats
 from asyncllm.messages.engine import (
     CLIENT_REQUEST_TYPES,
     ENGINE_CORE_DEAD,
-    ENGINE_HEARTBEAT,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -54,7 +53,6 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_LINGER_MS = 2000
 INPUT_POLL_MS = 100  # the input thread checks for shutdown this often while idle
 OUTPUT_FLUSH_TIMEOUT_S = 5.0
-MAX_HEARTBEAT_INTERVAL_S = 1.0
 _REQUEST_TYPES = {t.value: t for t in CLIENT_REQUEST_TYPES}
 _STOP = object()
 CoreFactory = str | Callable[[EngineConfig], Any] | None
@@ -136,12 +134,9 @@ class EngineCoreProc:
         self._input_thread.start()
         self._output_thread.start()
         if config.parallel.engine_timeout is not None:
-            interval = min(config.parallel.engine_timeout / 4, MAX_HEARTBEAT_INTERVAL_S)
+            beats = (self._ctx, heartbeat_address(output_address), heartbeat_interval(config.parallel.engine_timeout))
             threading.Thread(
-                target=self._send_heartbeats,
-                args=(heartbeat_address(output_address), interval),
-                name="engine-heartbeat",
-                daemon=True,
+                target=send_heartbeats, args=(*beats, self._stopping), name="engine-heartbeat", daemon=True
             ).start()
 
     def run(self) -> int:
@@ -204,23 +199,6 @@ class EngineCoreProc:
                 stamp_engine_index(item, self._rank)
             socket.send_multipart(encode_outputs(encoder, item), copy=False)
         socket.close()
-
-    def _send_heartbeats(self, address: str, interval_s: float) -> None:
-        """Send `ENGINE_HEARTBEAT` every `interval_s` seconds until the engine stops (never blocks: a full queue
-        towards a client that stopped reading drops the beat)."""
-        socket = self._ctx.socket(zmq.PUSH)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDHWM, 4)
-        socket.connect(address)
-        while not self._stopping.wait(interval_s):
-            with contextlib.suppress(zmq.Again):
-                socket.send(ENGINE_HEARTBEAT, zmq.NOBLOCK)
-        socket.close(linger=0)
-
-
-def heartbeat_address(output_address: str) -> str:
-    """The client's heartbeat socket address, next to its output socket."""
-    return f"{output_address}-heartbeat"
 
 
 def decode_request(frames: list[memoryview], decoders: dict[EngineCoreRequestType, MsgpackDecoder]) -> tuple[Any, Any]:

@@ -18,13 +18,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import zmq
 
-from asyncllm.engine.client import startup_error
+from asyncllm.engine.handshake import decode_handshake, startup_error
 from asyncllm.engine.launcher import EngineLauncher
 from asyncllm.errors import EngineDeadError
-from asyncllm.messages.engine import EngineHandshake, EngineReadyInfo
+from asyncllm.messages.engine import EngineReadyInfo
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
@@ -82,12 +81,10 @@ def receive_handshakes(
                 raise EngineDeadError(f"data-parallel ranks {sorted(pending)} were not ready within {timeout_s:.0f} s")
             time.sleep(HANDSHAKE_POLL_S)
             continue
-        try:
-            identity, payload = frames
-            handshake = msgspec.msgpack.decode(payload, type=EngineHandshake)
-        except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
-            logger.error("dropped a malformed handshake (%d frames): %s", len(frames), e)
+        decoded = decode_handshake(frames)
+        if decoded is None:
             continue
+        identity, handshake = decoded
         if handshake.ready_info is None:
             raise startup_error(handshake)
         if handshake.data_parallel_rank not in pending:
