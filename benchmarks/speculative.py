@@ -10,7 +10,7 @@ the ratio speculative / reference, the draft acceptance rate, and the load avera
 after. Greedy outputs are also compared token for token (they must be equal).
 
     .venv/bin/python benchmarks/speculative.py [--k 4] [--lookup-min 1] [--lookup-max 3] [--max-tokens 96]
-        [--rounds 2] [--num-threads N] [--workloads extractive,free-form]
+        [--rounds 2] [--num-threads N] [--workloads extractive,free-form] [--no-adaptive]
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ async def main(args: argparse.Namespace) -> None:
         "num_speculative_tokens": args.k,
         "prompt_lookup_min": args.lookup_min,
         "prompt_lookup_max": args.lookup_max,
+        "adaptive": args.adaptive,
     }
     load_before = os.getloadavg()
     async with (
@@ -128,4 +129,10 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--workloads", default="extractive,free-form", help="comma-separated subset")
+    parser.add_argument(
+        "--no-adaptive",
+        dest="adaptive",
+        action="store_false",
+        help="always draft k tokens (speculative_config adaptive=false)",
+    )
     asyncio.run(main(parser.parse_args()))

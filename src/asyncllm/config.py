@@ -123,12 +123,19 @@ class SpeculativeConfig:
         num_speculative_tokens: draft tokens proposed per request and step at most (k >= 1).
         prompt_lookup_min: smallest n-gram looked up (>= 1).
         prompt_lookup_max: largest n-gram looked up (>= prompt_lookup_min); longer matches are tried first.
+        disable_by_batch_size: vLLM's knob: no drafts in a step while more than this many requests are running or
+            waiting (None: no limit).
+        adaptive: asyncllm's draft-length policy (default True): per request, draft only as many tokens as its
+            recent acceptance makes worth the extra rows, from a step-cost model fitted online
+            (`spec_decode/draft_policy.py`). False: always draft up to k tokens when the n-gram matches.
     """
 
     method: Literal["ngram"]
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     @classmethod
     def from_user(cls, value: dict[str, Any] | str) -> SpeculativeConfig:
@@ -147,7 +154,14 @@ class SpeculativeConfig:
                 raise ConfigError(f"EngineArgs.speculative_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ConfigError(f"EngineArgs.speculative_config={value!r}: must be a dict (or its JSON text) or None")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+            "adaptive",
+        }
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(f"unknown speculative_config keys {unknown}; known keys: {sorted(known)}")
@@ -160,7 +174,21 @@ class SpeculativeConfig:
         if low is None and high is None:
             low = high = 5
         low, high = (high if low is None else low), (low if high is None else high)
-        config = cls("ngram", value["num_speculative_tokens"], low, high)
+        config = cls(
+            "ngram",
+            value["num_speculative_tokens"],
+            low,
+            high,
+            value.get("disable_by_batch_size"),
+            value.get("adaptive", True),
+        )
+        batch_limit = config.disable_by_batch_size
+        if batch_limit is not None and (isinstance(batch_limit, bool) or not isinstance(batch_limit, int)):
+            raise ConfigError(f"speculative_config.disable_by_batch_size={batch_limit!r}: must be an integer or None")
+        if batch_limit is not None and batch_limit < 1:
+            raise ConfigError(f"speculative_config.disable_by_batch_size={batch_limit!r}: must be >= 1")
+        if not isinstance(config.adaptive, bool):
+            raise ConfigError(f"speculative_config.adaptive={config.adaptive!r}: must be true or false")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             number = getattr(config, name)
             if isinstance(number, bool) or not isinstance(number, int) or number < 1:

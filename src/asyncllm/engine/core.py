@@ -8,6 +8,7 @@ calls every method. Follows vLLM v1's `EngineCore` (vllm/v1/engine/core.py).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -122,7 +123,10 @@ class EngineCore:
         if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_req_ids:
             self.structured_output_manager.wait_for_pending(GRAMMAR_WAIT_SECONDS)
             return self.scheduler.make_empty_outputs()
+        started = time.perf_counter()
         model_runner_output = self.executor.execute_model(scheduler_output)
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.observe_step(scheduler_output, time.perf_counter() - started)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def has_unfinished_requests(self) -> bool:

@@ -18,6 +18,7 @@ from asyncllm.messages.engine import (
 )
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.sched.repetition import RepetitionDetector
+from asyncllm.spec_decode.draft_policy import AcceptanceEstimate
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,6 +79,7 @@ class Request:
         grammar_future: the compilation it waits for (status WAITING_FOR_GRAMMAR), else None.
         repetition: its `RepetitionDetector` when `repetition_detection` is enabled, else None.
         spec_decode_metrics: its speculative decoding counters (None when speculative decoding is off).
+        draft_acceptance: its draft acceptance estimate for the adaptive draft policy (else None).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class Request:
         detection = sampling_params.repetition_detection
         self.repetition = RepetitionDetector(detection) if detection is not None and detection.enabled else None
         self.spec_decode_metrics: SpecDecodeMetrics | None = None
+        self.draft_acceptance: AcceptanceEstimate | None = None  # the draft policy's estimate (adaptive only)
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

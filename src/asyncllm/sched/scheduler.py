@@ -35,13 +35,12 @@ from asyncllm.messages.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
-    SpecDecodeMetrics,
 )
 from asyncllm.messages.scheduler import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue, priority_key
-from asyncllm.spec_decode.ngram_proposer import NgramProposer
+from asyncllm.spec_decode.drafter import Drafter
 from asyncllm.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -93,16 +92,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.structured_output_manager = structured_output_manager
         self._failed_requests: dict[str, str] = {}  # for the frontend: requests whose grammar failed to compile
-        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
-        self.spec_decode_stats = (
-            SpecDecodeMetrics.empty(speculative_config.num_speculative_tokens) if speculative_config else None
-        )
+        self.drafter = Drafter(speculative_config) if speculative_config is not None else None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the frontend validated."""
         req = Request.from_engine_core_request(request)
-        if self.proposer is not None:
-            req.spec_decode_metrics = SpecDecodeMetrics.empty(self.proposer.num_speculative_tokens)
+        if self.drafter is not None:
+            self.drafter.start_request(req)
         manager = self.structured_output_manager
         if req.sampling_params.structured_outputs is not None:
             if manager is None:
@@ -157,7 +153,7 @@ class Scheduler:
             num_prefix_cache_hits=self.kv_cache_manager.num_prefix_cache_hits,
             block_size=self.block_size,
             kv_cache_bytes=self.kv_cache_bytes,
-            spec_decode=self.spec_decode_stats.copy() if self.spec_decode_stats is not None else None,
+            spec_decode=self.drafter.stats.copy() if self.drafter is not None else None,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -246,13 +242,13 @@ class Scheduler:
         """The n-gram drafts to verify after a decoding request's last token (none for a prefill chunk, a
         structured-output request, or when the token budget, `max_tokens` or `max_model_len` leave no room)."""
         structured = req.sampling_params.structured_outputs is not None
-        if self.proposer is None or req.num_tokens_to_compute != 1 or structured:
+        if self.drafter is None or req.num_tokens_to_compute != 1 or structured:
             return []
         room = min(budget, self.max_model_len - req.num_tokens) - 1
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - req.num_output_tokens - 1)
-        return self.proposer.propose(req.all_token_ids, room)
+        return self.drafter.propose(req, room, len(self.running), len(self.waiting))
 
     def _preempt_for_priority(self, budget: int) -> None:
         """Preempt running requests of worse priority while the best waiting one has no room to start."""
@@ -383,10 +379,8 @@ class Scheduler:
     def _apply_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Take the rejected drafts back from `num_computed_tokens` and count the verification."""
         req.num_computed_tokens -= num_drafts - num_accepted
-        if req.spec_decode_metrics is not None:
-            req.spec_decode_metrics.observe(num_drafts, num_accepted)
-        if self.spec_decode_stats is not None:
-            self.spec_decode_stats.observe(num_drafts, num_accepted)
+        if self.drafter is not None:
+            self.drafter.observe_verification(req, num_drafts, num_accepted)
 
     def make_empty_outputs(self) -> EngineCoreOutputs:
         """The outputs of a step that ran nothing (still reports aborted and failed ids, and stats)."""
