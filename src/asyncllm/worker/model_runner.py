@@ -25,6 +25,7 @@ from asyncllm.spec_decode.verification import build_verification_metadata
 from asyncllm.structured_outputs.bitmask import unpack_bitmask
 from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
+from asyncllm.worker.pooler import PromptPooler
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds the memory of prompt_logprobs)
@@ -36,9 +37,16 @@ class CausalLM(Protocol):
     arch: ModelArchConfig
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache."""
+        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache.
+        `embeds_override` = (rows [n] int64, values [n, hidden_size]): those rows take the given vectors instead
+        of their embedding lookup (prompt embeddings); the runner passes it only when there are any."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -61,6 +69,8 @@ class CachedRequestState:
         eos_token_id: the model's EOS id, or None.
         prompt_logprobs_parts: prompt logprobs computed chunk by chunk, until the first token is sampled.
         needs_prompt_logprobs: prompt logprobs are still to be sent (False after a resume from preemption).
+        pooler: an embedding request's pooled-vector accumulator (it never samples), else None.
+        prompt_embeds: an embeddings prompt's [num_prompt_tokens, hidden_size] float32 rows, else None.
     """
 
     req_id: str
@@ -73,6 +83,8 @@ class CachedRequestState:
     eos_token_id: int | None = None
     prompt_logprobs_parts: list[LogprobsLists] = field(default_factory=list)
     needs_prompt_logprobs: bool = False
+    pooler: PromptPooler | None = None
+    prompt_embeds: torch.Tensor | None = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> CachedRequestState:
@@ -87,6 +99,8 @@ class CachedRequestState:
             generator=torch.Generator() if seeded else None,
             eos_token_id=new.eos_token_id,
             needs_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.output_token_ids,
+            pooler=PromptPooler(new.pooling_params, len(new.prompt_token_ids)) if new.pooling_params else None,
+            prompt_embeds=_embeds_tensor(new.prompt_embeds, len(new.prompt_token_ids)),
         )
 
     @property
@@ -130,14 +144,32 @@ class ModelRunner:
         query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
         spec = scheduler_output.scheduled_spec_decode_tokens
         input_ids, positions, meta = self._prepare_inputs(states, query_lens, spec)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        override = self._embeds_override(states, query_lens)
+        if override is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds_override=override)
+        pooled = self._pool(states, query_lens, hidden)
         self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
         rows, sampled_states = self._select_sampling_rows(states, query_lens)
         if not sampled_states:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(pooler_output=pooled)
         if spec:
-            return self._verify_drafts(hidden, rows, sampled_states, scheduler_output)
+            output = self._verify_drafts(hidden, rows, sampled_states, scheduler_output)
+        else:
+            output = self._sample(hidden, rows, sampled_states, scheduler_output)
+        output.pooler_output = pooled
+        return output
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        sampled_states: list[CachedRequestState],
+        scheduler_output: SchedulerOutput,
+    ) -> ModelRunnerOutput:
+        """One token per sampling request from the logits of its last scheduled row."""
         logits = self.model.compute_logits(hidden[rows])
         sampling_meta = self._make_sampling_metadata(sampled_states)
         if scheduler_output.grammar_bitmask is not None:
@@ -149,6 +181,40 @@ class ModelRunner:
         output = ModelRunnerOutput({state.req_id: [t] for state, t in zip(sampled_states, token_ids, strict=True)})
         self._add_logprobs(output, sampled_states, logits, sampled)
         return output
+
+    @staticmethod
+    def _pool(states: list[CachedRequestState], query_lens: np.ndarray, hidden: torch.Tensor) -> dict[str, list[float]]:
+        """Feed each embedding request's chunk rows to its pooler (before `_advance`: `num_computed_tokens` is
+        the chunk's first position); the vectors of the requests whose prompt ends in this step."""
+        pooled: dict[str, list[float]] = {}
+        row_start = 0
+        for state, num_tokens in zip(states, query_lens.tolist(), strict=True):
+            if state.pooler is not None:
+                chunk = hidden[row_start : row_start + num_tokens]
+                vector = state.pooler.add_chunk(chunk, state.num_computed_tokens)
+                if vector is not None:
+                    pooled[state.req_id] = vector
+            row_start += num_tokens
+        return pooled
+
+    @staticmethod
+    def _embeds_override(
+        states: list[CachedRequestState], query_lens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat rows [n] int64, their vectors [n, hidden_size]) of this step's prompt-embeddings positions, or
+        None when no scheduled token is one."""
+        rows, values = [], []
+        row_start = 0
+        for state, num_tokens in zip(states, query_lens.tolist(), strict=True):
+            embeds, start = state.prompt_embeds, state.num_computed_tokens
+            end = min(start + num_tokens, state.num_prompt_tokens)
+            if embeds is not None and start < end:
+                rows.append(torch.arange(row_start, row_start + end - start))
+                values.append(embeds[start:end])
+            row_start += num_tokens
+        if not rows:
+            return None
+        return torch.cat(rows), torch.cat(values)
 
     def _compute_prompt_logprobs(
         self, states: list[CachedRequestState], query_lens: np.ndarray, hidden: torch.Tensor
@@ -267,7 +333,11 @@ class ModelRunner:
         """Flat rows of the last scheduled token of each request that samples (its computed tokens reach the
         end of its known tokens; a partial prefill chunk does not), and those requests."""
         last_rows = np.cumsum(query_lens) - 1
-        chosen = [i for i, state in enumerate(states) if state.num_computed_tokens >= len(state.token_ids)]
+        chosen = [
+            i
+            for i, state in enumerate(states)
+            if state.num_computed_tokens >= len(state.token_ids) and state.pooler is None
+        ]
         return torch.from_numpy(last_rows[chosen]), [states[i] for i in chosen]
 
     def _make_sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
@@ -310,3 +380,10 @@ class ModelRunner:
     def _advance(states: list[CachedRequestState], query_lens: np.ndarray) -> None:
         for state, num_tokens in zip(states, query_lens.tolist(), strict=True):
             state.num_computed_tokens += num_tokens
+
+
+def _embeds_tensor(data: bytes | None, num_prompt_tokens: int) -> torch.Tensor | None:
+    """[num_prompt_tokens, hidden_size] float32 from `NewRequestData.prompt_embeds` bytes (None stays None)."""
+    if data is None:
+        return None
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").reshape(num_prompt_tokens, -1).copy())
