@@ -13,6 +13,8 @@ from asyncllm.messages.engine import EngineCoreRequest, EngineReadyInfo
 from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
 from asyncllm.processing.input_processor import InputProcessor
 from asyncllm.sampling_params import RequestOutputKind
+from asyncllm.sched.kv_cache_manager import KVCacheManager
+from asyncllm.sched.request import Request
 from asyncllm.worker.pooler import PromptPooler
 
 HIDDEN = 576
@@ -137,3 +139,21 @@ def test_pooler_over_chunks_equals_the_whole_prompt(pooling: str, normalize: boo
     assert len(parts) == 10
     torch.testing.assert_close(torch.tensor(whole), expected, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(torch.tensor(parts), expected, atol=1e-6, rtol=1e-6)
+
+
+def _request(request_id: str, num_tokens: int, **fields: object) -> Request:
+    request = EngineCoreRequest(request_id, [0] * num_tokens, SamplingParams(max_tokens=1), **fields)  # type: ignore[arg-type]
+    return Request.from_engine_core_request(request)
+
+
+def test_prompt_embeds_blocks_are_never_cached_and_pooling_never_reads_the_cache() -> None:
+    manager = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True)
+    embeds = _request("e", 12, prompt_embeds=np.ones((12, 8), dtype=np.float32))
+    assert manager.allocate_slots(embeds, 12) is not None
+    manager.free(embeds)
+    ids_twin = _request("t", 12)  # the same placeholder ids, as token ids: must not hit the embeds' K/V
+    assert manager.get_computed_blocks(ids_twin) == []
+    assert manager.allocate_slots(ids_twin, 12) is not None  # computes and caches its own blocks
+    manager.free(ids_twin)
+    assert len(manager.get_computed_blocks(_request("t2", 12))) == 2  # a plain request hits them
+    assert manager.get_computed_blocks(_request("p", 12, pooling_params=PoolingParams())) == []
