@@ -26,6 +26,7 @@ STEP_BUDGET = 64  # max_num_batched_tokens: longer prompts are chunked
 SENTENCE = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jugglers near old mills"
 WORDS = SENTENCE.split(" ")
 PROMPTS = [" ".join(WORDS[(i * 3) % len(WORDS) :] + WORDS * (i % 4)) for i in range(16)]  # 3 to ~75 tokens
+REFERENCE_PROMPTS = (0, 3, 11)  # indexes compared with HF (3 and 11 are chunked: 75 and 66 tokens)
 BATCH_TOLERANCE = 1e-5  # normalized vectors: batched vs alone (float32 summation order only)
 REFERENCE_TOLERANCE = 1e-4  # normalized vectors vs HF (different kernels; measured max ~1e-5)
 
@@ -51,10 +52,16 @@ def reference(model_path: str) -> Any:
     return model.eval()
 
 
+_REFERENCE_CACHE: dict[tuple[int, ...], torch.Tensor] = {}  # both engine modes compare with the same forwards
+
+
 def _reference_hidden(reference: Any, token_ids: list[int]) -> torch.Tensor:
     """[num_tokens, hidden_size] final-norm hidden states of one prompt."""
-    with torch.no_grad():
-        return reference(torch.tensor([token_ids])).last_hidden_state[0]
+    key = tuple(token_ids)
+    if key not in _REFERENCE_CACHE:
+        with torch.no_grad():
+            _REFERENCE_CACHE[key] = reference(torch.tensor([token_ids])).last_hidden_state[0]
+    return _REFERENCE_CACHE[key]
 
 
 def _encode(llm: AsyncLLM, prompts: Any, params: PoolingParams) -> Any:
@@ -70,14 +77,15 @@ def test_batch_of_16_equals_each_alone_and_the_reference(llm: AsyncLLM, referenc
     batch = _encode(llm, PROMPTS, params)
     assert [len(o.prompt_token_ids) for o in batch] == [len(llm.get_tokenizer().encode(p)) for p in PROMPTS]
     assert max(len(o.prompt_token_ids) for o in batch) > STEP_BUDGET  # some prompts were chunked
-    for prompt, out in zip(PROMPTS, batch, strict=True):
+    for index, (prompt, out) in enumerate(zip(PROMPTS, batch, strict=True)):
         alone = _encode(llm, prompt, params)
         assert out.prompt_token_ids == alone.prompt_token_ids
         assert len(out.embedding) == 576
         assert np.linalg.norm(out.embedding) == pytest.approx(1.0, abs=1e-6)
         np.testing.assert_allclose(out.embedding, alone.embedding, rtol=0, atol=BATCH_TOLERANCE)
-        expected = torch.nn.functional.normalize(_reference_hidden(reference, out.prompt_token_ids).mean(0), dim=0)
-        np.testing.assert_allclose(out.embedding, expected.numpy(), rtol=0, atol=REFERENCE_TOLERANCE)
+        if index in REFERENCE_PROMPTS:  # HF's forward is slow on a shared CPU: a few prompts, one chunked
+            expected = torch.nn.functional.normalize(_reference_hidden(reference, out.prompt_token_ids).mean(0), dim=0)
+            np.testing.assert_allclose(out.embedding, expected.numpy(), rtol=0, atol=REFERENCE_TOLERANCE)
 
 
 @pytest.mark.parametrize("pooling", ["last", "cls"])

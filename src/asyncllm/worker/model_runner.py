@@ -25,7 +25,8 @@ from asyncllm.spec_decode.verification import build_verification_metadata
 from asyncllm.structured_outputs.bitmask import unpack_bitmask
 from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
-from asyncllm.worker.pooler import PromptPooler
+from asyncllm.worker.pooler import PromptPooler, pool_step
+from asyncllm.worker.prompt_embeds import embeds_from_bytes, embeds_override
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds the memory of prompt_logprobs)
@@ -100,7 +101,7 @@ class CachedRequestState:
             eos_token_id=new.eos_token_id,
             needs_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.output_token_ids,
             pooler=PromptPooler(new.pooling_params, len(new.prompt_token_ids)) if new.pooling_params else None,
-            prompt_embeds=_embeds_tensor(new.prompt_embeds, len(new.prompt_token_ids)),
+            prompt_embeds=embeds_from_bytes(new.prompt_embeds, len(new.prompt_token_ids)),
         )
 
     @property
@@ -144,12 +145,14 @@ class ModelRunner:
         query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
         spec = scheduler_output.scheduled_spec_decode_tokens
         input_ids, positions, meta = self._prepare_inputs(states, query_lens, spec)
-        override = self._embeds_override(states, query_lens)
+        override = embeds_override(
+            ((s.prompt_embeds, s.num_computed_tokens, s.num_prompt_tokens) for s in states), query_lens
+        )
         if override is None:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds_override=override)
-        pooled = self._pool(states, query_lens, hidden)
+        pooled = pool_step(((s.req_id, s.pooler, s.num_computed_tokens) for s in states), query_lens, hidden)
         self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
         rows, sampled_states = self._select_sampling_rows(states, query_lens)
@@ -181,40 +184,6 @@ class ModelRunner:
         output = ModelRunnerOutput({state.req_id: [t] for state, t in zip(sampled_states, token_ids, strict=True)})
         self._add_logprobs(output, sampled_states, logits, sampled)
         return output
-
-    @staticmethod
-    def _pool(states: list[CachedRequestState], query_lens: np.ndarray, hidden: torch.Tensor) -> dict[str, list[float]]:
-        """Feed each embedding request's chunk rows to its pooler (before `_advance`: `num_computed_tokens` is
-        the chunk's first position); the vectors of the requests whose prompt ends in this step."""
-        pooled: dict[str, list[float]] = {}
-        row_start = 0
-        for state, num_tokens in zip(states, query_lens.tolist(), strict=True):
-            if state.pooler is not None:
-                chunk = hidden[row_start : row_start + num_tokens]
-                vector = state.pooler.add_chunk(chunk, state.num_computed_tokens)
-                if vector is not None:
-                    pooled[state.req_id] = vector
-            row_start += num_tokens
-        return pooled
-
-    @staticmethod
-    def _embeds_override(
-        states: list[CachedRequestState], query_lens: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(flat rows [n] int64, their vectors [n, hidden_size]) of this step's prompt-embeddings positions, or
-        None when no scheduled token is one."""
-        rows, values = [], []
-        row_start = 0
-        for state, num_tokens in zip(states, query_lens.tolist(), strict=True):
-            embeds, start = state.prompt_embeds, state.num_computed_tokens
-            end = min(start + num_tokens, state.num_prompt_tokens)
-            if embeds is not None and start < end:
-                rows.append(torch.arange(row_start, row_start + end - start))
-                values.append(embeds[start:end])
-            row_start += num_tokens
-        if not rows:
-            return None
-        return torch.cat(rows), torch.cat(values)
 
     def _compute_prompt_logprobs(
         self, states: list[CachedRequestState], query_lens: np.ndarray, hidden: torch.Tensor
@@ -380,10 +349,3 @@ class ModelRunner:
     def _advance(states: list[CachedRequestState], query_lens: np.ndarray) -> None:
         for state, num_tokens in zip(states, query_lens.tolist(), strict=True):
             state.num_computed_tokens += num_tokens
-
-
-def _embeds_tensor(data: bytes | None, num_prompt_tokens: int) -> torch.Tensor | None:
-    """[num_prompt_tokens, hidden_size] float32 from `NewRequestData.prompt_embeds` bytes (None stays None)."""
-    if data is None:
-        return None
-    return torch.from_numpy(np.frombuffer(data, dtype="<f4").reshape(num_prompt_tokens, -1).copy())

@@ -1,4 +1,5 @@
-"""`PromptPooler`: one embedding request's pooled vector, accumulated over its prefill chunks.
+"""`PromptPooler`: one embedding request's pooled vector, accumulated over its prefill chunks; `pool_step` feeds
+the poolers of one model-runner step.
 
 Pooling reads the model's final-norm hidden states of the prompt tokens (as vLLM's pooler,
 vllm/model_executor/layers/pooler.py): "last" takes the last prompt position's row, "cls" the first one's,
@@ -10,6 +11,9 @@ and the vector is finished in the step whose chunk reaches the end of the prompt
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -72,3 +76,27 @@ def finish_embedding(vector: torch.Tensor, params: PoolingParams) -> list[float]
         vector = F.normalize(vector, p=2.0, dim=0)
     result: list[float] = vector.tolist()
     return result
+
+
+def pool_step(
+    requests: Iterable[tuple[str, PromptPooler | None, int]], query_lens: np.ndarray, hidden: torch.Tensor
+) -> dict[str, list[float]]:
+    """Feed each embedding request's rows of one step to its pooler.
+
+    Args:
+        requests: per scheduled request, in row order: (request id, its pooler or None, the chunk's first prompt
+            position, i.e. its computed tokens before the step).
+        query_lens: [num_requests] tokens scheduled per request.
+        hidden: [num_tokens, hidden_size] the step's final-norm hidden states.
+    Returns:
+        request id -> embedding, for the requests whose prompt ends in this step.
+    """
+    pooled: dict[str, list[float]] = {}
+    row_start = 0
+    for (req_id, pooler, start), num_tokens in zip(requests, query_lens.tolist(), strict=True):
+        if pooler is not None:
+            vector = pooler.add_chunk(hidden[row_start : row_start + num_tokens], start)
+            if vector is not None:
+                pooled[req_id] = vector
+        row_start += num_tokens
+    return pooled
