@@ -13,11 +13,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 import torch
 
-from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, PoolingParams, SamplingParams
+from asyncllm import (
+    AsyncLLM,
+    EngineArgs,
+    InvalidRequestError,
+    PoolingParams,
+    SamplingParams,
+    StreamIncompleteError,
+)
 from tests.integration.conftest import MODES, greedy, wait_until_idle
 
 transformers = pytest.importorskip("transformers")
@@ -145,6 +153,32 @@ def test_encode_refuses_bad_input_and_keeps_serving(llm: AsyncLLM) -> None:
             await llm.encode([])
         out = await llm.encode("still serving", PoolingParams(dimensions=3))
         assert len(out.embedding) == 3
+
+    anyio.run(body)
+
+
+def test_abort_and_cancel_of_an_encode_leave_nothing_behind(llm: AsyncLLM) -> None:
+    async def aborted() -> None:
+        with pytest.raises(StreamIncompleteError, match="without a vector"):
+            await llm.encode(PROMPTS[7], request_id="to-abort")
+
+    async def cancelled() -> None:
+        await llm.encode(PROMPTS[:4], request_id="to-cancel")
+        pytest.fail("the encode was cancelled; it cannot finish")
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(aborted)
+            await anyio.wait_all_tasks_blocked()  # submitted; it waits for the engine
+            await llm.abort("to-abort")
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancelled)
+                await anyio.wait_all_tasks_blocked()
+                scope.cancel()
+        assert llm._output_processor.num_tracked_ids == (0, 0, 0)
+        await wait_until_idle(llm)  # the engine freed every block of the aborted requests
+        assert len((await llm.encode("after", PoolingParams(dimensions=4))).embedding) == 4
 
     anyio.run(body)
 
