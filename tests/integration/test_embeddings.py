@@ -35,8 +35,8 @@ SENTENCE = "the quick brown fox jumps over a lazy dog while seven wizards quietl
 WORDS = SENTENCE.split(" ")
 PROMPTS = [" ".join(WORDS[(i * 3) % len(WORDS) :] + WORDS * (i % 4)) for i in range(16)]  # 3 to ~75 tokens
 REFERENCE_PROMPTS = (0, 3, 11)  # indexes compared with HF (3 and 11 are chunked: 75 and 66 tokens)
-BATCH_TOLERANCE = 1e-5  # normalized vectors: batched vs alone (float32 summation order only)
-REFERENCE_TOLERANCE = 1e-4  # normalized vectors vs HF (different kernels; measured max ~1e-5)
+BATCH_TOLERANCE = 1e-5  # normalized vectors: batched vs alone (float32 summation order; measured <= 6.1e-7)
+REFERENCE_TOLERANCE = 1e-4  # normalized vectors vs HF (other kernels; measured <= 8.6e-7 for mean/last/cls)
 
 
 @pytest.fixture(scope="module", params=MODES)
