@@ -13,7 +13,8 @@ from asyncllm.errors import (
     StreamClosedError,
     StreamIncompleteError,
 )
-from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall, Usage
+from asyncllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput, ToolCall, Usage
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 from asyncllm.structured_outputs.params import StructuredOutputsParams
 
@@ -30,6 +31,8 @@ __all__ = [
     "InvalidRequestError",
     "Logprob",
     "ModelNotFoundError",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RepetitionDetectionParams",
     "RequestOutput",
     "RequestOutputKind",

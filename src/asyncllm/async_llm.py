@@ -21,13 +21,14 @@ import sniffio
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
-from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError
+from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError, StreamIncompleteError
 from asyncllm.messages.engine import EngineCoreRequest, SchedulerStats
 from asyncllm.metrics.defaults import make_default_stat_loggers
 from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger
 from asyncllm.output_handler import OutputHandler
-from asyncllm.outputs import RequestOutput
+from asyncllm.outputs import PoolingRequestOutput, RequestOutput
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.processing.input_processor import (
     InputProcessor,
     PromptType,
@@ -37,7 +38,7 @@ from asyncllm.processing.input_processor import (
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.processing.tool_calling import ToolChoice, plan_chat
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.starting import StartingAsyncLLM, bind_start
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 from asyncllm.utils.loops import LoopBinding, current_loop
@@ -73,7 +74,9 @@ class AsyncLLM:
         self._client = client
         info = client.ready_info
         kv_cache_blocks = (info.num_kv_blocks, config.cache.block_size)
-        self._input_processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size, kv_cache_blocks)
+        self._input_processor = InputProcessor(
+            tokenizer, info.max_model_len, info.vocab_size, kv_cache_blocks, info.hidden_size
+        )
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
         self._notifier = self._handler.notifier  # wakes streams waiting for outputs (and for the turn)
@@ -246,6 +249,79 @@ class AsyncLLM:
         except BaseException:
             self._abort_closed_stream(request.request_id)  # children already sent are aborted in the engine
             raise
+
+    async def encode(
+        self,
+        prompt: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        *,
+        data_parallel_rank: int | None = None,
+    ) -> PoolingRequestOutput | list[PoolingRequestOutput]:
+        """Embed one prompt, or a list of prompts, with the model's pooled final-norm hidden states.
+
+        Each prompt becomes one engine request that runs its prefill only, batched with whatever else runs
+        (generation requests included), skips the prefix cache and frees its KV blocks once pooled
+        (docs/embeddings.md). Every prompt is validated before any is sent.
+
+        Args:
+            prompt: text, `{"prompt_token_ids": [...]}` (or `{"prompt": text}`), or a list of those.
+            pooling_params: None means `PoolingParams()` ("last" pooling, normalized, every dimension).
+            request_id: the user's id (a list's prompts get `f"{request_id}-{i}"`); None makes them.
+            priority: lower runs first with `scheduling_policy="priority"`.
+            data_parallel_rank: pin to this engine rank (data parallelism).
+        Returns:
+            A `PoolingRequestOutput`, or a list of them in the prompts' order for a list.
+        Raises:
+            InvalidRequestError: bad prompt or pooling parameters (nothing reaches the engine), naming the field.
+            StreamIncompleteError: the request was aborted (`abort(request_id)`) before its vector was made.
+            EngineGenerateError, EngineDeadError: the request failed in the engine, or the engine died.
+        """
+        self._ensure_running()
+        self._bind_to_current_loop()
+        single = isinstance(prompt, str | Mapping)
+        prompts = [prompt] if single else list(prompt)
+        if not prompts:
+            raise InvalidRequestError("encode() got an empty list of prompts")
+        params = PoolingParams() if pooling_params is None else pooling_params
+
+        def process_all() -> list[EngineCoreRequest]:
+            ids = [request_id] if single or request_id is None else [f"{request_id}-{i}" for i in range(len(prompts))]
+            ids = ids * len(prompts) if len(ids) == 1 else ids
+            return [
+                self._input_processor.process(p, None, rid, priority, pooling_params=params).request  # type: ignore[arg-type]
+                for p, rid in zip(prompts, ids, strict=True)
+            ]
+
+        if any(is_long_prompt(p) for p in prompts):  # type: ignore[arg-type]
+            requests = await anyio.to_thread.run_sync(process_all)
+        else:
+            requests = process_all()
+        submitted: list[tuple[EngineCoreRequest, RequestOutputCollector]] = []
+        try:
+            for request in requests:
+                collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY, self._notifier)
+                self._submit(None, request, collector, data_parallel_rank)
+                submitted.append((request, collector))
+            results = [await self._await_pooling(request, collector) for request, collector in submitted]
+        except BaseException:
+            for request, _ in submitted:  # no-op for the finished ones
+                self._abort_closed_stream(request.request_id)
+            raise
+        return results[0] if single else results
+
+    async def _await_pooling(
+        self, request: EngineCoreRequest, collector: RequestOutputCollector
+    ) -> PoolingRequestOutput:
+        """Wait for an embedding request's final output; its vector."""
+        output = await self._next_output(collector)
+        if collector.pooling_output is None:
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            raise StreamIncompleteError(
+                f"embedding request {request.external_req_id!r} ended without a vector (finish_reason {reason!r})"
+            )
+        return collector.pooling_output
 
     async def chat(
         self,

@@ -152,3 +152,23 @@ class RequestMetrics:
     time_to_first_token: float | None = None
     mean_inter_token_latency: float | None = None
     queue_time: float | None = None
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one `AsyncLLM.encode()` prompt (vLLM's `PoolingRequestOutput`, with the vector as a list).
+
+    Fields:
+        request_id: the id given to (or made by) `encode()`.
+        prompt_token_ids: the prompt as token ids.
+        embedding: [hidden_size] floats, or [dimensions] with `PoolingParams.dimensions`; norm 1 when
+            `PoolingParams.normalize` (the default).
+        finished: always True (an embedding is produced whole).
+        num_cached_tokens: prompt tokens served from the prefix cache (always 0: pooling skips it).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from asyncllm.errors import StreamBusyError, StreamClosedError, StreamIncompleteError
-from asyncllm.outputs import CompletionOutput, RequestOutput, Usage
+from asyncllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, Usage
 from asyncllm.sampling_params import RequestOutputKind
 from asyncllm.utils.loops import call_soon_in_loop
 
@@ -65,6 +65,8 @@ class RequestOutputCollector:
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._notifier = notifier or Notifier()
+        # An embedding request's result, set by the output processor just before its final output is put.
+        self.pooling_output: PoolingRequestOutput | None = None
         # Called on every put: set while this collector's consumer holds the output-handling turn (it waits on
         # the engine's socket then, not on the notifier), to stop that wait.
         self.wake_reader: Callable[[], None] | None = None

@@ -259,6 +259,9 @@ class _SumModelExecutor(Executor):
     def _get_model_info(self) -> tuple[int, int]:
         return 96, FAKE_VOCAB
 
+    def _get_hidden_size(self) -> int:
+        return 1
+
     def _get_kv_cache_bytes(self) -> int:
         return sum(t.nbytes for t in self.runner.kv_caches)
 

@@ -10,8 +10,9 @@ import time
 
 import pytest
 import pytest_asyncio
+import torch
 
-from asyncllm import AsyncLLM, SamplingParams
+from asyncllm import AsyncLLM, PoolingParams, SamplingParams
 from asyncllm.config import ModelConfig
 from asyncllm.errors import ConfigError, EngineDeadError, EngineGenerateError
 from asyncllm.model.loader import load_model
@@ -61,21 +62,34 @@ async def test_collective_rpc_timeout_fails_the_call_only(mp_tp1: AsyncLLM) -> N
     assert (await greedy_ids(mp_tp1, PROMPTS[:1]))[0]
 
 
-async def test_tp3_equals_tp1_where_the_choice_is_clear(model_path: str, uni_ids: list[list[int]]) -> None:
+async def test_tp3_equals_tp1_where_the_choice_is_clear(
+    model_path: str, uni_ids: list[list[int]], mp_tp1: AsyncLLM
+) -> None:
     reference = load_model(ModelConfig(model=model_path, model_path=model_path))
+    tokenizer_prompts = [mp_tp1.get_tokenizer().encode(p) for p in PROMPTS]
     async with AsyncLLM.from_engine_args(
         engine_args(model_path, distributed_executor_backend="mp", tensor_parallel_size=3)
     ) as llm:
         pids = await llm.collective_rpc("get_pid")
         assert len(set(pids)) == 3
         tp3_ids = await greedy_ids(llm, PROMPTS)
-    tokenizer_prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+        # Prompt embeddings (bytes in the workers' RPC) and pooling reach every rank alike.
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        embeds = reference.embed(torch.tensor(tokenizer_prompts[0]))
+        tp3_embeds_ids = (await llm.generate({"prompt_embeds": embeds}, params).collect()).outputs[0].token_ids
+        tp3_vectors = await llm.encode(PROMPTS, PoolingParams(pooling="mean"))
+    tp1_vectors = await mp_tp1.encode(PROMPTS, PoolingParams(pooling="mean"))
+    for tp3, tp1 in zip(tp3_vectors, tp1_vectors, strict=True):
+        assert max(abs(a - b) for a, b in zip(tp3.embedding, tp1.embedding, strict=True)) < 1e-4
     num_compared = 0
     for prompt_ids, expected, got in zip(tokenizer_prompts, uni_ids, tp3_ids, strict=True):
         clear = clear_prefix_len(greedy_margins(reference, prompt_ids, expected), MARGIN)
         assert got[:clear] == expected[:clear]
         num_compared += clear
     assert num_compared >= MAX_TOKENS  # the comparison covered real tokens
+    clear = clear_prefix_len(greedy_margins(reference, tokenizer_prompts[0], uni_ids[0]), MARGIN)
+    assert clear > 0
+    assert tp3_embeds_ids[:clear] == uni_ids[0][:clear]
     assert wait_gone(pids, within=10.0) == []
 
 

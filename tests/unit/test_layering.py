@@ -1,8 +1,8 @@
 """The package's import graph, read with the standard-library `ast` (no module is imported).
 
-`messages/` is the floor: it imports nothing else from asyncllm except the leaf value type module
-`asyncllm.sampling_params` (which itself imports only `asyncllm.errors`). And no two modules import each other,
-at module level or inside functions.
+`messages/` is the floor: it imports nothing else from asyncllm except the leaf value type modules
+`asyncllm.sampling_params` and `asyncllm.pooling_params` (which import only `asyncllm.errors`). And no two
+modules import each other, at module level or inside functions.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 LEAVES_MESSAGES_MAY_USE = {
     "asyncllm.sampling_params": {"asyncllm.errors", "asyncllm.structured_outputs.params"},
     "asyncllm.structured_outputs.params": {"asyncllm.errors"},
+    "asyncllm.pooling_params": {"asyncllm.errors"},
     "asyncllm.errors": set(),
 }
 

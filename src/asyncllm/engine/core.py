@@ -17,6 +17,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.executors import get_executor_class
 from asyncllm.executors.base import Executor
 from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, EngineReadyInfo, SchedulerStats
+from asyncllm.processing.prompt_embeds import check_embeds_params, to_prompt_embeds_array
 from asyncllm.sched.request import RequestStatus
 from asyncllm.sched.scheduler import Scheduler
 from asyncllm.structured_outputs.manager import StructuredOutputManager, make_tokenizer_loader
@@ -45,6 +46,13 @@ def check_request(request: EngineCoreRequest, info: EngineReadyInfo) -> None:
         raise InvalidRequestError(
             f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) > max_model_len ({info.max_model_len})"
         )
+    if request.pooling_params is not None:
+        request.pooling_params.validate(info.hidden_size or None)
+    if request.prompt_embeds is not None:
+        embeds = to_prompt_embeds_array(request.prompt_embeds, info.hidden_size)
+        if embeds.shape[0] != len(ids):
+            raise InvalidRequestError(f"prompt_embeds has {embeds.shape[0]} rows for {len(ids)} prompt positions")
+        check_embeds_params(params)
 
 
 class EngineCore:
@@ -90,7 +98,7 @@ class EngineCore:
         logger.warning(
             "KV cache holds %d tokens < max_model_len %d: capping max_model_len", capacity, info.max_model_len
         )
-        return EngineReadyInfo(info.num_kv_blocks, capacity, info.vocab_size)
+        return EngineReadyInfo(info.num_kv_blocks, capacity, info.vocab_size, info.hidden_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. The frontend validated it; a request that arrives otherwise (a raw frame) is checked

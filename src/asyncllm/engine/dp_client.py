@@ -289,6 +289,7 @@ class DPEngineCoreClient(EngineCoreClient):
             num_kv_blocks=sum(i.num_kv_blocks for i in infos),
             max_model_len=min(i.max_model_len for i in infos),
             vocab_size=infos[0].vocab_size,
+            hidden_size=infos[0].hidden_size,
         )
         return self._manager
 

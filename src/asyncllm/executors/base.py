@@ -67,9 +67,10 @@ class Executor(ABC):
         return int(sum(self.collective_rpc("get_kv_cache_bytes")))
 
     def get_ready_info(self, num_blocks: int) -> EngineReadyInfo:
-        """Model facts the frontend needs (max_model_len, vocab_size) plus the block count."""
+        """Model facts the frontend needs (max_model_len, vocab_size, hidden_size) plus the block count."""
         max_model_len, vocab_size = self.collective_rpc("get_model_info", unique_reply_rank=0)[0]
-        return EngineReadyInfo(num_kv_blocks=num_blocks, max_model_len=max_model_len, vocab_size=vocab_size)
+        hidden_size = self.collective_rpc("get_hidden_size", unique_reply_rank=0)[0]
+        return EngineReadyInfo(num_blocks, max_model_len, vocab_size, hidden_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; rank 0's sampled tokens are returned."""

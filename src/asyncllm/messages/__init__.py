@@ -6,7 +6,8 @@
 - `rpc.py`: executor <-> worker calls (`RpcRequest`, `RpcResponse`).
 - `serial.py`: the msgpack encoder/decoder with zero-copy array frames.
 
-This package imports nothing else from asyncllm except the user-facing value type `SamplingParams`
-(`asyncllm.sampling_params`, itself a leaf that imports only `asyncllm.errors`); `tests/unit/test_layering.py`
+This package imports nothing else from asyncllm except the user-facing value types `SamplingParams` and
+`PoolingParams` (`asyncllm.sampling_params`, `asyncllm.pooling_params`: leaves that import only
+`asyncllm.errors`); `tests/unit/test_layering.py`
 checks it.
 """

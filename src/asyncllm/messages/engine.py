@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -69,6 +70,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             As vLLM's `EngineCoreRequest.external_req_id`.
         cache_salt: mixed into the hash of the request's first KV cache block, so requests with different
             salts never share prefix-cache blocks (vLLM's `cache_salt`); None = unsalted.
+        pooling_params: set for an embedding request (`AsyncLLM.encode`): the engine runs its prefill only and
+            answers with the pooled vector (`EngineCoreOutput.pooling_output`); `sampling_params` is then a
+            placeholder (`max_tokens=1`) the engine never samples with.
+        prompt_embeds: [num_prompt_tokens, hidden_size] float32 numpy array (a zero-copy frame on the wire)
+            the first layer takes instead of the embedding rows of `prompt_token_ids`, which are then
+            placeholders (zeros, giving the length); None = a token-id prompt.
     """
 
     request_id: str
@@ -80,6 +87,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Added later: new fields go at the end (array_like wire form).
     external_req_id: str | None = None
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None
+    prompt_embeds: Any = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -197,6 +206,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         events: the request's engine events since its previous output, oldest first (None: none).
         spec_decode_metrics: the request's speculative decoding counters, on its finished output when the
             engine runs speculative decoding (None otherwise).
+        pooling_output: an embedding request's pooled vector ([hidden_size] or [dimensions] floats), on its
+            one (finished) output.
     """
 
     request_id: str
@@ -208,6 +219,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     new_prompt_logprobs: LogprobsLists | None = None
     events: list[EngineCoreEvent] | None = None
     spec_decode_metrics: SpecDecodeMetrics | None = None
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -295,11 +307,13 @@ class EngineReadyInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
         num_kv_blocks: KV cache blocks allocated.
         max_model_len: tokens per sequence at most.
         vocab_size: logits width (valid token ids are [0, vocab_size)).
+        hidden_size: the model's hidden size (width of `prompt_embeds` rows and of embeddings); 0 = unknown.
     """
 
     num_kv_blocks: int
     max_model_len: int
     vocab_size: int
+    hidden_size: int = 0
 
 
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"

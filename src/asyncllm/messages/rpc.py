@@ -20,6 +20,7 @@ ARG_TYPES: dict[str, Any] = {"execute_model": tuple[SchedulerOutput]}
 RESULT_TYPES: dict[str, Any] = {
     "execute_model": ModelRunnerOutput,
     "get_model_info": tuple[int, int],
+    "get_hidden_size": int,
     "get_kv_cache_bytes": int,
 }
 

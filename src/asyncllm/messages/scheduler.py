@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from asyncllm.messages.engine import LogprobsLists
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         block_ids: KV cache blocks allocated to it so far, in order.
         num_computed_tokens: tokens whose K/V are already in the cache (prefix-cache hits).
         eos_token_id: the model's EOS id (the sampler masks it before `min_tokens`), or None.
+        pooling_params: set for an embedding request (the runner pools instead of sampling), else None.
+        prompt_embeds: an embeddings prompt's [num_prompt_tokens, hidden_size] float32 rows as little-endian
+            bytes (plain msgpack, so the `mp` executor's RPC carries it too), else None.
     """
 
     req_id: str
@@ -39,6 +43,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int = 0
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     eos_token_id: int | None = None
+    pooling_params: PoolingParams | None = None
+    prompt_embeds: bytes | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -116,8 +122,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         logprobs: req_id -> logprobs of its sampled tokens (requests that asked for `logprobs`).
         prompt_logprobs: req_id -> logprobs of its prompt tokens 1.. (requests that asked for
             `prompt_logprobs`, in the step that samples their first token).
+        pooler_output: req_id -> pooled vector of an embedding request, in the step that finishes its prefill.
     """
 
     sampled_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
+    pooler_output: dict[str, list[float]] = msgspec.field(default_factory=dict)

@@ -222,7 +222,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run every layer over a flat batch of tokens.
 
@@ -232,10 +237,15 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: one [num_blocks, 2, block_size, num_kv_heads, head_dim] float32 tensor per layer;
                 written in place at `meta.slot_mapping`.
             meta: attention metadata of this step (`build_attention_metadata`).
+            embeds_override: (rows [n] int64, values [n, hidden_size] float32): those rows of the first layer's
+                input are the given vectors instead of their token embeddings (prompt embeddings); None = none.
         Returns:
             [num_tokens, hidden_size] float32 final-normed hidden states.
         """
         hidden = self.embed(input_ids)
+        if embeds_override is not None:
+            rows, values = embeds_override
+            hidden[rows] = values
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, meta)

@@ -4,6 +4,9 @@ Prompt forms:
     "text"                                       encoded with the tokenizer (special tokens added, e.g. BOS).
     {"prompt_token_ids": [int, ...]}             used as is (optionally with "prompt": its text).
     {"prompt": "text"}                           same as "text".
+    {"prompt_embeds": tensor}                    [num_tokens, hidden_size] float32 vectors the first layer takes
+                                                 instead of token embeddings (`processing/prompt_embeds.py`);
+                                                 the request's token ids are placeholders (0), as vLLM.
     [{"role": "user", "content": "..."}, ...]    rendered with the model's chat template
                                                  (add_generation_prompt=True), encoded without special tokens.
 
@@ -27,10 +30,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
+import numpy as np
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages.engine import EngineCoreRequest
-from asyncllm.sampling_params import MAX_INT64, SamplingParams
+from asyncllm.pooling_params import PoolingParams
+from asyncllm.processing.prompt_embeds import PLACEHOLDER_TOKEN_ID, check_embeds_params, to_prompt_embeds_array
+from asyncllm.sampling_params import MAX_INT64, RequestOutputKind, SamplingParams
 from asyncllm.structured_outputs.backend import check_constraint
 
 PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -62,6 +68,7 @@ class InputProcessor:
         vocab_size: valid token ids are [0, vocab_size).
         kv_cache_blocks: (num_kv_blocks, block_size) of the engine's KV cache (handshake), to say so in the
             errors when the cache is what limits `max_model_len`; None = not known.
+        hidden_size: the model's hidden size (handshake), for prompt embeddings and `dimensions`; 0 = unknown.
     """
 
     def __init__(
@@ -70,8 +77,10 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int,
         kv_cache_blocks: tuple[int, int] | None = None,
+        hidden_size: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        self._hidden_size = hidden_size
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
         self._limit = f"max_model_len={max_model_len}"
@@ -89,6 +98,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         internal_id: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> ProcessedRequest:
         """Build the engine request for one prompt.
 
@@ -99,19 +109,30 @@ class InputProcessor:
             priority: lower runs first; a signed 64-bit integer.
             cache_salt: None, or a non-empty str mixed into the first KV block's hash (tenant isolation).
             internal_id: the internal id (`make_internal_request_id(request_id)`); None makes one.
+            pooling_params: set for an embedding request (`AsyncLLM.encode`); `sampling_params` must then be
+                None (a `max_tokens=1` FINAL_ONLY placeholder is sent; the engine never samples it).
         Returns:
             The prompt text and the `EngineCoreRequest` (eos id from the tokenizer, max_tokens set when None).
         Raises:
             InvalidRequestError: bad prompt shape, empty or too long prompt, prompt + max_tokens over
                 max_model_len, token id outside the vocabulary, bad sampling parameters, request id, priority
-                or cache salt.
+                or cache salt, bad pooling parameters, bad prompt embeddings.
         """
         params = self._validate_params(sampling_params)
+        if pooling_params is not None:
+            params = self._pooling_placeholder(pooling_params, sampling_params)
         request_id = validate_request_id(request_id)
         _validate_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} is invalid: must be None or a non-empty str")
-        text, token_ids = self.tokenize(prompt)
+        embeds = None
+        if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+            if pooling_params is not None:
+                raise InvalidRequestError("encode() takes text or token-id prompts, not prompt_embeds")
+            embeds = self._prompt_embeds(prompt, params)
+            text, token_ids = None, [PLACEHOLDER_TOKEN_ID] * embeds.shape[0]
+        else:
+            text, token_ids = self.tokenize(prompt)
         self._validate_token_ids(token_ids)
         request = EngineCoreRequest(
             request_id=internal_id or make_internal_request_id(request_id),
@@ -122,8 +143,29 @@ class InputProcessor:
             priority=priority,
             external_req_id=request_id,
             cache_salt=cache_salt,
+            pooling_params=pooling_params,
+            prompt_embeds=embeds,
         )
         return ProcessedRequest(text, request)
+
+    def _pooling_placeholder(
+        self, pooling_params: PoolingParams, sampling_params: SamplingParams | None
+    ) -> SamplingParams:
+        """Validate an embedding request's parameters; the placeholder sampling parameters it carries."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise InvalidRequestError(f"pooling_params must be a PoolingParams, not {type(pooling_params).__name__}")
+        if sampling_params is not None:
+            raise InvalidRequestError("an embedding request takes pooling_params, not sampling_params")
+        pooling_params.validate(self._hidden_size or None)
+        return SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def _prompt_embeds(self, prompt: Mapping[str, Any], params: SamplingParams) -> np.ndarray:
+        """The checked [num_tokens, hidden_size] float32 array of a `{"prompt_embeds": ...}` prompt."""
+        unknown = sorted(set(prompt) - {"prompt_embeds"})
+        if unknown:
+            raise InvalidRequestError(f"a prompt_embeds prompt takes no other keys; got {unknown}")
+        check_embeds_params(params)
+        return to_prompt_embeds_array(prompt["prompt_embeds"], self._hidden_size)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Turn a prompt into (text or None, token ids).

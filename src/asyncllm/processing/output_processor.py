@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, SpecDecodeMetrics
 from asyncllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
-from asyncllm.outputs import CompletionOutput, FinishReasonStr, RequestOutput
+from asyncllm.outputs import CompletionOutput, FinishReasonStr, PoolingRequestOutput, RequestOutput
 from asyncllm.processing.detokenizer import IncrementalDetokenizer
 from asyncllm.processing.logprobs import LogprobsProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
@@ -51,6 +51,7 @@ class RequestState:
         finish_reason, stop_reason: set when the request finished.
         stats: timing and token counts, for `RequestOutput.metrics` and the stat loggers.
         spec_decode_metrics: the engine's speculative decoding counters of the request, once it finished.
+        pooling_output: an embedding request's vector, once the engine sent it.
     """
 
     request_id: str
@@ -72,6 +73,7 @@ class RequestState:
     stop_reason: int | str | None = None
     stats: RequestStateStats | None = None
     spec_decode_metrics: SpecDecodeMetrics | None = None
+    pooling_output: list[float] | None = None
 
     @property
     def user_level_id(self) -> str:
@@ -297,6 +299,8 @@ class OutputProcessor:
         stop_terminated = engine_output.finish_reason == FinishReason.STOP  # EOS or a stop token id
         stop_str = detok.update(engine_output.new_token_ids, engine_output.finished, stop_terminated)
         state.logprobs.update(engine_output.new_logprobs, engine_output.new_prompt_logprobs)
+        if engine_output.pooling_output is not None:
+            state.pooling_output = engine_output.pooling_output
         if stop_str is not None:
             state.logprobs.truncate(len(detok.token_ids))
             state.finish_reason, state.stop_reason = "stop", stop_str
@@ -318,6 +322,10 @@ class OutputProcessor:
         if state.parent is not None:
             completions = state.parent.add_completion(state.request_id, completion)
             finished = state.parent.finished
+        if finished and state.pooling_output is not None:  # an embedding request: its result rides beside
+            state.collector.pooling_output = PoolingRequestOutput(
+                state.external_req_id, state.prompt_token_ids, state.pooling_output, True, state.num_cached_tokens
+            )
         if completions is not None:
             state.collector.put(_make_request_output(state, completions, finished))
 

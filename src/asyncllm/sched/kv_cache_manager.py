@@ -63,12 +63,12 @@ class KVCacheManager:
         """The longest run of cached blocks that starts the request's tokens (nothing is taken yet).
 
         At most `(num_tokens - 1) // block_size` blocks, so at least one token is left to compute. Empty when
-        caching is off, the request already holds blocks, or it asked for prompt logprobs (they need the logits
-        of every prompt position, as in vLLM).
+        caching is off, the request already holds blocks, or it skips the prefix cache
+        (`Request.skips_prefix_cache`: prompt logprobs, pooling, prompt embeddings).
         """
         if not self.enable_caching or self._req_to_blocks.get(request.request_id):
             return []
-        if request.sampling_params.prompt_logprobs is not None:
+        if request.skips_prefix_cache:
             return []
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -134,8 +134,9 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, tokens[index * size : (index + 1) * size]))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        """Cache the request's blocks that are full once `num_tokens` of its known tokens are computed."""
-        if not self.enable_caching:
+        """Cache the request's blocks that are full once `num_tokens` of its known tokens are computed. Never
+        those of an embeddings prompt: their token ids are placeholders, so their hashes would lie."""
+        if not self.enable_caching or request.prompt_embeds is not None:
             return
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self._req_to_num_cached_blocks.get(request.request_id, 0)

@@ -16,6 +16,7 @@ from asyncllm.messages.engine import (
     FinishReason,
     SpecDecodeMetrics,
 )
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.sched.repetition import RepetitionDetector
 from asyncllm.spec_decode.draft_policy import AcceptanceEstimate
@@ -80,6 +81,9 @@ class Request:
         repetition: its `RepetitionDetector` when `repetition_detection` is enabled, else None.
         spec_decode_metrics: its speculative decoding counters (None when speculative decoding is off).
         draft_acceptance: its draft acceptance estimate for the adaptive draft policy (else None).
+        pooling_params: set for an embedding request: prefill only, finished with its pooled vector.
+        prompt_embeds: [num_prompt_tokens, hidden_size] float32 numpy array for an embeddings prompt (its
+            `prompt_token_ids` are placeholders), else None.
     """
 
     def __init__(
@@ -117,11 +121,13 @@ class Request:
         self.repetition = RepetitionDetector(detection) if detection is not None and detection.enabled else None
         self.spec_decode_metrics: SpecDecodeMetrics | None = None
         self.draft_acceptance: AcceptanceEstimate | None = None  # the draft policy's estimate (adaptive only)
+        self.pooling_params: PoolingParams | None = None
+        self.prompt_embeds: Any = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
         """Build the engine state of a request the frontend tokenized and validated."""
-        return cls(
+        req = cls(
             request.request_id,
             request.prompt_token_ids,
             request.sampling_params,
@@ -131,6 +137,16 @@ class Request:
             request.external_req_id,
             request.cache_salt,
         )
+        req.pooling_params = request.pooling_params
+        req.prompt_embeds = request.prompt_embeds
+        return req
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """True when no cached prefix may serve it: its prompt logprobs or its pooled vector need the hidden
+        states of every prompt position, and an embeddings prompt has no token ids to hash (as vLLM)."""
+        params = self.sampling_params
+        return params.prompt_logprobs is not None or self.pooling_params is not None or self.prompt_embeds is not None
 
     @property
     def num_prompt_tokens(self) -> int:

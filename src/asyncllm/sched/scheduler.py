@@ -242,7 +242,7 @@ class Scheduler:
         """The n-gram drafts to verify after a decoding request's last token (none for a prefill chunk, a
         structured-output request, or when the token budget, `max_tokens` or `max_model_len` leave no room)."""
         structured = req.sampling_params.structured_outputs is not None
-        if self.drafter is None or req.num_tokens_to_compute != 1 or structured:
+        if self.drafter is None or req.num_tokens_to_compute != 1 or structured or req.pooling_params is not None:
             return []
         room = min(budget, self.max_model_len - req.num_tokens) - 1
         max_tokens = req.sampling_params.max_tokens
@@ -302,6 +302,8 @@ class Scheduler:
             num_computed_tokens=req.num_computed_tokens,
             output_token_ids=list(req.output_token_ids),
             eos_token_id=req.eos_token_id,
+            pooling_params=req.pooling_params,
+            prompt_embeds=None if req.prompt_embeds is None else req.prompt_embeds.astype("<f4", copy=False).tobytes(),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -335,6 +337,7 @@ class Scheduler:
                 continue
             if output is not None:
                 outputs.append(output)
+        outputs.extend(self._finish_pooling(scheduler_output, model_runner_output))
         self.running = [req for req in self.running if not req.is_finished]
         return EngineCoreOutputs(
             outputs=outputs,
@@ -375,6 +378,30 @@ class Scheduler:
             new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req.request_id),
             spec_decode_metrics=req.spec_decode_metrics if req.is_finished else None,
         )
+
+    def _finish_pooling(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Finish the embedding requests whose prefill ended this step (STOP), freeing their blocks; one output
+        each, carrying the pooled vector."""
+        outputs = []
+        for req_id, vector in model_runner_output.pooler_output.items():
+            req = self.requests.get(req_id)
+            if req is None or req_id not in scheduler_output.num_scheduled_tokens:
+                continue  # aborted while the step ran
+            req.status = RequestStatus.FINISHED_STOPPED
+            self._free_request(req)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [],
+                    req.finish_reason,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    events=req.take_events(),
+                    pooling_output=vector,
+                )
+            )
+        return outputs
 
     def _apply_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Take the rejected drafts back from `num_computed_tokens` and count the verification."""

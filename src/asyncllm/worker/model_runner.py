@@ -25,6 +25,8 @@ from asyncllm.spec_decode.verification import build_verification_metadata
 from asyncllm.structured_outputs.bitmask import unpack_bitmask
 from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
+from asyncllm.worker.pooler import PromptPooler, pool_step
+from asyncllm.worker.prompt_embeds import embeds_from_bytes, embeds_override
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds the memory of prompt_logprobs)
@@ -36,9 +38,16 @@ class CausalLM(Protocol):
     arch: ModelArchConfig
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache."""
+        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache.
+        `embeds_override` = (rows [n] int64, values [n, hidden_size]): those rows take the given vectors instead
+        of their embedding lookup (prompt embeddings); the runner passes it only when there are any."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -61,6 +70,8 @@ class CachedRequestState:
         eos_token_id: the model's EOS id, or None.
         prompt_logprobs_parts: prompt logprobs computed chunk by chunk, until the first token is sampled.
         needs_prompt_logprobs: prompt logprobs are still to be sent (False after a resume from preemption).
+        pooler: an embedding request's pooled-vector accumulator (it never samples), else None.
+        prompt_embeds: an embeddings prompt's [num_prompt_tokens, hidden_size] float32 rows, else None.
     """
 
     req_id: str
@@ -73,6 +84,8 @@ class CachedRequestState:
     eos_token_id: int | None = None
     prompt_logprobs_parts: list[LogprobsLists] = field(default_factory=list)
     needs_prompt_logprobs: bool = False
+    pooler: PromptPooler | None = None
+    prompt_embeds: torch.Tensor | None = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> CachedRequestState:
@@ -87,6 +100,8 @@ class CachedRequestState:
             generator=torch.Generator() if seeded else None,
             eos_token_id=new.eos_token_id,
             needs_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.output_token_ids,
+            pooler=PromptPooler(new.pooling_params, len(new.prompt_token_ids)) if new.pooling_params else None,
+            prompt_embeds=embeds_from_bytes(new.prompt_embeds, len(new.prompt_token_ids)),
         )
 
     @property
@@ -130,14 +145,34 @@ class ModelRunner:
         query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
         spec = scheduler_output.scheduled_spec_decode_tokens
         input_ids, positions, meta = self._prepare_inputs(states, query_lens, spec)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        override = embeds_override(
+            ((s.prompt_embeds, s.num_computed_tokens, s.num_prompt_tokens) for s in states), query_lens
+        )
+        if override is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds_override=override)
+        pooled = pool_step(((s.req_id, s.pooler, s.num_computed_tokens) for s in states), query_lens, hidden)
         self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
         rows, sampled_states = self._select_sampling_rows(states, query_lens)
         if not sampled_states:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(pooler_output=pooled)
         if spec:
-            return self._verify_drafts(hidden, rows, sampled_states, scheduler_output)
+            output = self._verify_drafts(hidden, rows, sampled_states, scheduler_output)
+        else:
+            output = self._sample(hidden, rows, sampled_states, scheduler_output)
+        output.pooler_output = pooled
+        return output
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        sampled_states: list[CachedRequestState],
+        scheduler_output: SchedulerOutput,
+    ) -> ModelRunnerOutput:
+        """One token per sampling request from the logits of its last scheduled row."""
         logits = self.model.compute_logits(hidden[rows])
         sampling_meta = self._make_sampling_metadata(sampled_states)
         if scheduler_output.grammar_bitmask is not None:
@@ -267,7 +302,11 @@ class ModelRunner:
         """Flat rows of the last scheduled token of each request that samples (its computed tokens reach the
         end of its known tokens; a partial prefill chunk does not), and those requests."""
         last_rows = np.cumsum(query_lens) - 1
-        chosen = [i for i, state in enumerate(states) if state.num_computed_tokens >= len(state.token_ids)]
+        chosen = [
+            i
+            for i, state in enumerate(states)
+            if state.num_computed_tokens >= len(state.token_ids) and state.pooler is None
+        ]
         return torch.from_numpy(last_rows[chosen]), [states[i] for i in chosen]
 
     def _make_sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:

@@ -142,6 +142,10 @@ class Worker:
         context = self.arch.max_position_embeddings
         return min(self.config.model.max_model_len or context, context), self.arch.vocab_size
 
+    def get_hidden_size(self) -> int:
+        """The model's hidden size (width of prompt embeddings and of pooled embeddings)."""
+        return self.arch.hidden_size
+
     def count_requests(self) -> int:
         """Requests whose state the model runner caches now (leak checks: 0 once the engine is idle)."""
         return len(self.model_runner.requests)

@@ -1,9 +1,10 @@
 """The FastAPI app: routes, the engine's lifespan, API-key check and CORS.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health` (200, or 503 when
-the engine is dead), `GET /metrics` (Prometheus text of the engine's registry), `GET /stats` (the scheduler's
-current counts, JSON), `POST /tokenize`, `POST /detokenize`, `GET /version`. With an API key, every `/v1/` route
-needs `Authorization: Bearer <key>` (compared in constant time with `hmac.compare_digest`).
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings`, `GET /v1/models`,
+`GET /health` (200, or 503 when the engine is dead), `GET /metrics` (Prometheus text of the engine's registry),
+`GET /stats` (the scheduler's current counts, JSON), `POST /tokenize`, `POST /detokenize`, `GET /version`.
+With an API key, every `/v1/` route needs `Authorization: Bearer <key>` (compared in constant time with
+`hmac.compare_digest`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from asyncllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from asyncllm.entrypoints.openai.responses import ModelCard, ModelList
 from asyncllm.entrypoints.openai.serving_base import ServingContext
 from asyncllm.entrypoints.openai.serving_chat import create_chat_completion
 from asyncllm.entrypoints.openai.serving_completion import create_completion
+from asyncllm.entrypoints.openai.serving_embedding import create_embedding
 from asyncllm.processing.tool_parsers import get_tool_parser
 from asyncllm.structured_outputs.backend import preload_xgrammar
 
@@ -134,6 +137,10 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await create_chat_completion(_running_llm(raw), raw.app.state.ctx, body, raw)
+
+    @app.post("/v1/embeddings", response_model=None)
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
+        return await create_embedding(_running_llm(raw), raw.app.state.ctx, body)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:

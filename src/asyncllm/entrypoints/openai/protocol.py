@@ -301,3 +301,19 @@ def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
                 f"SamplingParams.logit_bias={{{key!r}: {bias}}} is invalid: keys must be token ids"
             ) from None
     return parsed
+
+
+class EmbeddingRequest(BaseModel):
+    """`POST /v1/embeddings` (OpenAI's shape): `input` is a string, a list of strings, token ids, or a list of
+    token-id lists; `encoding_format` "float" (a list of numbers) or "base64" (little-endian float32 bytes, what
+    the official client asks for by default); `dimensions` truncates (then normalizes). Extras (asyncllm's
+    `PoolingParams`): `pooling` ("last" by default: the last prompt token's hidden state) and `normalize`."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    pooling: Literal["last", "mean", "cls"] = "last"
+    normalize: bool = True
