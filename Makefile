@@ -7,7 +7,7 @@ run:            ## stream a real answer from the default model (SmolLM2-135M-Ins
 
 test:           ## the whole test suite (real model on CPU; a few minutes)
 	@scripts/setup.sh dev
-	@.venv/bin/python -m pytest -q
+	@.venv/bin/python -m pytest -q --durations=30
 
 test-fast:      ## unit tests only: no real model weights, no engine on the real model (well under a minute)
 	@scripts/setup.sh dev
