@@ -13,6 +13,7 @@ from asyncllm.errors import (
     StreamClosedError,
     StreamIncompleteError,
 )
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import CompletionOutput, Logprob, RequestOutput, ToolCall, Usage
 from asyncllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
 from asyncllm.structured_outputs.params import StructuredOutputsParams
@@ -28,6 +29,7 @@ __all__ = [
     "EventLoopError",
     "GenerateOutputStream",
     "InvalidRequestError",
+    "LoRARequest",
     "Logprob",
     "ModelNotFoundError",
     "RepetitionDetectionParams",

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from asyncllm.lora.request import LoRARequest
 from asyncllm.sampling_params import SamplingParams
 
 
@@ -69,6 +70,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             As vLLM's `EngineCoreRequest.external_req_id`.
         cache_salt: mixed into the hash of the request's first KV cache block, so requests with different
             salts never share prefix-cache blocks (vLLM's `cache_salt`); None = unsalted.
+        lora_request: the LoRA adapter the request runs with (checked by the frontend), or None (base model).
     """
 
     request_id: str
@@ -80,6 +82,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Added later: new fields go at the end (array_like wire form).
     external_req_id: str | None = None
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

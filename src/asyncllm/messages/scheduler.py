@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import LogprobsLists
 from asyncllm.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         block_ids: KV cache blocks allocated to it so far, in order.
         num_computed_tokens: tokens whose K/V are already in the cache (prefix-cache hits).
         eos_token_id: the model's EOS id (the sampler masks it before `min_tokens`), or None.
+        lora_request: its LoRA adapter, or None (base model).
     """
 
     req_id: str
@@ -39,6 +41,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int = 0
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

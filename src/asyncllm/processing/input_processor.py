@@ -28,7 +28,10 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
+from asyncllm.config import LoRAConfig
 from asyncllm.errors import InvalidRequestError
+from asyncllm.lora.checker import LoRAChecker
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.sampling_params import MAX_INT64, SamplingParams
 from asyncllm.structured_outputs.backend import check_constraint
@@ -62,6 +65,7 @@ class InputProcessor:
         vocab_size: valid token ids are [0, vocab_size).
         kv_cache_blocks: (num_kv_blocks, block_size) of the engine's KV cache (handshake), to say so in the
             errors when the cache is what limits `max_model_len`; None = not known.
+        lora_config: the engine's LoRA settings (None = LoRA off: a `lora_request` is refused).
     """
 
     def __init__(
@@ -70,8 +74,10 @@ class InputProcessor:
         max_model_len: int,
         vocab_size: int,
         kv_cache_blocks: tuple[int, int] | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._lora_checker = LoRAChecker(lora_config)
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
         self._limit = f"max_model_len={max_model_len}"
@@ -89,6 +95,7 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         internal_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Build the engine request for one prompt.
 
@@ -99,18 +106,20 @@ class InputProcessor:
             priority: lower runs first; a signed 64-bit integer.
             cache_salt: None, or a non-empty str mixed into the first KV block's hash (tenant isolation).
             internal_id: the internal id (`make_internal_request_id(request_id)`); None makes one.
+            lora_request: the adapter to run with (its directory is read and checked here), or None.
         Returns:
             The prompt text and the `EngineCoreRequest` (eos id from the tokenizer, max_tokens set when None).
         Raises:
             InvalidRequestError: bad prompt shape, empty or too long prompt, prompt + max_tokens over
-                max_model_len, token id outside the vocabulary, bad sampling parameters, request id, priority
-                or cache salt.
+                max_model_len, token id outside the vocabulary, bad sampling parameters, request id, priority,
+                cache salt, or a LoRA adapter that is off, missing, malformed or refused (`asyncllm.lora.peft`).
         """
         params = self._validate_params(sampling_params)
         request_id = validate_request_id(request_id)
         _validate_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} is invalid: must be None or a non-empty str")
+        lora = None if lora_request is None else self._lora_checker.check(lora_request)
         text, token_ids = self.tokenize(prompt)
         self._validate_token_ids(token_ids)
         request = EngineCoreRequest(
@@ -122,6 +131,7 @@ class InputProcessor:
             priority=priority,
             external_req_id=request_id,
             cache_salt=cache_salt,
+            lora_request=lora,
         )
         return ProcessedRequest(text, request)
 

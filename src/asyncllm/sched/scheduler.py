@@ -20,6 +20,8 @@ With speculative decoding (`SpeculativeConfig`), a decoding request also gets th
 tokens scheduled after its last token (KV slots allocated for them); after the step, the drafts the sampler
 rejected are taken back from `num_computed_tokens` (their KV slots are overwritten later), and the accepted
 tokens are appended one at a time, so a stop rule ends the request at the exact token.
+With LoRA (`max_loras`), the running requests use at most `max_loras` distinct adapters: a waiting request whose
+adapter would be one too many is passed over (it keeps its place) until a running adapter's requests finish.
 Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token budget").
 """
 
@@ -60,6 +62,7 @@ class Scheduler:
         kv_cache_bytes: bytes of the KV cache over all workers (reported in the stats only).
         structured_output_manager: compiles grammars and keeps matchers; None rejects constrained requests.
         speculative_config: n-gram speculative decoding, or None (off).
+        max_loras: distinct LoRA adapters among the running requests at most; None = LoRA off.
     Raises:
         ValueError: if `max_model_len` does not fit in the KV cache.
         ConfigError: unknown scheduling policy.
@@ -75,6 +78,7 @@ class Scheduler:
         kv_cache_bytes: int = 0,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         if num_kv_blocks * block_size < max_model_len:
             raise ValueError(f"{num_kv_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}")
@@ -97,9 +101,16 @@ class Scheduler:
         self.spec_decode_stats = (
             SpecDecodeMetrics.empty(speculative_config.num_speculative_tokens) if speculative_config else None
         )
+        self.max_loras = max_loras
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request the frontend validated."""
+        """Queue a request the frontend validated.
+
+        Raises:
+            ValueError: a LoRA request to a scheduler without `max_loras` (the engine core refuses it first).
+        """
+        if request.lora_request is not None and self.max_loras is None:
+            raise ValueError("this engine runs without LoRA (EngineArgs(enable_lora=True))")
         req = Request.from_engine_core_request(request)
         if self.proposer is not None:
             req.spec_decode_metrics = SpecDecodeMetrics.empty(self.proposer.num_speculative_tokens)
@@ -268,8 +279,14 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         manager = self.kv_cache_manager
+        running_loras = {req.lora_int_id for req in self.running} - {None}
+        passed_over: list[Request] = []  # adapter limit reached: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek_request()
+            lora_id = req.lora_int_id
+            if lora_id is not None and lora_id not in running_loras and len(running_loras) >= (self.max_loras or 0):
+                passed_over.append(self.waiting.pop_request())
+                continue
             try:
                 computed_blocks = manager.get_computed_blocks(req)
                 num_cached = len(computed_blocks) * self.block_size
@@ -280,6 +297,8 @@ class Scheduler:
                 self._fail_request(req, e)
                 continue
             self.waiting.pop_request()
+            if lora_id is not None:
+                running_loras.add(lora_id)
             manager.record_prefix_cache_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -290,6 +309,8 @@ class Scheduler:
             output.scheduled_new_reqs.append(self._make_new_request_data(req))
             output.num_scheduled_tokens[req.request_id] = num_tokens
             budget -= num_tokens
+        for req in reversed(passed_over):
+            self.waiting.prepend_request(req)
 
     def _add_running(self, req: Request) -> None:
         if self.policy == "priority":
@@ -306,6 +327,7 @@ class Scheduler:
             num_computed_tokens=req.num_computed_tokens,
             output_token_ids=list(req.output_token_ids),
             eos_token_id=req.eos_token_id,
+            lora_request=req.lora_request,
         )
 
     def _preempt(self, req: Request) -> None:

@@ -15,6 +15,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from asyncllm.lora.manager import LoRAManager
+from asyncllm.lora.request import LoRARequest
+from asyncllm.lora.weights import LoRABatch
 from asyncllm.messages.engine import LogprobsLists
 from asyncllm.messages.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
@@ -36,9 +39,15 @@ class CausalLM(Protocol):
     arch: ModelArchConfig
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache."""
+        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache;
+        adds the LoRA deltas of `lora`'s rows."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -61,6 +70,7 @@ class CachedRequestState:
         eos_token_id: the model's EOS id, or None.
         prompt_logprobs_parts: prompt logprobs computed chunk by chunk, until the first token is sampled.
         needs_prompt_logprobs: prompt logprobs are still to be sent (False after a resume from preemption).
+        lora_request: its LoRA adapter, or None (base model).
     """
 
     req_id: str
@@ -73,6 +83,7 @@ class CachedRequestState:
     eos_token_id: int | None = None
     prompt_logprobs_parts: list[LogprobsLists] = field(default_factory=list)
     needs_prompt_logprobs: bool = False
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> CachedRequestState:
@@ -87,6 +98,7 @@ class CachedRequestState:
             generator=torch.Generator() if seeded else None,
             eos_token_id=new.eos_token_id,
             needs_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.output_token_ids,
+            lora_request=new.lora_request,
         )
 
     @property
@@ -102,10 +114,14 @@ class ModelRunner:
         block_size: tokens per KV cache block.
         vocab_size: logits width.
         seed: seed of the generator shared by unseeded requests.
+        lora_manager: loads the requests' LoRA adapters (None = LoRA off).
     """
 
-    def __init__(self, model: CausalLM, block_size: int, vocab_size: int, seed: int = 0) -> None:
+    def __init__(
+        self, model: CausalLM, block_size: int, vocab_size: int, seed: int = 0, lora_manager: LoRAManager | None = None
+    ) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.sampler = Sampler(seed)
@@ -130,7 +146,7 @@ class ModelRunner:
         query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
         spec = scheduler_output.scheduled_spec_decode_tokens
         input_ids, positions, meta = self._prepare_inputs(states, query_lens, spec)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self._prepare_lora(states, query_lens))
         self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
         rows, sampled_states = self._select_sampling_rows(states, query_lens)
@@ -219,6 +235,19 @@ class ModelRunner:
             query_lens.tolist(), seq_lens.tolist(), [s.block_ids for s in states], self.block_size
         )
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta
+
+    def _prepare_lora(self, states: list[CachedRequestState], query_lens: np.ndarray) -> LoRABatch | None:
+        """The step's adapters by rows (loading any that is not loaded), or None when no request has one.
+
+        Raises:
+            RuntimeError: a request has an adapter but LoRA is off (the engine core refuses such requests).
+        """
+        lora_requests = [s.lora_request for s in states]
+        if self.lora_manager is None:
+            if any(r is not None for r in lora_requests):
+                raise RuntimeError("a request has a LoRA adapter but this worker runs without LoRA")
+            return None
+        return self.lora_manager.make_batch(lora_requests, query_lens)
 
     def _verify_drafts(
         self,
