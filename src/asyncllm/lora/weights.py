@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -175,7 +175,7 @@ class LoRABatch:
         ends = np.cumsum(query_lens)
         starts = ends - query_lens
         ids = np.asarray(adapter_ids, dtype=np.int64)
-        groups: list[tuple[Rows, Any]] = []
+        groups: list[tuple[Rows, AdapterWeights]] = []
         for lora_id in sorted(set(adapter_ids) - {0}):
             chosen = np.flatnonzero(ids == lora_id)
             first, last = int(chosen[0]), int(chosen[-1])

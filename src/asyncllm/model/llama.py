@@ -140,7 +140,7 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        lora: LayerLoRA | None,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
         n, d = x.shape[0], self.arch.head_dim
         qkv = linear(x, self.qkv_proj)
@@ -156,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
         out = linear(attn, self.o_proj)
         return all_reduce(out if lora is None else lora.add(attn, out, "o_proj"))
 
-    def _mlp(self, x: torch.Tensor, lora: LayerLoRA | None) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
         if lora is not None:
             lora.add(x, gate_up, "gate_up_proj")
