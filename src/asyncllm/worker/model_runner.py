@@ -146,7 +146,11 @@ class ModelRunner:
         query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
         spec = scheduler_output.scheduled_spec_decode_tokens
         input_ids, positions, meta = self._prepare_inputs(states, query_lens, spec)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self._prepare_lora(states, query_lens))
+        lora = self._prepare_lora(states, query_lens)
+        if lora is None:  # models without LoRA support keep the four-argument call
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
         rows, sampled_states = self._select_sampling_rows(states, query_lens)
