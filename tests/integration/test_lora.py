@@ -163,6 +163,8 @@ def test_refused_adapters_fail_their_request_alone(
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
 
 
+# Eviction is the worker's (the same code in both modes); one engine mode keeps the suite short.
+@pytest.mark.parametrize("mode", ["thread"], indirect=True)
 def test_max_loras_1_alternating_adapters_evict_and_reload(
     mode: str, model_path: str, adapters: dict[str, Any], solo: dict[tuple[str, str | None], list[int]]
 ) -> None:
