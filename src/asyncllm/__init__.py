@@ -13,6 +13,7 @@ from asyncllm.errors import (
     StreamClosedError,
     StreamIncompleteError,
 )
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput, ToolCall, Usage
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams
@@ -29,6 +30,7 @@ __all__ = [
     "EventLoopError",
     "GenerateOutputStream",
     "InvalidRequestError",
+    "LoRARequest",
     "Logprob",
     "ModelNotFoundError",
     "PoolingParams",

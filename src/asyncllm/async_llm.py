@@ -22,6 +22,7 @@ from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
 from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError, StreamIncompleteError
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import EngineCoreRequest, SchedulerStats
 from asyncllm.metrics.defaults import make_default_stat_loggers
 from asyncllm.metrics.loggers import StatLoggerBase
@@ -75,7 +76,12 @@ class AsyncLLM:
         info = client.ready_info
         kv_cache_blocks = (info.num_kv_blocks, config.cache.block_size)
         self._input_processor = InputProcessor(
-            tokenizer, info.max_model_len, info.vocab_size, kv_cache_blocks, info.hidden_size
+            tokenizer,
+            info.max_model_len,
+            info.vocab_size,
+            kv_cache_blocks,
+            info.hidden_size,
+            lora_config=config.lora,
         )
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
@@ -164,6 +170,7 @@ class AsyncLLM:
         *,
         cache_salt: str | None = None,
         data_parallel_rank: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> GenerateOutputStream:
         """Submit one prompt; returns its output stream at once.
 
@@ -186,6 +193,9 @@ class AsyncLLM:
                 learn each other's prompts from time to first token (vLLM's `cache_salt`). None = unsalted.
             data_parallel_rank: with `data_parallel_size > 1`, run on this engine rank instead of the one the
                 load balancer picks (docs/data_parallel.md).
+            lora_request: run with this PEFT LoRA adapter (`asyncllm.lora.LoRARequest(lora_name, lora_int_id,
+                lora_path)`; needs `EngineArgs(enable_lora=True)`, docs/lora.md); its directory is read and checked
+                here. None = the base model.
         Returns:
             A `GenerateOutputStream` of `RequestOutput`s; the last has `finished=True`.
         Raises:
@@ -204,7 +214,10 @@ class AsyncLLM:
 
             async def submit_off_the_loop() -> None:
                 process = functools.partial(
-                    self._input_processor.process, cache_salt=cache_salt, internal_id=internal_id
+                    self._input_processor.process,
+                    cache_salt=cache_salt,
+                    internal_id=internal_id,
+                    lora_request=lora_request,
                 )
                 processed = await anyio.to_thread.run_sync(process, prompt, sampling_params, external_id, priority)
                 self._ensure_running()
@@ -215,7 +228,7 @@ class AsyncLLM:
                 external_id, collector, abort, self._next_output, loop, start=submit_off_the_loop
             )
         prompt_text, request = self._input_processor.process(
-            prompt, sampling_params, request_id, priority, cache_salt=cache_salt
+            prompt, sampling_params, request_id, priority, cache_salt=cache_salt, lora_request=lora_request
         )
         collector = RequestOutputCollector(request.sampling_params.output_kind, self._notifier)
         self._submit(prompt_text, request, collector, data_parallel_rank)
@@ -335,12 +348,14 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Run one chat turn to the end, with optional tool calling (OpenAI's `tools` / `tool_choice`).
 
         See `asyncllm.processing.tool_calling`: "required" or `{"type": "function", "function": {"name": ...}}`
         force a call valid for the tool's parameter schema (structured outputs); "auto" parses the model's own
-        calls with `tool_parser`; "none" offers no tools.
+        calls with `tool_parser`; "none" offers no tools. `request_id`, `priority`, `cache_salt` and `lora_request`
+        are `generate()`'s.
         Returns:
             The final `RequestOutput`; each completion carries `tool_calls` (None when it called no tool).
         Raises:
@@ -351,7 +366,7 @@ class AsyncLLM:
             self._tokenizer, messages, sampling_params, tools, tool_choice, parallel_tool_calls, tool_parser
         )
         output = await self.generate(
-            plan.prompt, plan.sampling_params, request_id, priority, cache_salt=cache_salt
+            plan.prompt, plan.sampling_params, request_id, priority, cache_salt=cache_salt, lora_request=lora_request
         ).collect()
         return plan.finish(output)
 

@@ -201,6 +201,20 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Per-request LoRA adapters (docs/lora.md); present in `EngineConfig` only when `enable_lora` is set.
+
+    Fields:
+        max_loras: distinct adapters among the running requests at most, and adapters each worker keeps loaded
+            (least recently used evicted first).
+        max_lora_rank: the largest adapter rank accepted (1..64).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     """Stats the frontend logs.
 
@@ -223,6 +237,7 @@ class EngineConfig:
     parallel: ParallelConfig
     observability: ObservabilityConfig = dataclasses.field(default_factory=ObservabilityConfig)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None
 
 
 @dataclass(kw_only=True)
@@ -279,6 +294,10 @@ class EngineArgs:
         speculative_config: None (off) or n-gram speculative decoding as in vLLM, a dict or its JSON text:
             {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}.
             See docs/speculative.md.
+        enable_lora: accept `generate(..., lora_request=LoRARequest(...))`: PEFT LoRA adapters applied per request
+            over the shared base model (docs/lora.md). Not with `quantization="int8"`.
+        max_loras: distinct adapters running at once, and adapters kept loaded (LRU); vLLM's default 1.
+        max_lora_rank: the largest adapter rank accepted, 1..64; vLLM's default 16.
     Raises:
         ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -310,6 +329,9 @@ class EngineArgs:
     log_stats: bool = False
     stats_log_interval: float = 5.0
     speculative_config: dict[str, Any] | str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineArgs:
@@ -369,6 +391,21 @@ class EngineArgs:
         if self.speculative_config is not None:
             SpeculativeConfig.from_user(self.speculative_config)
         self._validate_data_parallel()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        from asyncllm.lora.peft import MAX_LORA_RANK
+
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ConfigError(f"EngineArgs.max_loras={self.max_loras!r} is invalid: must be an integer >= 1")
+        rank = self.max_lora_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_LORA_RANK:
+            raise ConfigError(f"EngineArgs.max_lora_rank={rank!r} is invalid: must be an integer in 1..{MAX_LORA_RANK}")
+        if self.enable_lora and self.quantization is not None:
+            raise ConfigError(
+                "EngineArgs.enable_lora does not work with quantization='int8': SmoothQuant rescales the linear "
+                "layers' inputs, which an adapter's A does not expect"
+            )
 
     def _validate_data_parallel(self) -> None:
         if self.data_parallel_backend not in ("mp", "ray"):
@@ -438,6 +475,7 @@ class EngineArgs:
             parallel=parallel,
             observability=observability,
             speculative=speculative,
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None,
         )
 
 

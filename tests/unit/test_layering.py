@@ -1,8 +1,9 @@
 """The package's import graph, read with the standard-library `ast` (no module is imported).
 
 `messages/` is the floor: it imports nothing else from asyncllm except the leaf value type modules
-`asyncllm.sampling_params` and `asyncllm.pooling_params` (which import only `asyncllm.errors`). And no two
-modules import each other, at module level or inside functions.
+`asyncllm.sampling_params` (which imports only `asyncllm.errors` and the structured-outputs params),
+`asyncllm.pooling_params` and `asyncllm.lora.request` (which import only `asyncllm.errors`). And no two modules
+import each other, at module level or inside functions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pathlib
 SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 LEAVES_MESSAGES_MAY_USE = {
     "asyncllm.sampling_params": {"asyncllm.errors", "asyncllm.structured_outputs.params"},
+    "asyncllm.lora.request": {"asyncllm.errors"},
     "asyncllm.structured_outputs.params": {"asyncllm.errors"},
     "asyncllm.pooling_params": {"asyncllm.errors"},
     "asyncllm.errors": set(),

@@ -1,8 +1,10 @@
 """Tensor-parallel sharding math in one process: the partial outputs of TP=3 shards of a decoder layer sum to the
 unsharded layer's output (what the gloo all-reduce computes across processes); divisibility errors; TP=1 never
-touches torch.distributed."""
+touches torch.distributed; LoRA deltas equal merged weights, and their TP=3 shards sum to them."""
 
 from __future__ import annotations
+
+import pathlib
 
 import pytest
 import torch
@@ -10,10 +12,13 @@ import torch.distributed as dist
 
 from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, get_tp_size
 from asyncllm.errors import ConfigError
+from asyncllm.lora.request import LoRARequest
+from asyncllm.lora.weights import LayerLoRA, LoRABatch, load_adapter
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.llama import LlamaDecoderLayer
 from asyncllm.model.rope import rotary_cos_sin
+from tests.lora_adapters import write_peft_adapter
 
 ARCH = ModelArchConfig(
     architecture="qwen2",  # with q/k/v biases, so bias sharding is covered too
@@ -60,7 +65,9 @@ def build_layer(weights: dict[str, torch.Tensor], rank: int, tp: int) -> LlamaDe
     return layer
 
 
-def attention_and_mlp(layer: LlamaDecoderLayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_and_mlp(
+    layer: LlamaDecoderLayer, x: torch.Tensor, lora: LayerLoRA | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This layer's (attention output, MLP output) for a 5-token prefill, before any all-reduce (TP size is 1 in
     this process, so `all_reduce` is the identity and shards return their partial sums)."""
     n, block_size = x.shape[0], 4
@@ -70,8 +77,8 @@ def attention_and_mlp(layer: LlamaDecoderLayer, x: torch.Tensor) -> tuple[torch.
     cos, sin = rotary_cos_sin(ARCH.rope_inv_freq(), ARCH.max_position_embeddings)
     positions = torch.arange(n)
     with torch.inference_mode():
-        attn = layer._attention(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), cache, meta)
-        mlp = layer._mlp(x)
+        attn = layer._attention(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), cache, meta, lora)
+        mlp = layer._mlp(x, lora)
     return attn, mlp
 
 
@@ -108,3 +115,33 @@ def test_tp1_never_touches_torch_distributed() -> None:
     assert get_tp_size() == 1
     assert all_reduce(x) is x
     assert not dist.is_initialized()
+
+
+def test_lora_deltas_equal_merged_weights_and_tp3_shards_sum_to_them(tmp_path: pathlib.Path) -> None:
+    """A rank-4 adapter on all seven modules: per-row deltas on the fused weights equal W + scale * B @ A merged
+    into the HF weights (so every delta lands in its q/k/v or gate/up slice), and TP=3 shards of A/B sum to it."""
+    gen = torch.Generator().manual_seed(2)
+    weights = hf_layer_weights(gen)
+    tensors = write_peft_adapter(tmp_path, ARCH, rank=4, alpha=8.0, seed=3, std=0.2)
+    merged = dict(weights)
+    for key, lora_a in tensors.items():
+        if key.endswith("lora_A.weight"):
+            module = key.split(".layers.0.")[1].removesuffix(".lora_A.weight")
+            merged[f"{module}.weight"] = weights[f"{module}.weight"] + 2.0 * tensors[key.replace("_A", "_B")] @ lora_a
+    x = torch.randn(5, ARCH.hidden_size, generator=gen)
+    request = LoRARequest("a", 1, str(tmp_path))
+
+    def with_lora(rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = build_layer(weights, rank, tp)
+        adapter = load_adapter(request, ARCH, [layer], max_lora_rank=4)
+        return attention_and_mlp(layer, x, LoRABatch([(slice(0, 5), adapter)]).layer(0))
+
+    full_attn, full_mlp = attention_and_mlp(build_layer(merged, 0, 1), x)
+    attn, mlp = with_lora(0, 1)
+    torch.testing.assert_close(attn, full_attn, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mlp, full_mlp, rtol=1e-4, atol=1e-4)
+    shards = [with_lora(rank, 3) for rank in range(3)]
+    torch.testing.assert_close(sum(s[0] for s in shards), full_attn, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sum(s[1] for s in shards), full_mlp, rtol=1e-4, atol=1e-4)
+    plain_attn, _ = attention_and_mlp(build_layer(weights, 0, 1), x)
+    assert not torch.allclose(plain_attn, full_attn, atol=1e-2)  # the adapter changes the layer

@@ -16,6 +16,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.executors import get_executor_class
 from asyncllm.executors.base import Executor
+from asyncllm.lora.checker import LoRAChecker
 from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, EngineReadyInfo, SchedulerStats
 from asyncllm.processing.prompt_embeds import check_embeds_params, to_prompt_embeds_array
 from asyncllm.sched.request import RequestStatus
@@ -55,6 +56,17 @@ def check_request(request: EngineCoreRequest, info: EngineReadyInfo) -> None:
         check_embeds_params(params)
 
 
+def _make_lora_checker(config: EngineConfig) -> LoRAChecker:
+    """The engine's adapter check: with the model's module shapes and layer count when LoRA is on."""
+    if config.lora is None:
+        return LoRAChecker(None)
+    from asyncllm.lora.weights import arch_module_shapes
+    from asyncllm.model.loader import read_arch_config
+
+    arch = read_arch_config(config.model.model_path)
+    return LoRAChecker(config.lora, arch_module_shapes(arch), arch.num_hidden_layers)
+
+
 class EngineCore:
     """Builds the executor, sizes and allocates the KV cache, builds the scheduler, and runs steps.
 
@@ -88,7 +100,9 @@ class EngineCore:
             kv_cache_bytes=self.executor.get_kv_cache_bytes(),
             structured_output_manager=self.structured_output_manager,
             speculative_config=config.speculative,
+            max_loras=None if config.lora is None else config.lora.max_loras,
         )
+        self.lora_checker = _make_lora_checker(config)
 
     def _cap_max_model_len(self, info: EngineReadyInfo) -> EngineReadyInfo:
         """A sequence must fit in the whole KV cache, or it could never finish: cap max_model_len to it."""
@@ -106,10 +120,12 @@ class EngineCore:
 
         Raises:
             InvalidRequestError: a prompt that is empty, too long, or has a token id outside the vocabulary, a
-                sampling parameter the frontend would have refused, or the id of a request still in the engine
-                (the request fails alone).
+                sampling parameter the frontend would have refused, a LoRA adapter that is off, unreadable or does
+                not fit the model, or the id of a request still in the engine (the request fails alone).
         """
         check_request(request, self.ready_info)
+        if request.lora_request is not None:
+            request.lora_request = self.lora_checker.check(request.lora_request)
         if request.request_id in self.scheduler.requests:  # two live requests under one id break the step
             raise InvalidRequestError(f"request id {request.request_id!r} is already in the engine")
         self.scheduler.add_request(request)

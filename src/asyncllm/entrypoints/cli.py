@@ -66,6 +66,14 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests may finish on exit")
     p.add_argument("--tool-call-parser", default="hermes", help="reads the model's own tool calls")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help="serve PEFT LoRA adapters as models NAME (needs --enable-lora; docs/lora.md)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     p.set_defaults(command="serve", run=_run_serve, prebuild_grammar_compiler=True)  # a server serves tools
@@ -95,6 +103,14 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.set_defaults(command="chat", run=_run_chat)
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """`NAME=PATH` -> (name, path)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
+
+
 def _run_serve(ns: argparse.Namespace) -> int:
     from asyncllm.entrypoints.openai.app import ServerConfig
     from asyncllm.entrypoints.openai.server import run_server
@@ -113,6 +129,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
         allowed_headers=ns.allowed_headers,
         allow_credentials=ns.allow_credentials,
         tool_call_parser=ns.tool_call_parser,
+        lora_modules=dict(ns.lora_modules),
     )
     run_server(config, ns.host, ns.port, ns.grace_period, ns.log_level)
     return 0

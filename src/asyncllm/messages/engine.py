@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from asyncllm.lora.request import LoRARequest
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
 
@@ -76,6 +77,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         prompt_embeds: [num_prompt_tokens, hidden_size] float32 numpy array (a zero-copy frame on the wire)
             the first layer takes instead of the embedding rows of `prompt_token_ids`, which are then
             placeholders (zeros, giving the length); None = a token-id prompt.
+        lora_request: the LoRA adapter the request runs with (checked by the frontend), or None (base model).
     """
 
     request_id: str
@@ -89,6 +91,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None
     prompt_embeds: Any = None
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

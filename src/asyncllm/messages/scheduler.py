@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import LogprobsLists
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
         pooling_params: set for an embedding request (the runner pools instead of sampling), else None.
         prompt_embeds: an embeddings prompt's [num_prompt_tokens, hidden_size] float32 rows as little-endian
             bytes (plain msgpack, so the `mp` executor's RPC carries it too), else None.
+        lora_request: its LoRA adapter, or None (base model).
     """
 
     req_id: str
@@ -45,6 +47,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     eos_token_id: int | None = None
     pooling_params: PoolingParams | None = None
     prompt_embeds: bytes | None = None
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.model.quant import Weight, linear, quantize_int8, record_input_absmax, smoothing_scale
 from asyncllm.model.rope import rotary_cos_sin
+
+if TYPE_CHECKING:
+    from asyncllm.lora.weights import LayerLoRA, LoRABatch
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -122,36 +125,50 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
-        """[num_tokens, hidden_size] -> [num_tokens, hidden_size]; writes this step's K/V into `kv_cache`."""
+        """[num_tokens, hidden_size] -> [num_tokens, hidden_size]; writes this step's K/V into `kv_cache`. With
+        `lora`, each adapter's delta is added to its rows' outputs of the four linear weights."""
         eps = self.arch.rms_norm_eps
-        hidden = hidden + self._attention(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta)
-        return hidden + self._mlp(rms_norm(hidden, self.post_attention_norm, eps))
+        hidden = hidden + self._attention(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, lora)
+        return hidden + self._mlp(rms_norm(hidden, self.post_attention_norm, eps), lora)
 
     def _attention(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
         n, d = x.shape[0], self.arch.head_dim
         qkv = linear(x, self.qkv_proj)
+        if lora is not None:
+            lora.add(x, qkv, "qkv_proj")
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rotary(qk.view(n, -1, d), cos, sin)  # q and k heads rotated in one pass
         q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
         write_kv_cache(kv_cache, k, v.view(n, -1, d), meta.slot_mapping, meta.slot_blocks)
-        return all_reduce(linear(paged_attention(q, kv_cache, meta), self.o_proj))
+        attn = paged_attention(q, kv_cache, meta)
+        out = linear(attn, self.o_proj)
+        return all_reduce(out if lora is None else lora.add(attn, out, "o_proj"))
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return all_reduce(linear(F.silu(gate) * up, self.down_proj))
+    def _mlp(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj)
+        if lora is not None:
+            lora.add(x, gate_up, "gate_up_proj")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        out = linear(act, self.down_proj)
+        return all_reduce(out if lora is None else lora.add(act, out, "down_proj"))
 
-    def load_weight(self, name: str, w: torch.Tensor) -> None:
-        """Place one HF layer tensor (name after `model.layers.N.`, `[out, in]`) into the fused [in, out] params."""
-        q, kv = self.q_size, self.kv_size
-        inter = self.inter_size
-        w = self._shard(name, w)
-        # HF name -> (param, start column, width); weights are transposed to [in, out].
-        slots: dict[str, tuple[str, int, int]] = {
+    def fused_slots(self) -> dict[str, tuple[str, int, int]]:
+        """HF module path ("self_attn.q_proj") -> (fused param, first output column, width) on this rank."""
+        q, kv, inter = self.q_size, self.kv_size, self.inter_size
+        return {
             "self_attn.q_proj": ("qkv_proj", 0, q),
             "self_attn.k_proj": ("qkv_proj", q, kv),
             "self_attn.v_proj": ("qkv_proj", q + kv, kv),
@@ -160,6 +177,19 @@ class LlamaDecoderLayer(nn.Module):
             "mlp.up_proj": ("gate_up_proj", inter, inter),
             "mlp.down_proj": ("down_proj", 0, self.arch.hidden_size),
         }
+
+    def shard_lora(self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a module's LoRA pair (A `[r, in]`, B `[out, r]`), sharded like the module: q/k/v/gate/up
+        (column-parallel) keep A whole and shard B's output rows; o/down (row-parallel) shard A's input columns and
+        keep B whole."""
+        if module in ("self_attn.o_proj", "mlp.down_proj"):
+            return self._shard(f"{module}.weight", lora_a), lora_b
+        return lora_a, self._shard(f"{module}.weight", lora_b)
+
+    def load_weight(self, name: str, w: torch.Tensor) -> None:
+        """Place one HF layer tensor (name after `model.layers.N.`, `[out, in]`) into the fused [in, out] params."""
+        w = self._shard(name, w)
+        slots = self.fused_slots()  # weights are transposed to [in, out]
         if name == "input_layernorm.weight":
             self.input_norm.copy_(w)
         elif name == "post_attention_layernorm.weight":
@@ -227,6 +257,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
         embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Run every layer over a flat batch of tokens.
@@ -237,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: one [num_blocks, 2, block_size, num_kv_heads, head_dim] float32 tensor per layer;
                 written in place at `meta.slot_mapping`.
             meta: attention metadata of this step (`build_attention_metadata`).
+            lora: the step's LoRA adapters by rows (`asyncllm.lora.weights.LoRABatch`), or None.
             embeds_override: (rows [n] int64, values [n, hidden_size] float32): those rows of the first layer's
                 input are the given vectors instead of their token embeddings (prompt embeddings); None = none.
         Returns:
@@ -247,8 +279,8 @@ class LlamaForCausalLM(nn.Module):
             rows, values = embeds_override
             hidden[rows] = values
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden = layer(hidden, cos, sin, kv_cache, meta, None if lora is None else lora.layer(index))
         return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

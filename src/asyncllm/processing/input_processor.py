@@ -32,7 +32,10 @@ from typing import Any, NamedTuple, Protocol
 import msgspec
 import numpy as np
 
+from asyncllm.config import LoRAConfig
 from asyncllm.errors import InvalidRequestError
+from asyncllm.lora.checker import LoRAChecker
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.processing.prompt_embeds import PLACEHOLDER_TOKEN_ID, check_embeds_params, to_prompt_embeds_array
@@ -69,6 +72,7 @@ class InputProcessor:
         kv_cache_blocks: (num_kv_blocks, block_size) of the engine's KV cache (handshake), to say so in the
             errors when the cache is what limits `max_model_len`; None = not known.
         hidden_size: the model's hidden size (handshake), for prompt embeddings and `dimensions`; 0 = unknown.
+        lora_config: the engine's LoRA settings (None = LoRA off: a `lora_request` is refused).
     """
 
     def __init__(
@@ -78,9 +82,11 @@ class InputProcessor:
         vocab_size: int,
         kv_cache_blocks: tuple[int, int] | None = None,
         hidden_size: int = 0,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._hidden_size = hidden_size
+        self._lora_checker = LoRAChecker(lora_config)
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
         self._limit = f"max_model_len={max_model_len}"
@@ -99,6 +105,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         internal_id: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Build the engine request for one prompt.
 
@@ -111,12 +118,14 @@ class InputProcessor:
             internal_id: the internal id (`make_internal_request_id(request_id)`); None makes one.
             pooling_params: set for an embedding request (`AsyncLLM.encode`); `sampling_params` must then be
                 None (a `max_tokens=1` FINAL_ONLY placeholder is sent; the engine never samples it).
+            lora_request: the adapter to run with (its directory is read and checked here), or None.
         Returns:
             The prompt text and the `EngineCoreRequest` (eos id from the tokenizer, max_tokens set when None).
         Raises:
             InvalidRequestError: bad prompt shape, empty or too long prompt, prompt + max_tokens over
-                max_model_len, token id outside the vocabulary, bad sampling parameters, request id, priority
-                or cache salt, bad pooling parameters, bad prompt embeddings.
+                max_model_len, token id outside the vocabulary, bad sampling parameters, request id, priority,
+                cache salt, bad pooling parameters, bad prompt embeddings, or a LoRA adapter that is off, missing,
+                malformed or refused (`asyncllm.lora.peft`).
         """
         params = self._validate_params(sampling_params)
         if pooling_params is not None:
@@ -125,6 +134,7 @@ class InputProcessor:
         _validate_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} is invalid: must be None or a non-empty str")
+        lora = None if lora_request is None else self._lora_checker.check(lora_request)
         embeds = None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
             if pooling_params is not None:
@@ -145,6 +155,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             pooling_params=pooling_params,
             prompt_embeds=embeds,
+            lora_request=lora,
         )
         return ProcessedRequest(text, request)
 

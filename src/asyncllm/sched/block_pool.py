@@ -22,16 +22,21 @@ BlockHash = bytes
 ROOT_BLOCK_HASH: BlockHash = b""  # the parent of a sequence's first block
 
 
-def root_block_hash(cache_salt: str | None) -> BlockHash:
-    """The parent hash of a sequence's first block: empty, or for a salted request sha256("cache_salt" NUL salt).
+def root_block_hash(cache_salt: str | None, lora_int_id: int | None = None) -> BlockHash:
+    """The parent hash of a sequence's first block: empty for a plain request; for a salted one
+    sha256("cache_salt" NUL salt); with a LoRA adapter, the chain starts from sha256("lora" NUL int64 id) (and a
+    salt is hashed after it).
 
-    A salt thus changes the hash of every block of the request (the chain starts from it), so requests with
-    different salts, or one salted and one not, never share a cached block: vLLM's `cache_salt`, which it mixes
-    into the first block's hash as an extra key.
+    A salt or an adapter thus changes the hash of every block of the request (the chain starts from it), so
+    requests with different salts or adapters (or one with, one without) never share a cached block: vLLM's
+    `cache_salt` and LoRA extra keys, which it mixes into the first block's hash.
     """
-    if cache_salt is None:
-        return ROOT_BLOCK_HASH
-    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
+    root = ROOT_BLOCK_HASH
+    if lora_int_id is not None:
+        root = hashlib.sha256(b"lora\0" + lora_int_id.to_bytes(8, "little", signed=True)).digest()
+    if cache_salt is not None:
+        root = hashlib.sha256(root + b"cache_salt\0" + cache_salt.encode()).digest()
+    return root
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:

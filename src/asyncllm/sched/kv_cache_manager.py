@@ -3,7 +3,8 @@
 Allocation is by tokens: a request with `num_computed_tokens` tokens in the cache that computes
 `num_new_tokens` more needs `ceil((num_computed_tokens + num_new_tokens) / block_size)` blocks; only the
 missing ones are allocated. With prefix caching, a request about to be admitted first looks up the chained
-hashes of its full blocks (`get_computed_blocks`; the chain starts from its `cache_salt`, see
+hashes of its full blocks (`get_computed_blocks`; the chain starts from its `cache_salt` and LoRA
+adapter id, see
 `block_pool.root_block_hash`); the longest run of hits becomes its first blocks and
 its `num_computed_tokens`, and never covers the last token (it must be computed to have logits to sample).
 Full blocks are cached when they are scheduled (their K/V is written by the step that computes them, before
@@ -130,7 +131,7 @@ class KVCacheManager:
         """Extend `request.block_hashes` to cover every full block of its known tokens."""
         size, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         for index in range(len(hashes), request.num_tokens // size):
-            parent = hashes[-1] if hashes else root_block_hash(request.cache_salt)
+            parent = hashes[-1] if hashes else root_block_hash(request.cache_salt, request.lora_int_id)
             hashes.append(hash_block_tokens(parent, tokens[index * size : (index + 1) * size]))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:

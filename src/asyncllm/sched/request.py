@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -62,6 +63,7 @@ class Request:
         request_id: the internal id (unique; the key everywhere in the engine).
         external_req_id: the user's id (not unique; for logs and messages).
         cache_salt: mixed into the first block hash (prefix-cache isolation), or None.
+        lora_request: its LoRA adapter (its id also roots the block hashes), or None.
         prompt_token_ids: [num_prompt_tokens] token ids.
         output_token_ids: tokens sampled so far (kept across preemption and recomputed on resume).
         sampling_params: the request's validated parameters.
@@ -96,10 +98,12 @@ class Request:
         priority: int = 0,
         external_req_id: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.external_req_id = external_req_id or request_id
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
@@ -136,6 +140,7 @@ class Request:
             request.priority,
             request.external_req_id,
             request.cache_salt,
+            request.lora_request,
         )
         req.pooling_params = request.pooling_params
         req.prompt_embeds = request.prompt_embeds
@@ -147,6 +152,11 @@ class Request:
         states of every prompt position, and an embeddings prompt has no token ids to hash (as vLLM)."""
         params = self.sampling_params
         return params.prompt_logprobs is not None or self.pooling_params is not None or self.prompt_embeds is not None
+
+    @property
+    def lora_int_id(self) -> int | None:
+        """Its adapter's id, or None (base model)."""
+        return None if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,8 @@ With speculative decoding (`SpeculativeConfig`), a decoding request also gets th
 tokens scheduled after its last token (KV slots allocated for them); after the step, the drafts the sampler
 rejected are taken back from `num_computed_tokens` (their KV slots are overwritten later), and the accepted
 tokens are appended one at a time, so a stop rule ends the request at the exact token.
+With LoRA (`max_loras`), the running requests use at most `max_loras` distinct adapters: a waiting request whose
+adapter would be one too many is passed over (it keeps its place) until a running adapter's requests finish.
 Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token budget").
 """
 
@@ -59,6 +61,7 @@ class Scheduler:
         kv_cache_bytes: bytes of the KV cache over all workers (reported in the stats only).
         structured_output_manager: compiles grammars and keeps matchers; None rejects constrained requests.
         speculative_config: n-gram speculative decoding, or None (off).
+        max_loras: distinct LoRA adapters among the running requests at most; None = LoRA off.
     Raises:
         ValueError: if `max_model_len` does not fit in the KV cache.
         ConfigError: unknown scheduling policy.
@@ -74,6 +77,7 @@ class Scheduler:
         kv_cache_bytes: int = 0,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         if num_kv_blocks * block_size < max_model_len:
             raise ValueError(f"{num_kv_blocks} blocks of {block_size} tokens cannot hold max_model_len={max_model_len}")
@@ -93,9 +97,16 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         self._failed_requests: dict[str, str] = {}  # for the frontend: requests whose grammar failed to compile
         self.drafter = Drafter(speculative_config) if speculative_config is not None else None
+        self.max_loras = max_loras
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request the frontend validated."""
+        """Queue a request the frontend validated.
+
+        Raises:
+            ValueError: a LoRA request to a scheduler without `max_loras` (the engine core refuses it first).
+        """
+        if request.lora_request is not None and self.max_loras is None:
+            raise ValueError("this engine runs without LoRA (EngineArgs(enable_lora=True))")
         req = Request.from_engine_core_request(request)
         if self.drafter is not None:
             self.drafter.start_request(req)
@@ -264,8 +275,14 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         manager = self.kv_cache_manager
+        running_loras = {req.lora_int_id for req in self.running} - {None}
+        passed_over: list[Request] = []  # adapter limit reached: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek_request()
+            lora_id = req.lora_int_id
+            if lora_id is not None and lora_id not in running_loras and len(running_loras) >= (self.max_loras or 0):
+                passed_over.append(self.waiting.pop_request())
+                continue
             try:
                 computed_blocks = manager.get_computed_blocks(req)
                 num_cached = len(computed_blocks) * self.block_size
@@ -276,6 +293,8 @@ class Scheduler:
                 self._fail_request(req, e)
                 continue
             self.waiting.pop_request()
+            if lora_id is not None:
+                running_loras.add(lora_id)
             manager.record_prefix_cache_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -286,6 +305,8 @@ class Scheduler:
             output.scheduled_new_reqs.append(self._make_new_request_data(req))
             output.num_scheduled_tokens[req.request_id] = num_tokens
             budget -= num_tokens
+        for req in reversed(passed_over):
+            self.waiting.prepend_request(req)
 
     def _add_running(self, req: Request) -> None:
         if self.policy == "priority":
@@ -304,6 +325,7 @@ class Scheduler:
             eos_token_id=req.eos_token_id,
             pooling_params=req.pooling_params,
             prompt_embeds=None if req.prompt_embeds is None else req.prompt_embeds.astype("<f4", copy=False).tobytes(),
+            lora_request=req.lora_request,
         )
 
     def _preempt(self, req: Request) -> None:

@@ -10,11 +10,14 @@ so the scheduler never resends what the worker already has. After vLLM v1's `GPU
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from asyncllm.lora.manager import LoRAManager
+from asyncllm.lora.request import LoRARequest
+from asyncllm.lora.weights import LoRABatch
 from asyncllm.messages.engine import LogprobsLists
 from asyncllm.messages.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
@@ -43,11 +46,13 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
         embeds_override: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache.
-        `embeds_override` = (rows [n] int64, values [n, hidden_size]): those rows take the given vectors instead
-        of their embedding lookup (prompt embeddings); the runner passes it only when there are any."""
+        """[num_tokens] ids and positions -> [num_tokens, hidden_size] hidden states; writes K/V to the cache;
+        adds the LoRA deltas of `lora`'s rows. `embeds_override` = (rows [n] int64, values [n, hidden_size]):
+        those rows take the given vectors instead of their embedding lookup (prompt embeddings). The runner
+        passes each only when there are any."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -72,6 +77,7 @@ class CachedRequestState:
         needs_prompt_logprobs: prompt logprobs are still to be sent (False after a resume from preemption).
         pooler: an embedding request's pooled-vector accumulator (it never samples), else None.
         prompt_embeds: an embeddings prompt's [num_prompt_tokens, hidden_size] float32 rows, else None.
+        lora_request: its LoRA adapter, or None (base model).
     """
 
     req_id: str
@@ -86,6 +92,7 @@ class CachedRequestState:
     needs_prompt_logprobs: bool = False
     pooler: PromptPooler | None = None
     prompt_embeds: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData) -> CachedRequestState:
@@ -102,6 +109,7 @@ class CachedRequestState:
             needs_prompt_logprobs=new.sampling_params.prompt_logprobs is not None and not new.output_token_ids,
             pooler=PromptPooler(new.pooling_params, len(new.prompt_token_ids)) if new.pooling_params else None,
             prompt_embeds=embeds_from_bytes(new.prompt_embeds, len(new.prompt_token_ids)),
+            lora_request=new.lora_request,
         )
 
     @property
@@ -117,10 +125,14 @@ class ModelRunner:
         block_size: tokens per KV cache block.
         vocab_size: logits width.
         seed: seed of the generator shared by unseeded requests.
+        lora_manager: loads the requests' LoRA adapters (None = LoRA off).
     """
 
-    def __init__(self, model: CausalLM, block_size: int, vocab_size: int, seed: int = 0) -> None:
+    def __init__(
+        self, model: CausalLM, block_size: int, vocab_size: int, seed: int = 0, lora_manager: LoRAManager | None = None
+    ) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.sampler = Sampler(seed)
@@ -145,13 +157,16 @@ class ModelRunner:
         query_lens = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
         spec = scheduler_output.scheduled_spec_decode_tokens
         input_ids, positions, meta = self._prepare_inputs(states, query_lens, spec)
+        lora = self._prepare_lora(states, query_lens)
         override = embeds_override(
             ((s.prompt_embeds, s.num_computed_tokens, s.num_prompt_tokens) for s in states), query_lens
         )
-        if override is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds_override=override)
+        extra: dict[str, Any] = {}  # models without LoRA or prompt-embeds support keep the four-argument call
+        if lora is not None:
+            extra["lora"] = lora
+        if override is not None:
+            extra["embeds_override"] = override
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, **extra)
         pooled = pool_step(((s.req_id, s.pooler, s.num_computed_tokens) for s in states), query_lens, hidden)
         self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
@@ -254,6 +269,19 @@ class ModelRunner:
             query_lens.tolist(), seq_lens.tolist(), [s.block_ids for s in states], self.block_size
         )
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta
+
+    def _prepare_lora(self, states: list[CachedRequestState], query_lens: np.ndarray) -> LoRABatch | None:
+        """The step's adapters by rows (loading any that is not loaded), or None when no request has one.
+
+        Raises:
+            RuntimeError: a request has an adapter but LoRA is off (the engine core refuses such requests).
+        """
+        lora_requests = [s.lora_request for s in states]
+        if self.lora_manager is None:
+            if any(r is not None for r in lora_requests):
+                raise RuntimeError("a request has a LoRA adapter but this worker runs without LoRA")
+            return None
+        return self.lora_manager.make_batch(lora_requests, query_lens)
 
     def _verify_drafts(
         self,

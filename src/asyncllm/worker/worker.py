@@ -15,6 +15,7 @@ import torch
 from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from asyncllm.errors import ConfigError
+from asyncllm.lora.manager import LoRAManager
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
@@ -60,8 +61,15 @@ class Worker:
             init_tensor_parallel(rank, self.tp_size, distributed_init_method)
         self.model = cast(CausalLM, load_model(config.model))
         self.arch: ModelArchConfig = self.model.arch
+        lora = config.lora
+        lora_manager = None
+        if lora is not None:
+            layers = getattr(self.model, "layers", None)
+            if layers is None:
+                raise ConfigError(f"EngineArgs.enable_lora: {type(self.model).__name__} has no decoder layers to adapt")
+            lora_manager = LoRAManager(self.arch, list(layers), lora.max_loras, lora.max_lora_rank)
         self.model_runner = ModelRunner(
-            self.model, config.cache.block_size, self.arch.vocab_size, seed=config.model.seed
+            self.model, config.cache.block_size, self.arch.vocab_size, seed=config.model.seed, lora_manager=lora_manager
         )
 
     @property
@@ -149,6 +157,11 @@ class Worker:
     def count_requests(self) -> int:
         """Requests whose state the model runner caches now (leak checks: 0 once the engine is idle)."""
         return len(self.model_runner.requests)
+
+    def list_loras(self) -> list[int]:
+        """Ids of the LoRA adapters loaded in this worker, least recently used first (empty when LoRA is off)."""
+        manager = self.model_runner.lora_manager
+        return [] if manager is None else manager.list_loras()
 
     def get_pid(self) -> int:
         """This worker's process id (tests and tools use it to find worker processes)."""

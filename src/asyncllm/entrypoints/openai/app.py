@@ -36,6 +36,9 @@ from asyncllm.entrypoints.openai.serving_base import ServingContext
 from asyncllm.entrypoints.openai.serving_chat import create_chat_completion
 from asyncllm.entrypoints.openai.serving_completion import create_completion
 from asyncllm.entrypoints.openai.serving_embedding import create_embedding
+from asyncllm.errors import ConfigError
+from asyncllm.lora.checker import LoRAChecker
+from asyncllm.lora.request import LoRARequest
 from asyncllm.processing.tool_parsers import get_tool_parser
 from asyncllm.structured_outputs.backend import preload_xgrammar
 
@@ -54,6 +57,8 @@ class ServerConfig:
         allowed_origins: CORS origins; empty = no CORS headers at all.
         allowed_methods, allowed_headers, allow_credentials: the rest of the CORS policy.
         tool_call_parser: the registered tool parser that reads the model's own calls for `tool_choice="auto"`.
+        lora_modules: LoRA adapters served as models: `model` name -> adapter directory (vLLM's `--lora-modules`;
+            ids 1, 2, ... in this order; needs `engine_args.enable_lora`). Each is checked at start-up.
     """
 
     engine_args: EngineArgs = field(default_factory=EngineArgs)
@@ -65,6 +70,7 @@ class ServerConfig:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     tool_call_parser: str = "hermes"
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
 
 async def start_engine(args: EngineArgs) -> Any:
@@ -114,8 +120,22 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
 
 
 def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
+    """The handlers' shared context. The LoRA modules are checked here: a bad adapter (`InvalidRequestError`) or a
+    name that is also a served model name (`ConfigError`) fails the start."""
     names = config.served_model_names or [str(config.engine_args.model)]
-    return ServingContext(names=list(names), max_model_len=llm.max_model_len, tool_parser=config.tool_call_parser)
+    lora_modules = {}
+    if config.lora_modules:
+        checker = LoRAChecker(llm.config.lora)
+        for index, (name, path) in enumerate(config.lora_modules.items(), start=1):
+            if name in names:
+                raise ConfigError(f"--lora-modules name {name!r} is also a served model name")
+            lora_modules[name] = checker.check(LoRARequest(name, index, path))
+    return ServingContext(
+        names=list(names),
+        max_model_len=llm.max_model_len,
+        tool_parser=config.tool_call_parser,
+        lora_modules=lora_modules,
+    )
 
 
 def _running_llm(request: Request) -> Any:
@@ -145,7 +165,8 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:
         ctx: ServingContext = raw.app.state.ctx
-        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.max_model_len) for name in ctx.names])
+        names = ctx.names + list(ctx.lora_modules)
+        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.max_model_len) for name in names])
 
 
 def _add_ops_routes(app: FastAPI) -> None:

@@ -20,6 +20,7 @@ from fastapi import Request
 
 from asyncllm.entrypoints.openai.errors import APIError, error_body, to_api_error
 from asyncllm.entrypoints.openai.responses import UsageInfo
+from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import RequestOutput
 from asyncllm.streams import GenerateOutputStream
 
@@ -35,12 +36,14 @@ class ServingContext:
         max_model_len: tokens per sequence at most (prompt + output); None = the model's context length.
         in_flight: ids of the requests being served (graceful shutdown aborts those left after the grace period).
         tool_parser: the registered tool parser for `tool_choice="auto"` (`asyncllm.processing.tool_parsers`).
+        lora_modules: LoRA adapters served as models of their own: `model` name -> its `LoRARequest`.
     """
 
     names: list[str]
     max_model_len: int | None
     tool_parser: str = "hermes"
     in_flight: set[str] = field(default_factory=set)
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -54,12 +57,18 @@ class ServingContext:
         """
         if model is None or model in self.names:
             return self.name
+        if model in self.lora_modules:
+            return model
         raise APIError(
-            f"the model {model!r} does not exist on this server; it serves {self.names}",
+            f"the model {model!r} does not exist on this server; it serves {self.names + list(self.lora_modules)}",
             HTTPStatus.BAD_REQUEST,
             param="model",
             code="model_not_found",
         )
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request for `model` runs with (None: the base model)."""
+        return None if model is None else self.lora_modules.get(model)
 
 
 def sse(payload: str) -> str:

@@ -69,7 +69,13 @@ async def create_chat_completion(llm: Any, ctx: ServingContext, request: ChatCom
         raise to_api_error(error, field_names(request)) from error
     setup = await prepare_chat(llm.get_tokenizer(), request, params, ctx.tool_parser)
     try:
-        stream = llm.generate(setup.prompt, setup.params, request_id=request_id, cache_salt=request.cache_salt)
+        stream = llm.generate(
+            setup.prompt,
+            setup.params,
+            request_id=request_id,
+            cache_salt=request.cache_salt,
+            lora_request=ctx.lora_request(request.model),
+        )
     except InvalidRequestError as error:
         raise _api_error(error, request, setup) from error
     if request.stream:

@@ -45,7 +45,12 @@ def completion_prompts(request: CompletionRequest) -> list[PromptType]:
 
 
 async def submit(
-    llm: Any, prompts: list[PromptType], params: Any, request_id: str, cache_salt: str | None = None
+    llm: Any,
+    prompts: list[PromptType],
+    params: Any,
+    request_id: str,
+    cache_salt: str | None = None,
+    lora_request: Any = None,
 ) -> list[GenerateOutputStream]:
     """`llm.generate()` each prompt (ids `<request_id>-<i>` for a batch); all or none are submitted.
 
@@ -56,7 +61,9 @@ async def submit(
     try:
         for i, prompt in enumerate(prompts):
             engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(llm.generate(prompt, params, request_id=engine_id, cache_salt=cache_salt))
+            streams.append(
+                llm.generate(prompt, params, request_id=engine_id, cache_salt=cache_salt, lora_request=lora_request)
+            )
     except BaseException:
         await close_streams(streams)
         raise
@@ -76,7 +83,7 @@ async def create_completion(llm: Any, ctx: ServingContext, request: CompletionRe
     prompts = completion_prompts(request)
     params = request.to_sampling_params(request.max_tokens, request.logprobs)
     request_id = make_id("cmpl")
-    streams = await submit(llm, prompts, params, request_id, request.cache_salt)
+    streams = await submit(llm, prompts, params, request_id, request.cache_salt, ctx.lora_request(request.model))
     if request.stream:
         writer = _CompletionStreamWriter(request, request_id, model)
         events = stream_events(ctx, streams, writer.events, writer.final_events)
