@@ -22,7 +22,17 @@ from tests.integration.conftest import wait_until_idle
 
 pytestmark = pytest.mark.slow
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Always k drafts ("adaptive": false): these tests check that verification is exact wherever drafts run, so every
+# matching n-gram must really be drafted. The adaptive policy only chooses how many drafts (unit tests:
+# tests/unit/test_draft_policy.py); outputs never depend on it, which the greedy test below also checks with it on.
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "adaptive": False,
+}
+ADAPTIVE_SPEC = {**SPEC, "adaptive": True}
 MAX_TOKENS = 32
 PROMPTS = [
     "Repeat this list exactly: apples, bananas, cherries, dates, elderberries, figs, grapes.",
@@ -48,7 +58,7 @@ PROMPTS = [
 ]
 
 
-def _engine_args(model_path: str, spec: bool, process: bool = False) -> EngineArgs:
+def _engine_args(model_path: str, spec: bool, process: bool = False, adaptive: bool = False) -> EngineArgs:
     """Chunked prefill (64-token budget), prefix caching and a KV cache too small for all 20 requests at once."""
     return EngineArgs(
         model=model_path,
@@ -57,7 +67,7 @@ def _engine_args(model_path: str, spec: bool, process: bool = False) -> EngineAr
         num_kv_blocks=20,
         max_num_batched_tokens=64,
         enable_prefix_caching=True,
-        speculative_config=SPEC if spec else None,
+        speculative_config=(ADAPTIVE_SPEC if adaptive else SPEC) if spec else None,
     )
 
 
@@ -78,8 +88,8 @@ def speculative(model_path: str) -> Iterator[AsyncLLM]:
 
 @pytest.fixture(scope="module")
 def speculative_process(model_path: str) -> Iterator[AsyncLLM]:
-    """The speculative engine in its own process."""
-    engine = AsyncLLM.from_engine_args(_engine_args(model_path, spec=True, process=True))
+    """The speculative engine in its own process, with the adaptive draft length (the default policy)."""
+    engine = AsyncLLM.from_engine_args(_engine_args(model_path, spec=True, process=True, adaptive=True))
     yield engine
     anyio.run(engine.shutdown)
 

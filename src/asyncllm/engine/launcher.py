@@ -16,6 +16,7 @@ import msgspec
 from asyncllm.engine.core_proc import CoreFactory, EngineCoreProc
 from asyncllm.errors import ConfigError
 from asyncllm.messages.engine import EngineLaunch
+from asyncllm.utils.memory import release_freed_memory
 from asyncllm.utils.process import (
     ChildProcess,
     launched_from_main_thread,
@@ -107,7 +108,9 @@ class ThreadLauncher:
             config = msgspec.msgpack.decode(launch.config, type=EngineConfig)
             EngineCoreProc(config, launch.input_address, launch.output_address, self._core_factory).run()
         except SystemExit:
-            return  # a failed start-up: the handshake carried the error
+            pass  # a failed start-up: the handshake carried the error
+        finally:
+            release_freed_memory()  # the engine's weights and KV cache leave this process's resident set
 
     def wait(self) -> None:
         self._thread.join()
