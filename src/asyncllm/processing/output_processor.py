@@ -18,67 +18,26 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, SpecDecodeMetrics
-from asyncllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
-from asyncllm.outputs import CompletionOutput, FinishReasonStr, PoolingRequestOutput, RequestOutput
+from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest
+from asyncllm.metrics.stats import IterationStats, RequestStateStats
+from asyncllm.outputs import CompletionOutput, PoolingRequestOutput
 from asyncllm.processing.detokenizer import IncrementalDetokenizer
 from asyncllm.processing.logprobs import LogprobsProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
-from asyncllm.sampling_params import RequestOutputKind
+from asyncllm.processing.request_state import (
+    RequestState,
+    finish_reason_str,
+    finished_stats,
+    make_completion,
+    make_request_output,
+    update_state,
+    update_stats,
+)
 from asyncllm.streams import RequestOutputCollector
 
+__all__ = ["OutputProcessor", "OutputProcessorResult", "RequestState"]
 
-@dataclass
-class RequestState:
-    """Frontend state of one in-flight engine request (a whole request, or one child of an n > 1 request).
-
-    Fields:
-        request_id: the internal engine request id.
-        external_req_id: the user's request id.
-        prompt: prompt text (None for token-id prompts).
-        prompt_token_ids: [num_prompt_tokens].
-        output_kind: CUMULATIVE, DELTA or FINAL_ONLY.
-        stream_interval: emit every this many tokens (and at the end).
-        detokenizer: owns the generated token ids and text.
-        logprobs: owns the sample and prompt logprobs.
-        collector: where outputs for the consumer go.
-        parent: the n > 1 parent, or None.
-        index: the completion index (0 without a parent).
-        num_sent_chars: chars of text already put into the collector.
-        num_sent_tokens: token ids already put into the collector.
-        prompt_logprobs_sent: prompt logprobs were put into the collector (DELTA sends them once).
-        num_cached_tokens: prompt tokens served from the prefix cache.
-        finish_reason, stop_reason: set when the request finished.
-        stats: timing and token counts, for `RequestOutput.metrics` and the stat loggers.
-        spec_decode_metrics: the engine's speculative decoding counters of the request, once it finished.
-        pooling_output: an embedding request's vector, once the engine sent it.
-    """
-
-    request_id: str
-    external_req_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    output_kind: RequestOutputKind
-    stream_interval: int
-    detokenizer: IncrementalDetokenizer
-    logprobs: LogprobsProcessor
-    collector: RequestOutputCollector
-    parent: ParentRequest | None = None
-    index: int = 0
-    num_sent_chars: int = 0
-    num_sent_tokens: int = 0
-    prompt_logprobs_sent: bool = False
-    num_cached_tokens: int = 0
-    finish_reason: FinishReasonStr | None = None
-    stop_reason: int | str | None = None
-    stats: RequestStateStats | None = None
-    spec_decode_metrics: SpecDecodeMetrics | None = None
-    pooling_output: list[float] | None = None
-
-    @property
-    def user_level_id(self) -> str:
-        """The internal id of the user's request: the parent's for a child, else its own."""
-        return self.parent.request_id if self.parent is not None else self.request_id
+_finish_reason_str = finish_reason_str  # the old private name (tests import it from here)
 
 
 @dataclass
@@ -199,14 +158,14 @@ class OutputProcessor:
             if state is None:
                 continue
             state.num_cached_tokens = engine_output.num_cached_tokens or state.num_cached_tokens
-            _update_stats(state, engine_output, timestamp, iteration_stats)
-            if self._update_state(state, engine_output):
+            update_stats(state, engine_output, timestamp, iteration_stats)
+            if update_state(state, engine_output):
                 result.num_finished += 1
                 self._drop(state)
                 if not engine_output.finished:
                     result.reqs_to_abort.append(state.request_id)
                 if iteration_stats is not None:
-                    iteration_stats.finished_requests.append(_finished_stats(state))
+                    iteration_stats.finished_requests.append(finished_stats(state))
             self._emit(state)
         return result
 
@@ -293,28 +252,9 @@ class OutputProcessor:
             if not ids:
                 del self._external_ids[external_id]
 
-    def _update_state(self, state: RequestState, engine_output: EngineCoreOutput) -> bool:
-        """Feed new tokens; returns True when the request finished (engine finish or stop string)."""
-        detok = state.detokenizer
-        stop_terminated = engine_output.finish_reason == FinishReason.STOP  # EOS or a stop token id
-        stop_str = detok.update(engine_output.new_token_ids, engine_output.finished, stop_terminated)
-        state.logprobs.update(engine_output.new_logprobs, engine_output.new_prompt_logprobs)
-        if engine_output.pooling_output is not None:
-            state.pooling_output = engine_output.pooling_output
-        if stop_str is not None:
-            state.logprobs.truncate(len(detok.token_ids))
-            state.finish_reason, state.stop_reason = "stop", stop_str
-            return True
-        if engine_output.finish_reason is not None:
-            state.finish_reason = _finish_reason_str(engine_output.finish_reason)
-            state.stop_reason = engine_output.stop_reason
-            state.spec_decode_metrics = engine_output.spec_decode_metrics
-            return True
-        return False
-
     def _emit(self, state: RequestState) -> None:
         """Put the output the request's kind and interval call for (if any) into its collector."""
-        completion = _make_completion(state)
+        completion = make_completion(state)
         if completion is None:
             return
         completions: list[CompletionOutput] | None = [completion]
@@ -327,95 +267,4 @@ class OutputProcessor:
                 state.external_req_id, state.prompt_token_ids, state.pooling_output, True, state.num_cached_tokens
             )
         if completions is not None:
-            state.collector.put(_make_request_output(state, completions, finished))
-
-
-def _make_completion(state: RequestState) -> CompletionOutput | None:
-    """The next `CompletionOutput` of a sequence, or None when its kind and interval have nothing to send."""
-    finished = state.finish_reason is not None
-    detok = state.detokenizer
-    num_chars, num_tokens = detok.num_output_chars, len(detok.token_ids)
-    if not finished:
-        if (
-            state.output_kind == RequestOutputKind.FINAL_ONLY
-            or num_tokens - state.num_sent_tokens < state.stream_interval
-        ):
-            return None
-        if num_chars == state.num_sent_chars and num_tokens == state.num_sent_tokens:
-            return None
-    start_char, start_token = (
-        (state.num_sent_chars, state.num_sent_tokens) if state.output_kind == RequestOutputKind.DELTA else (0, 0)
-    )
-    logprobs = state.logprobs.logprobs
-    completion = CompletionOutput(
-        index=state.index,
-        text=detok.output_text_since(start_char),
-        token_ids=detok.token_ids[start_token:num_tokens],
-        finish_reason=state.finish_reason,
-        stop_reason=state.stop_reason,
-        logprobs=logprobs[start_token:num_tokens] if logprobs is not None else None,
-        cumulative_logprob=state.logprobs.cumulative_logprob(num_tokens),
-    )
-    state.num_sent_chars, state.num_sent_tokens = num_chars, num_tokens
-    return completion
-
-
-def _make_request_output(state: RequestState, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
-    prompt_logprobs = state.logprobs.prompt_logprobs
-    if state.output_kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent:
-        prompt_logprobs = None
-    state.prompt_logprobs_sent = state.prompt_logprobs_sent or prompt_logprobs is not None
-    return RequestOutput(
-        request_id=state.external_req_id,
-        prompt=state.prompt,
-        prompt_token_ids=state.prompt_token_ids,
-        outputs=completions,
-        finished=finished,
-        num_cached_tokens=state.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs,
-        metrics=state.stats.to_metrics() if state.stats is not None else None,
-        spec_decode_metrics=state.spec_decode_metrics if finished else None,
-    )
-
-
-def _update_stats(
-    state: RequestState, engine_output: EngineCoreOutput, timestamp: float, iteration_stats: IterationStats | None
-) -> None:
-    """Apply an output's engine events and new tokens to the request's stats (and the step's)."""
-    stats = state.stats
-    if stats is None:
-        return
-    if engine_output.events:
-        stats.update_from_events(engine_output.events)
-    num_new_tokens = len(engine_output.new_token_ids)
-    ttft, itl = stats.update_from_tokens(num_new_tokens, timestamp)
-    if iteration_stats is None:
-        return
-    iteration_stats.num_generation_tokens += num_new_tokens
-    if ttft is not None:
-        iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
-        iteration_stats.time_to_first_tokens.append(ttft)
-    if itl is not None:
-        iteration_stats.inter_token_latencies.append(itl)
-
-
-def _finished_stats(state: RequestState) -> FinishedRequestStats:
-    stats = state.stats or RequestStateStats(arrival_time=time.time())
-    return FinishedRequestStats(
-        finish_reason=state.finish_reason or "abort",
-        e2e_latency=max(time.time() - stats.arrival_time, 0.0),
-        num_prompt_tokens=len(state.prompt_token_ids),
-        num_generation_tokens=stats.num_generation_tokens,
-        queue_time=stats.queue_time,
-        mean_inter_token_latency=stats.mean_inter_token_latency,
-    )
-
-
-def _finish_reason_str(reason: FinishReason) -> FinishReasonStr:
-    names: dict[FinishReason, FinishReasonStr] = {
-        FinishReason.STOP: "stop",
-        FinishReason.LENGTH: "length",
-        FinishReason.ABORT: "abort",
-        FinishReason.REPETITION: "repetition",
-    }
-    return names[reason]
+            state.collector.put(make_request_output(state, completions, finished))
