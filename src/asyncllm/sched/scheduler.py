@@ -28,27 +28,21 @@ Design: vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py, "the unified token
 from __future__ import annotations
 
 import bisect
-import logging
 
 from asyncllm.config import SchedulerConfig, SpeculativeConfig
-from asyncllm.messages.engine import (
-    EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    SchedulerStats,
-)
-from asyncllm.messages.scheduler import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from asyncllm.messages.engine import EngineCoreEventType, EngineCoreRequest
+from asyncllm.messages.scheduler import CachedRequestData, SchedulerOutput
+from asyncllm.sched.drafts import allocate_with_drafts, propose_drafts
 from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue, priority_key
+from asyncllm.sched.step_output import new_request_data
+from asyncllm.sched.update import SchedulerUpdate
 from asyncllm.spec_decode.drafter import Drafter
 from asyncllm.structured_outputs.manager import StructuredOutputManager
 
-logger = logging.getLogger(__name__)
 
-
-class Scheduler:
+class Scheduler(SchedulerUpdate):
     """Decides which tokens of which requests run each step, and applies the sampled tokens.
 
     Args:
@@ -121,51 +115,12 @@ class Scheduler:
         if req.status == RequestStatus.WAITING:
             self.waiting.add_request(req)
 
-    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        """Finish requests from outside (abort): free their blocks; no output is emitted for them.
-
-        Unknown or already finished ids are ignored.
-        """
-        reqs = [self.requests[i] for i in request_ids if i in self.requests]
-        doomed = {id(req) for req in reqs}
-        self.running = [req for req in self.running if id(req) not in doomed]
-        self.waiting.remove_requests(reqs)
-        if self.structured_output_manager is not None:
-            self.structured_output_manager.discard([req.request_id for req in reqs])
-        for req in reqs:
-            req.status = status
-            self._free_request(req)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting) or self.num_waiting_for_grammar > 0
-
-    @property
-    def num_waiting_for_grammar(self) -> int:
-        manager = self.structured_output_manager
-        return len(manager.pending) if manager is not None else 0
-
-    def has_finished_requests(self) -> bool:
-        """True while finished or aborted requests are waiting to be reported to the workers."""
-        return bool(self._finished_req_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while requests hold KV cache blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
-
-    def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + self.num_waiting_for_grammar,
-            num_free_blocks=self.kv_cache_manager.num_free_blocks,
-            num_total_blocks=self.kv_cache_manager.num_total_blocks,
-            prefix_cache_hit_rate=self.kv_cache_manager.prefix_cache_hit_rate,
-            num_preemptions=self.num_preemptions,
-            num_prefix_cache_queries=self.kv_cache_manager.num_prefix_cache_queries,
-            num_prefix_cache_hits=self.kv_cache_manager.num_prefix_cache_hits,
-            block_size=self.block_size,
-            kv_cache_bytes=self.kv_cache_bytes,
-            spec_decode=self.drafter.stats.copy() if self.drafter is not None else None,
-        )
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's tokens: running requests first, then waiting ones, within the budgets.
@@ -237,29 +192,10 @@ class Scheduler:
         return budget, num_preempted
 
     def _allocate_with_drafts(self, req: Request, num_tokens: int, budget: int) -> tuple[list[int], list[int] | None]:
-        """KV slots for `num_tokens` plus this step's n-gram drafts; without the drafts when they do not fit.
-
-        Returns:
-            (drafts, new block ids or None when not even `num_tokens` fit).
-        """
-        drafts = self._propose_drafts(req, budget)
-        new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens + len(drafts))
-        if new_block_ids is None and drafts:  # no room for the drafts: run the plain decode instead
-            drafts = []
-            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
-        return drafts, new_block_ids
-
-    def _propose_drafts(self, req: Request, budget: int) -> list[int]:
-        """The n-gram drafts to verify after a decoding request's last token (none for a prefill chunk, a
-        structured-output request, or when the token budget, `max_tokens` or `max_model_len` leave no room)."""
-        structured = req.sampling_params.structured_outputs is not None
-        if self.drafter is None or req.num_tokens_to_compute != 1 or structured or req.pooling_params is not None:
-            return []
-        room = min(budget, self.max_model_len - req.num_tokens) - 1
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
-            room = min(room, max_tokens - req.num_output_tokens - 1)
-        return self.drafter.propose(req, room, len(self.running), len(self.waiting))
+        """KV slots for `num_tokens` plus this step's n-gram drafts (`sched/drafts.py`); (drafts, new block ids
+        or None when not even `num_tokens` fit)."""
+        drafts = propose_drafts(self.drafter, req, budget, self.max_model_len, len(self.running), len(self.waiting))
+        return allocate_with_drafts(self.kv_cache_manager, req, num_tokens, drafts)
 
     def _preempt_for_priority(self, budget: int) -> None:
         """Preempt running requests of worse priority while the best waiting one has no room to start."""
@@ -302,7 +238,7 @@ class Scheduler:
             self._add_running(req)
             req.status = RequestStatus.RUNNING
             req.record_event(EngineCoreEventType.SCHEDULED)
-            output.scheduled_new_reqs.append(self._make_new_request_data(req))
+            output.scheduled_new_reqs.append(new_request_data(req, self.kv_cache_manager.get_block_ids(req.request_id)))
             output.num_scheduled_tokens[req.request_id] = num_tokens
             budget -= num_tokens
         for req in reversed(passed_over):
@@ -314,20 +250,6 @@ class Scheduler:
         else:
             self.running.append(req)
 
-    def _make_new_request_data(self, req: Request) -> NewRequestData:
-        return NewRequestData(
-            req_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling_params=req.sampling_params,
-            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
-            num_computed_tokens=req.num_computed_tokens,
-            output_token_ids=list(req.output_token_ids),
-            eos_token_id=req.eos_token_id,
-            pooling_params=req.pooling_params,
-            prompt_embeds=None if req.prompt_embeds is None else req.prompt_embeds.astype("<f4", copy=False).tobytes(),
-            lora_request=req.lora_request,
-        )
-
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and queue it first; it is recomputed from scratch when resumed."""
         self.kv_cache_manager.free(req)
@@ -337,136 +259,3 @@ class Scheduler:
         req.record_event(EngineCoreEventType.PREEMPTED)
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutputs:
-        """Append the sampled tokens, apply the stop rules, and free finished requests.
-
-        Returns:
-            One `EngineCoreOutput` per request that sampled a token (with its finish reason if it finished);
-            `finished_requests` lists the ids finished this step or aborted since the last step.
-        """
-        outputs: list[EngineCoreOutput] = []
-        for req_id, token_ids in model_runner_output.sampled_token_ids.items():
-            req = self.requests.get(req_id)
-            if req is None or not token_ids or req_id not in scheduler_output.num_scheduled_tokens:
-                continue  # aborted while the step ran
-            try:
-                output = self._update_request(req, token_ids, scheduler_output, model_runner_output)
-            except Exception as e:  # this request alone fails
-                self._fail_request(req, e)
-                continue
-            if output is not None:
-                outputs.append(output)
-        outputs.extend(self._finish_pooling(scheduler_output, model_runner_output))
-        self.running = [req for req in self.running if not req.is_finished]
-        return EngineCoreOutputs(
-            outputs=outputs,
-            scheduler_stats=self.get_stats(),
-            finished_requests=self._take_finished_to_report(),
-            failed_requests=self._take_failed(),
-        )
-
-    def _update_request(
-        self,
-        req: Request,
-        token_ids: list[int],
-        scheduler_output: SchedulerOutput,
-        model_runner_output: ModelRunnerOutput,
-    ) -> EngineCoreOutput | None:
-        """Apply one request's verified drafts, sampled tokens and stop rules (checked per appended token, so a
-        stop inside an accepted run ends the request there); its output (None when it failed)."""
-        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req.request_id)
-        if drafts:
-            self._apply_verification(req, len(drafts), len(token_ids) - 1)
-        token_ids, error = req.append_until_stop(token_ids, self.max_model_len)
-        if error is not None:
-            self._fail_request(req, error)
-            return None
-        if req.is_finished:
-            self._free_request(req)
-        new_logprobs = model_runner_output.logprobs.get(req.request_id)
-        if new_logprobs is not None and len(new_logprobs) > len(token_ids):  # a stop inside an accepted run
-            new_logprobs = new_logprobs.head(len(token_ids))
-        return EngineCoreOutput(
-            req.request_id,
-            token_ids,
-            req.finish_reason,
-            req.stop_reason,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            events=req.take_events(),
-            new_logprobs=new_logprobs,
-            new_prompt_logprobs=model_runner_output.prompt_logprobs.get(req.request_id),
-            spec_decode_metrics=req.spec_decode_metrics if req.is_finished else None,
-        )
-
-    def _finish_pooling(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        """Finish the embedding requests whose prefill ended this step (STOP), freeing their blocks; one output
-        each, carrying the pooled vector."""
-        outputs = []
-        for req_id, vector in model_runner_output.pooler_output.items():
-            req = self.requests.get(req_id)
-            if req is None or req_id not in scheduler_output.num_scheduled_tokens:
-                continue  # aborted while the step ran
-            req.status = RequestStatus.FINISHED_STOPPED
-            self._free_request(req)
-            outputs.append(
-                EngineCoreOutput(
-                    req_id,
-                    [],
-                    req.finish_reason,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    events=req.take_events(),
-                    pooling_output=vector,
-                )
-            )
-        return outputs
-
-    def _apply_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """Take the rejected drafts back from `num_computed_tokens` and count the verification."""
-        req.num_computed_tokens -= num_drafts - num_accepted
-        if self.drafter is not None:
-            self.drafter.observe_verification(req, num_drafts, num_accepted)
-
-    def make_empty_outputs(self) -> EngineCoreOutputs:
-        """The outputs of a step that ran nothing (still reports aborted and failed ids, and stats)."""
-        return EngineCoreOutputs(
-            scheduler_stats=self.get_stats(),
-            finished_requests=self._take_finished_to_report(),
-            failed_requests=self._take_failed(),
-        )
-
-    def _take_failed(self) -> dict[str, str] | None:
-        failed, self._failed_requests = self._failed_requests, {}
-        return failed or None
-
-    def _fail_request(self, req: Request, error: str | Exception) -> None:
-        """End a request the engine cannot continue, wherever it is (waiting, running, or just finished): it
-        fails alone (`failed_requests`, no output; its stream raises `EngineGenerateError`), its blocks are
-        freed, and the engine keeps serving the others."""
-        if isinstance(error, Exception):
-            logger.exception("request %r (%s) failed in the scheduler", req.external_req_id, req.request_id)
-            error = f"{type(error).__name__}: {error}"
-        self._failed_requests[req.request_id] = error
-        if req.request_id in self.requests:
-            req.status = RequestStatus.FINISHED_ABORTED
-            self.running = [r for r in self.running if r is not req]
-            self.waiting.remove_requests([req])
-            if self.structured_output_manager is not None:
-                self.structured_output_manager.discard([req.request_id])
-            self._free_request(req)
-        if req.request_id in self._finished_req_ids_to_report:
-            self._finished_req_ids_to_report.remove(req.request_id)  # reported as failed, not as finished
-
-    def _take_finished_to_report(self) -> list[str] | None:
-        ids, self._finished_req_ids_to_report = self._finished_req_ids_to_report, []
-        return ids or None
-
-    def _free_request(self, req: Request) -> None:
-        self.kv_cache_manager.free(req)
-        del self.requests[req.request_id]
-        self._finished_req_ids.append(req.request_id)
-        self._finished_req_ids_to_report.append(req.request_id)
