@@ -19,7 +19,7 @@ import time
 
 from process_overhead import CONFIG
 
-from asyncllm import AsyncLLM, SamplingParams, async_llm
+from asyncllm import AsyncLLM, SamplingParams, submission
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.model.resolve import resolve_model_path
 from asyncllm.model.tokenizer import Tokenizer
@@ -60,13 +60,13 @@ async def main() -> None:
     base = "The quick brown fox jumps over the lazy dog. "
     prompt = (base * (args.chars // len(base) + 1))[: args.chars]
     results: dict[str, list[float]] = {"on the loop": [], "off the loop": []}
-    default_limit = async_llm.LONG_PROMPT_CHARS
+    default_limit = submission.LONG_PROMPT_CHARS
     async with llm:
         for i in range(args.repeats):
             for mode in results:
-                async_llm.LONG_PROMPT_CHARS = 1 << 40 if mode == "on the loop" else default_limit
+                submission.LONG_PROMPT_CHARS = 1 << 40 if mode == "on the loop" else default_limit
                 results[mode].append(await max_gap_ms(llm, f"{i} {mode} {prompt}"))
-    async_llm.LONG_PROMPT_CHARS = default_limit
+    submission.LONG_PROMPT_CHARS = default_limit
     on, off = statistics.median(results["on the loop"]), statistics.median(results["off the loop"])
     print(f"{args.chars}-character prompt, median of {args.repeats} runs, longest event-loop gap:")
     print(f"  tokenized on the loop (before): {on:7.1f} ms")

@@ -4,14 +4,15 @@ abort, shut down.
 Data flow: `generate()` -> InputProcessor (tokenize + validate, synchronously) -> OutputProcessor state +
 EngineCoreClient.add_request -> engine core (its own process by default, or a background thread) -> the output
 handler (`output_handler.py`: run by whichever waiting stream holds the turn, no background task, so it works on
-any backend) -> OutputProcessor -> each request's collector -> its `GenerateOutputStream`.
+any backend) -> OutputProcessor -> each request's collector -> its `GenerateOutputStream`. The request path
+(streams, registration, sending, aborts of closed streams, `encode()`'s requests) is `submission.py`'s
+`RequestSubmitter`; this module is the public surface.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -21,30 +22,25 @@ import sniffio
 from asyncllm.config import EngineArgs, EngineConfig
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
-from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError, StreamIncompleteError
+from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError
 from asyncllm.lora.request import LoRARequest
-from asyncllm.messages.engine import EngineCoreRequest, SchedulerStats
+from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.defaults import make_default_stat_loggers
 from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger
 from asyncllm.output_handler import OutputHandler
 from asyncllm.outputs import PoolingRequestOutput, RequestOutput
 from asyncllm.pooling_params import PoolingParams
-from asyncllm.processing.input_processor import (
-    InputProcessor,
-    PromptType,
-    make_internal_request_id,
-    validate_request_id,
-)
+from asyncllm.processing.input_processor import InputProcessor, PromptType
 from asyncllm.processing.output_processor import OutputProcessor
-from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.processing.tool_calling import ToolChoice, plan_chat
-from asyncllm.sampling_params import RequestOutputKind, SamplingParams
+from asyncllm.sampling_params import SamplingParams
 from asyncllm.starting import StartingAsyncLLM, bind_start
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
+from asyncllm.submission import LONG_PROMPT_CHARS, RequestSubmitter, is_long_prompt
 from asyncllm.utils.loops import LoopBinding, current_loop
 
-LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (~5 ms of tokenizing and more)
+__all__ = ["LONG_PROMPT_CHARS", "AsyncLLM", "is_long_prompt"]
 
 
 class AsyncLLM:
@@ -86,6 +82,7 @@ class AsyncLLM:
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
         self._notifier = self._handler.notifier  # wakes streams waiting for outputs (and for the turn)
+        self._submitter = RequestSubmitter(self._input_processor, self._output_processor, client, self._handler)
         self._loop_binding = LoopBinding("this AsyncLLM")
         # Stops the engine if this object is collected or the interpreter exits without shutdown().
         self._finalizer = weakref.finalize(self, client.shutdown)
@@ -205,63 +202,19 @@ class AsyncLLM:
         """
         self._ensure_running()
         loop = self._bind_to_current_loop()
-        if loop is not None and is_long_prompt(prompt):
-            external_id = validate_request_id(request_id)
-            internal_id = make_internal_request_id(external_id)
-            params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams()
-            kind = params.output_kind
-            collector = RequestOutputCollector(kind, self._notifier)
-
-            async def submit_off_the_loop() -> None:
-                process = functools.partial(
-                    self._input_processor.process,
-                    cache_salt=cache_salt,
-                    internal_id=internal_id,
-                    lora_request=lora_request,
-                )
-                processed = await anyio.to_thread.run_sync(process, prompt, sampling_params, external_id, priority)
-                self._ensure_running()
-                self._submit(processed.prompt, processed.request, collector, data_parallel_rank)
-
-            abort = self._stream_aborter(internal_id)
-            return GenerateOutputStream(
-                external_id, collector, abort, self._next_output, loop, start=submit_off_the_loop
-            )
-        prompt_text, request = self._input_processor.process(
-            prompt, sampling_params, request_id, priority, cache_salt=cache_salt, lora_request=lora_request
+        submitter = self._submitter
+        stream = submitter.stream_later if loop is not None and is_long_prompt(prompt) else submitter.stream_now
+        return stream(
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            cache_salt,
+            data_parallel_rank,
+            lora_request,
+            self._next_output,
+            loop,
         )
-        collector = RequestOutputCollector(request.sampling_params.output_kind, self._notifier)
-        self._submit(prompt_text, request, collector, data_parallel_rank)
-        abort = self._stream_aborter(request.request_id)
-        return GenerateOutputStream(request.external_req_id or "", collector, abort, self._next_output, loop)
-
-    def _submit(
-        self,
-        prompt_text: str | None,
-        request: EngineCoreRequest,
-        collector: RequestOutputCollector,
-        data_parallel_rank: int | None = None,
-    ) -> None:
-        """Register a processed request (and its n>1 children) with the output processor and send it.
-
-        Raises:
-            InvalidRequestError: the internal id is already in flight (cannot happen: internal ids are unique).
-            EngineDeadError: the engine died.
-        """
-        self._handler.process_received_outputs_now()
-        parent = ParentRequest(request) if request.sampling_params.n > 1 else None
-        engine_requests = parent.child_requests if parent is not None else [request]
-        for engine_id in [request.request_id, *(r.request_id for r in engine_requests)]:
-            if self._output_processor.has_request(engine_id):
-                raise InvalidRequestError(f"internal request id {engine_id!r} is already in flight")
-        for index, engine_request in enumerate(engine_requests):
-            self._output_processor.add_request(engine_request, prompt_text, collector, parent, index)
-        try:
-            for engine_request in engine_requests:
-                self._client.add_request(engine_request, data_parallel_rank)
-        except BaseException:
-            self._abort_closed_stream(request.request_id)  # children already sent are aborted in the engine
-            raise
 
     async def encode(
         self,
@@ -298,43 +251,16 @@ class AsyncLLM:
         if not prompts:
             raise InvalidRequestError("encode() got an empty list of prompts")
         params = PoolingParams() if pooling_params is None else pooling_params
-
-        def process_all() -> list[EngineCoreRequest]:
-            ids = [request_id] if single or request_id is None else [f"{request_id}-{i}" for i in range(len(prompts))]
-            ids = ids * len(prompts) if len(ids) == 1 else ids
-            return [
-                self._input_processor.process(p, None, rid, priority, pooling_params=params).request  # type: ignore[arg-type]
-                for p, rid in zip(prompts, ids, strict=True)
-            ]
-
-        if any(is_long_prompt(p) for p in prompts):  # type: ignore[arg-type]
-            requests = await anyio.to_thread.run_sync(process_all)
-        else:
-            requests = process_all()
-        submitted: list[tuple[EngineCoreRequest, RequestOutputCollector]] = []
-        try:
-            for request in requests:
-                collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY, self._notifier)
-                self._submit(None, request, collector, data_parallel_rank)
-                submitted.append((request, collector))
-            results = [await self._await_pooling(request, collector) for request, collector in submitted]
-        except BaseException:
-            for request, _ in submitted:  # no-op for the finished ones
-                self._abort_closed_stream(request.request_id)
-            raise
+        results = await self._submitter.encode(
+            prompts,  # type: ignore[arg-type]
+            params,
+            request_id,
+            priority,
+            single,
+            data_parallel_rank,
+            self._next_output,
+        )
         return results[0] if single else results
-
-    async def _await_pooling(
-        self, request: EngineCoreRequest, collector: RequestOutputCollector
-    ) -> PoolingRequestOutput:
-        """Wait for an embedding request's final output; its vector."""
-        output = await self._next_output(collector)
-        if collector.pooling_output is None:
-            reason = output.outputs[0].finish_reason if output.outputs else None
-            raise StreamIncompleteError(
-                f"embedding request {request.external_req_id!r} ended without a vector (finish_reason {reason!r})"
-            )
-        return collector.pooling_output
 
     async def chat(
         self,
@@ -496,25 +422,3 @@ class AsyncLLM:
         """Wait for `collector`'s next output (see `OutputHandler.next_output`)."""
         self._bind_to_current_loop()
         return await self._handler.next_output(collector)
-
-    def _abort_closed_stream(self, internal_id: str) -> None:
-        """Called (on the loop thread) when a stream is closed or dropped unfinished: no output is sent. By the
-        internal id: a later request reusing the user's id is not touched."""
-        aborted = self._output_processor.abort_requests([internal_id], notify=False, internal=True)
-        self._handler.abort_in_engine(aborted)
-
-    def _stream_aborter(self, internal_id: str) -> Callable[[str], None]:
-        """The stream's abort callback: it is called with the user's id, and aborts by `internal_id`."""
-        return lambda _user_id: self._abort_closed_stream(internal_id)
-
-
-def is_long_prompt(prompt: PromptType) -> bool:
-    """True for text, or chat messages, over `LONG_PROMPT_CHARS` characters: tokenized off the event loop.
-
-    32k characters of English take ~45 ms to tokenize on this project's 2-core CPU (`benchmarks/loop_stall.py`).
-    """
-    if isinstance(prompt, str):
-        return len(prompt) > LONG_PROMPT_CHARS
-    if isinstance(prompt, list):
-        return sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict)) > LONG_PROMPT_CHARS
-    return False

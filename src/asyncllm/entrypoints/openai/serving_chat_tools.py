@@ -22,7 +22,6 @@ from typing import Any
 import anyio
 import msgspec
 
-from asyncllm.async_llm import is_long_prompt
 from asyncllm.entrypoints.openai.errors import APIError
 from asyncllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from asyncllm.entrypoints.openai.responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallBody
@@ -31,6 +30,7 @@ from asyncllm.processing.tool_calling import ChatPlan, plan_chat
 from asyncllm.processing.tool_calling_stream import PlainStream, StreamDelta, ToolCallStream
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_outputs import StructuredOutputsParams
+from asyncllm.submission import is_long_prompt
 
 
 @dataclass
