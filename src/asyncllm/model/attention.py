@@ -76,12 +76,28 @@ def paged_attention(
         [num_tokens, num_heads * head_dim] float32.
     """
     num_tokens, num_heads, head_dim = query.shape
+    if len(meta.groups) == 1 and meta.groups[0].max_query_len == 1:  # decodes only: row i is sequence i's query
+        return _decode_attention(query, kv_cache, meta.groups[0], scale)
     # Row num_tokens is a scratch row: padded query positions read it and write their (discarded) output to it.
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     out = query.new_empty(num_tokens + 1, num_heads * head_dim)
     for group in meta.groups:  # at most two: decodes, prefills
         out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale)
     return out[:num_tokens]
+
+
+def _decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float | None
+) -> torch.Tensor:
+    """[num_seqs, num_heads * head_dim] attention output of a step whose every sequence has one query token
+    (query row i belongs to sequence i): no padding row, no scatter, and the `[num_seqs, 1, 1, max_seq_len]`
+    mask broadcasts over the query heads of each K/V head."""
+    num_seqs, num_heads, head_dim = query.shape
+    key, value = gather_kv(kv_cache, group)
+    num_kv_heads = key.shape[1]
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, key, value, attn_mask=group.attn_mask, scale=scale)
+    return o.reshape(num_seqs, num_heads * head_dim)
 
 
 def _group_attention(
