@@ -9,7 +9,7 @@ the two kernels sum in different orders, so a row's last bits depend on which on
 the attention padding of its batch.
 
 The price is memory: the linear weights and the LM head are stored a second time (about 540 MB more for the
-default 135M-parameter model). `EngineArgs(quantization="int8")` needs neither copy.
+default 135M-parameter model). int8 weights (`model/quant.py`) are packed for oneDNN instead.
 """
 
 from __future__ import annotations
