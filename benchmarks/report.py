@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/report.py [--quick] [--contended]
 
-Runs `step_profile.py`, `throughput.py` and `frontend_overhead.py` one after the other (each in its own process,
-results in benchmarks/results/*.json), then renders the tables. `--quick --contended` takes about 8 minutes on a
-quiet 2-core machine.
+Runs `linear_kernels.py`, `step_profile.py`, `throughput.py` and `frontend_overhead.py` one after the other
+(each in its own process, results in benchmarks/results/*.json), then renders the tables. `--quick --contended`
+takes about 9 minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -50,7 +50,15 @@ def throughput_tables(t: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any]) -> str:
+def kernel_table(k: dict[str, Any]) -> list[str]:
+    rows = k["rows"]
+    lines = ["| kernel | " + " | ".join(f"{r} rows" for r in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    for name, by_rows in k["tok_per_s"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{by_rows[str(r)]:.0f}" for r in rows) + " |")
+    return lines
+
+
+def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any], k: dict[str, Any]) -> str:
     m = f["machine"]
     lines = [
         "# Benchmarks",
@@ -71,6 +79,14 @@ def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any])
         lines += ["", f"Load average (1, 5, 15 min) before {t['load_before']}, after {t['load_after']}."]
         lines += throughput_tables(t)
     lines += [
+        "",
+        "## Linear-layer kernels (`benchmarks/linear_kernels.py`)",
+        "",
+        "The model's 30 layers of fused linear weights plus the LM head, random values, torch's default threads;",
+        "tokens/s = rows / time of one pass (best of 5). Chooses the kernels `model/quant.py` and",
+        "`model/packed_fp32.py` run.",
+        "",
+        *kernel_table(k),
         "",
         "## Where a decode step's time goes (`benchmarks/step_profile.py`)",
         "",
@@ -110,15 +126,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.render_only:
         profile = json.loads((RESULTS / "step_profile.json").read_text())
+        kernels = json.loads((RESULTS / "linear_kernels.json").read_text())
         frontend = json.loads((RESULTS / "frontend_overhead.json").read_text())
         saved = RESULTS / "throughput.json"
         throughput = json.loads(saved.read_text()) if saved.is_file() else None
     else:
+        kernels = run("linear_kernels.py")
         profile = run("step_profile.py")
         flags = [*(["--quick"] if args.quick else []), *(["--contended"] if args.contended else [])]
         throughput = run("throughput.py", *flags)
         frontend = run("frontend_overhead.py")
-    DOC.write_text(render(profile, throughput, frontend))
+    DOC.write_text(render(profile, throughput, frontend, kernels))
     print(f"wrote {DOC}")
 
 

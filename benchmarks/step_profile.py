@@ -74,7 +74,7 @@ def main() -> None:
     path = str(resolve_model_path(args.model))
     result: dict[str, Any] = {"benchmark": "step_profile", "load_before": list(os.getloadavg()), "steps": {}}
     for quantization in (None, "int8"):
-        model = load_model(ModelConfig(model=args.model, model_path=path, quantization=quantization))
+        model = load_model(ModelConfig(model=args.model, model_path=path, quantization=quantization), pack_weights=True)
         for rows in (1, 32):
             name = f"{quantization or 'fp32'}, {rows} rows"
             result["steps"][name] = entry = profile_step(decode_step(model, rows))

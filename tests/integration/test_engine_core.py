@@ -8,7 +8,6 @@ a fake "sum" model that is an exact oracle for the scheduler, runner and paged-c
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Iterator
 
@@ -22,6 +21,7 @@ from asyncllm.messages.engine import EngineCoreRequest, FinishReason
 from asyncllm.model.attention_metadata import AttentionMetadata
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.model_runner import ModelRunner
+from tests.model_weights import randomize_matrices
 from tests.reference import greedy_margins
 
 NUM_REQUESTS = 16
@@ -63,11 +63,7 @@ def _tiny_core(model_path: str, num_kv_blocks: int, max_num_batched_tokens: int 
     """A tiny dummy Llama re-initialised with N(0, 1/fan) matrices: the loader's N(0, 0.02) leaves attention so
     weak that the model just repeats its input token, which would hide cache and batching bugs."""
     core = EngineCore(_dummy_config(model_path, num_kv_blocks, max_num_batched_tokens))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in core.executor.worker.model.parameters():  # type: ignore[attr-defined]
-            if param.dim() == 2:
-                param.normal_(0.0, 1 / math.sqrt(min(param.shape)), generator=generator)
+    randomize_matrices(core.executor.worker.model)  # type: ignore[attr-defined]
     return core
 
 

@@ -4,17 +4,16 @@ match a dense reference forward; min_tokens masks EOS in the sampler; penalties 
 from __future__ import annotations
 
 import json
-import math
 import random
 
 import pytest
-import torch
 
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.core import EngineCore
 from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, LogprobsLists
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker import model_runner
+from tests.model_weights import randomize_matrices
 from tests.reference import next_token_logits
 
 VOCAB = 512
@@ -44,11 +43,7 @@ def core(tmp_path_factory: pytest.TempPathFactory):
         ParallelConfig(num_threads=2),
     )
     engine = EngineCore(config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # N(0, 1/fan) weights: a peaked, context-dependent distribution
-        for param in engine.executor.worker.model.parameters():  # type: ignore[attr-defined]
-            if param.dim() == 2:
-                param.normal_(0.0, 1 / math.sqrt(min(param.shape)), generator=generator)
+    randomize_matrices(engine.executor.worker.model)  # type: ignore[attr-defined]
     yield engine
     engine.shutdown()
 

@@ -59,7 +59,8 @@ def _run_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: 
 @pytest.mark.parametrize(
     ("query_lens", "seq_lens"),
     [
-        pytest.param([1, 1, 1], [1, 7, 13], id="decodes"),
+        pytest.param([1, 1, 1], [1, 7, 13], id="decodes"),  # the decode-only path (`_decode_attention`)
+        pytest.param([1], [16], id="one-decode-full-blocks"),
         pytest.param([5, 9], [5, 9], id="prefills"),
         pytest.param([3, 6], [11, 6], id="prefill-with-cached-prefix"),
         pytest.param([1, 5, 1, 7, 3], [10, 5, 1, 9, 12], id="mixed"),

@@ -4,7 +4,6 @@ rows never depend on their batch-mates, chunked prefill equals one prefill, and 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
 from asyncllm.model.quant import Int8Weight, linear, quantize_int8, quantize_rows
+from tests.model_weights import randomize_matrices
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -73,11 +73,7 @@ def test_each_row_is_independent_of_its_batch() -> None:
 def _tiny_model(tmp_path, quantization: str | None):  # type: ignore[no-untyped-def]
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     model = load_model(ModelConfig("tiny", str(tmp_path), load_format="dummy"))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # N(0, 1/fan) so attention and the MLP matter (see test_engine_core)
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 1 / math.sqrt(min(param.shape)), generator=gen)
+    randomize_matrices(model)  # N(0, 1/fan) so attention and the MLP matter
     if quantization == "int8":
         model.quantize_int8([(7 * i + 3) % 512 for i in range(64)])
     return model

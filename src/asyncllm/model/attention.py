@@ -76,12 +76,34 @@ def paged_attention(
         [num_tokens, num_heads * head_dim] float32.
     """
     num_tokens, num_heads, head_dim = query.shape
+    if len(meta.groups) == 1 and meta.groups[0].max_query_len == 1:  # decodes only: row i is sequence i's query
+        return _decode_attention(query, kv_cache, meta, scale)
     # Row num_tokens is a scratch row: padded query positions read it and write their (discarded) output to it.
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     out = query.new_empty(num_tokens + 1, num_heads * head_dim)
     for group in meta.groups:  # at most two: decodes, prefills
         out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale)
     return out[:num_tokens]
+
+
+def _decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None
+) -> torch.Tensor:
+    """[num_seqs, num_heads * head_dim] attention output of a step whose every sequence has one query token
+    (query row i belongs to sequence i): no padding row, no scatter, and the `[num_seqs, 1, 1, max_seq_len]`
+    mask broadcasts over the query heads of each K/V head. K/V come from the step's mirror when it has one."""
+    num_seqs, num_heads, head_dim = query.shape
+    group = meta.groups[0]
+    if meta.mirror is not None and meta.slot_blocks is not None:
+        dense_key, dense_value = meta.mirror.key_value(kv_cache, meta.slot_blocks)
+        key = dense_key[:, : group.max_seq_len].transpose(1, 2)
+        value = dense_value[:, : group.max_seq_len].transpose(1, 2)
+    else:
+        key, value = gather_kv(kv_cache, group)
+    num_kv_heads = key.shape[1]
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(q, key, value, attn_mask=group.attn_mask, scale=scale)
+    return o.reshape(num_seqs, num_heads * head_dim)
 
 
 def _group_attention(

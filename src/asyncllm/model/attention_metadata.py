@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncllm.model.kv_mirror import MirrorStep
+
 
 @dataclass
 class AttentionGroup:
@@ -58,6 +60,7 @@ class AttentionMetadata:
         groups: one or two `AttentionGroup`s covering every sequence once.
         block_size: tokens per block.
         slot_blocks: (block id, offset in block) of each slot, [num_tokens] int64 each (computed once per step).
+        mirror: for a decode-only step, the dense K/V kept from the last step (`model/kv_mirror.py`), or None.
     """
 
     num_tokens: int
@@ -65,6 +68,7 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     block_size: int
     slot_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    mirror: MirrorStep | None = None
 
 
 def build_attention_metadata(

@@ -18,7 +18,7 @@ SwiGLU MLP (Shazeer, 2020); GQA (Ainslie et al., 2023).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -29,6 +29,7 @@ from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, ge
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from asyncllm.model.packed_fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.quant import Weight, linear, quantize_int8, record_input_absmax, smoothing_scale
 from asyncllm.model.rope import rotary_cos_sin
 
@@ -113,10 +114,19 @@ class LlamaDecoderLayer(nn.Module):
 
     def quantize_int8(self) -> None:
         """Replace the four fused fp32 weights by int8 ones (this rank's shard, per output channel)."""
+        self._replace_weights(quantize_int8)
+
+    def pack_fp32(self) -> None:
+        """Keep the four fused fp32 weights in both layouts (`model/packed_fp32.py`)."""
+        self._replace_weights(pack_fp32)
+
+    def _replace_weights(self, convert: Callable[[torch.Tensor], Weight]) -> None:
         for name in LINEAR_WEIGHTS:
             weight = getattr(self, name)
+            if not isinstance(weight, torch.Tensor):
+                raise RuntimeError(f"{name} is already converted ({type(weight).__name__})")
             delattr(self, name)  # drop the Parameter registration before storing a non-Parameter
-            setattr(self, name, quantize_int8(weight))
+            setattr(self, name, convert(weight))
 
     def forward(
         self,
@@ -290,9 +300,22 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens[input_ids]
 
     def _fp32_head(self) -> torch.Tensor:
+        """The plain [hidden_size, vocab_size] float32 LM head (its columns are the tied embeddings)."""
+        if isinstance(self.lm_head, PackedFp32Weight):
+            return self.lm_head.weight
         if not isinstance(self.lm_head, torch.Tensor):
             raise RuntimeError("the LM head is quantized; weights must be loaded before quantize_int8")
         return self.lm_head
+
+    @torch.no_grad()
+    def pack_fp32(self) -> None:
+        """Keep every linear weight and the LM head in both float32 layouts (`model/packed_fp32.py`): faster
+        steps of two or more rows, at the cost of a second copy of those weights."""
+        for layer in self.layers:
+            cast(LlamaDecoderLayer, layer).pack_fp32()
+        head = self._fp32_head()
+        del self.lm_head
+        self.lm_head = pack_fp32(head)
 
     @torch.inference_mode()
     def quantize_int8(self, calibration_ids: list[int]) -> None:

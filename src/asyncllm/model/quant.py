@@ -3,7 +3,11 @@
 `quantize_int8(w)` turns an fp32 `[in, out]` weight into an `Int8Weight`: int8 values and one fp32 scale per
 output column, symmetric (`scale = max |w[:, j]| / 127`). `linear(x, w)` applies either kind of weight:
 fp32 weights as `x @ w`; int8 weights by quantizing each row of `x` on the fly (symmetric, `max |x[i]| / 127`),
-multiplying in int32 with `torch._int_mm` (oneDNN's VNNI kernel on CPUs that have it) and scaling back.
+multiplying in int32 and scaling back. The int32 product runs in oneDNN's int8 inner-product kernel on weights
+reordered once into its blocked layout (`torch.ops.onednn.qlinear_pointwise`, the kernel behind torch's x86
+int8 inference; VNNI/AMX where the CPU has them), with the activation scale passed as 1 and applied per row
+afterwards; torch builds without that op use `torch._int_mm` on the plain `[in, out]` int8 weight. Integer
+accumulation is exact, so both give the same values up to the order of the two float scale multiplies.
 
 Every row has its own activation scale, so a row's result never depends on which rows share its batch
 (fbgemm's dynamic quantized linear scales the whole batch with one activation range, which would make a
@@ -20,11 +24,14 @@ decomposition; "Integer Quantization for Deep Learning Inference" (Wu et al., 20
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from asyncllm.model.packed_fp32 import PackedFp32Weight, packed_linear
 
 SMOOTHING_ALPHA = 0.7  # SmoothQuant migration strength; 0.7 measured best here (docs/benchmarks.md)
 _input_absmax: dict[int, torch.Tensor] | None = None  # set while `record_input_absmax` is active
@@ -37,10 +44,15 @@ class Int8Weight:
     Fields:
         qweight: [in_features, out_features] int8, contiguous; `w ~= qweight * scale`.
         scale: [out_features] float32.
+        packed: the same weight reordered for oneDNN's int8 kernel (`prepack_int8`), or None where this torch
+            build has no such kernel (then `linear` multiplies `qweight` with `torch._int_mm`).
+        zero_points: [out_features] int64 zeros (the weight is symmetric), passed with `packed`.
     """
 
     qweight: torch.Tensor
     scale: torch.Tensor
+    packed: torch.Tensor | None = None
+    zero_points: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -51,7 +63,7 @@ class Int8Weight:
         return self.qweight.float() * self.scale
 
 
-Weight = torch.Tensor | Int8Weight
+Weight = torch.Tensor | Int8Weight | PackedFp32Weight
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
@@ -63,7 +75,40 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     absmax = w.abs().amax(dim=0)
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
     qweight = torch.round(w / scale).clamp_(-127, 127).to(torch.int8).contiguous()
-    return Int8Weight(qweight, scale.contiguous())
+    return prepack_int8(Int8Weight(qweight, scale.contiguous()))
+
+
+@functools.cache
+def onednn_int8_available() -> bool:
+    """Whether this torch build has oneDNN's prepacked int8 linear (`torch.ops.onednn.qlinear_pointwise`) and
+    it computes exactly here. The check multiplies extreme values (+-127) both ways and compares with
+    `torch._int_mm`: on CPUs without VNNI an int8 kernel may sum pairs of products in saturating int16, which
+    would be a silently wrong result, so any difference keeps `torch._int_mm`."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+        return False
+    x = torch.full((3, 256), 127, dtype=torch.int8)
+    x[1] = -127
+    x[2, ::2] = -127
+    w = torch.full((256, 4), 127, dtype=torch.int8)
+    w[:, 1] = -127
+    w[::2, 2] = -127
+    w[::3, 3] = 0
+    scale = torch.ones(4)
+    packed = torch.ops.onednn.qlinear_prepack(w.t().contiguous(), None)
+    zeros = torch.zeros(4, dtype=torch.int64)
+    out = torch.ops.onednn.qlinear_pointwise(
+        x, 1.0, 0, packed, scale, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    return bool(torch.equal(out, torch._int_mm(x, w).float()))
+
+
+def prepack_int8(weight: Int8Weight) -> Int8Weight:
+    """`weight` with `packed` and `zero_points` set for oneDNN's int8 kernel, when this build has it."""
+    if not onednn_int8_available():
+        return weight
+    packed = torch.ops.onednn.qlinear_prepack(weight.qweight.t().contiguous(), None)
+    zero_points = torch.zeros(weight.scale.shape[0], dtype=torch.int64)
+    return Int8Weight(weight.qweight, weight.scale, packed, zero_points)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +146,7 @@ def smoothing_scale(input_absmax: torch.Tensor, weight_absmax: torch.Tensor) -> 
 
 
 def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """`x @ W` for a `[rows, in]` float32 input and an fp32 `[in, out]` or `Int8Weight` weight.
+    """`x @ W` for a `[rows, in]` float32 input and an fp32 `[in, out]`, `PackedFp32Weight` or `Int8Weight` weight.
 
     Returns:
         [rows, out] float32.
@@ -112,6 +157,13 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
         _input_absmax[id(weight)] = seen if previous is None else torch.maximum(previous, seen)
     if isinstance(weight, torch.Tensor):
         return x @ weight
+    if isinstance(weight, PackedFp32Weight):
+        return packed_linear(x, weight)
     qx, x_scale = quantize_rows(x)
+    if weight.packed is not None:  # int32 accumulation scaled by the weight scale in-kernel; x scale is 1 here
+        out = torch.ops.onednn.qlinear_pointwise(
+            qx, 1.0, 0, weight.packed, weight.scale, weight.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return out.mul_(x_scale)
     acc = torch._int_mm(qx, weight.qweight)  # int32 [rows, out]
     return acc.float().mul_(x_scale).mul_(weight.scale)  # (a mixed int32 * float32 mul is 15% slower at 32 rows)

@@ -22,6 +22,7 @@ from asyncllm.messages.engine import LogprobsLists
 from asyncllm.messages.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from asyncllm.model.kv_mirror import DecodeKVMirror
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.spec_decode.rejection_sampler import RejectionSampler, VerificationResult
 from asyncllm.spec_decode.verification import build_verification_metadata
@@ -139,6 +140,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
+        self.kv_mirror: DecodeKVMirror | None = None  # decode K/V kept between decode-only steps
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -166,7 +168,11 @@ class ModelRunner:
             extra["lora"] = lora
         if override is not None:
             extra["embeds_override"] = override
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, **extra)
+        try:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, **extra)
+        except BaseException:
+            self.kv_mirror = None  # a forward cut short may have updated only some layers' mirror
+            raise
         pooled = pool_step(((s.req_id, s.pooler, s.num_computed_tokens) for s in states), query_lens, hidden)
         self._compute_prompt_logprobs(states, query_lens, hidden)
         self._advance(states, query_lens)
@@ -245,6 +251,8 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+        if not self.requests:
+            self.kv_mirror = None  # nothing decodes: free the mirror's memory
         for new in scheduler_output.scheduled_new_reqs:  # also a preempted request resuming: replace its state
             self.requests[new.req_id] = CachedRequestState.from_new_request(new)
         for cached in scheduler_output.scheduled_cached_reqs:
@@ -268,7 +276,20 @@ class ModelRunner:
         meta = build_attention_metadata(
             query_lens.tolist(), seq_lens.tolist(), [s.block_ids for s in states], self.block_size
         )
+        self._plan_kv_mirror(meta, [s.req_id for s in states], seq_lens)
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta
+
+    def _plan_kv_mirror(self, meta: AttentionMetadata, req_ids: list[str], seq_lens: np.ndarray) -> None:
+        """Decode-only steps read K/V from the mirror kept since the last step (`model/kv_mirror.py`); any other
+        step forgets it. The mirror may take as much memory as the KV cache itself."""
+        if not (len(meta.groups) == 1 and meta.groups[0].max_query_len == 1 and self.kv_caches):
+            self.kv_mirror = None
+            return
+        if self.kv_mirror is None:
+            total = sum(cache.nbytes for cache in self.kv_caches)
+            per_token = total // (self.kv_caches[0].shape[0] * self.block_size)
+            self.kv_mirror = DecodeKVMirror(self.block_size, per_token, max_bytes=total)
+        meta.mirror = self.kv_mirror.plan(req_ids, seq_lens, meta.groups[0].block_tables.numpy())
 
     def _prepare_lora(self, states: list[CachedRequestState], query_lens: np.ndarray) -> LoRABatch | None:
         """The step's adapters by rows (loading any that is not loaded), or None when no request has one.

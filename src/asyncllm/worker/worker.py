@@ -59,7 +59,7 @@ class Worker:
             if distributed_init_method is None:
                 raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method")
             init_tensor_parallel(rank, self.tp_size, distributed_init_method)
-        self.model = cast(CausalLM, load_model(config.model))
+        self.model = cast(CausalLM, load_model(config.model, pack_weights=True))
         self.arch: ModelArchConfig = self.model.arch
         lora = config.lora
         lora_manager = None

@@ -1,0 +1,74 @@
+"""float32 linear weights kept twice: plain for one-row steps, in oneDNN's blocked layout for the others.
+
+`torch.mm` (MKL's sgemm) on a plain `[in, out]` weight is fastest for a single row (a matrix-vector product
+that streams the weight once), but for 2-64 rows oneDNN's inner product on a weight reordered once into its
+blocked layout (`torch.ops.mkldnn._linear_pointwise`, the kernel torch's x86 inference path uses for frozen
+float32 linears) does the same work in 25-40% less time on these CPUs (docs/benchmarks.md, "Kernel choice").
+Both compute in float32 (no reduced-precision math unless the user lowers torch's float32 matmul precision);
+the two kernels sum in different orders, so a row's last bits depend on which one ran, as they already do on
+the attention padding of its batch.
+
+The price is memory: the linear weights and the LM head are stored a second time (about 540 MB more for the
+default 135M-parameter model). int8 weights (`model/quant.py`) are packed for oneDNN instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+MIN_PACKED_ROWS = 2  # one row: the plain weight's matrix-vector product is faster (measured, module docstring)
+
+
+@dataclass
+class PackedFp32Weight:
+    """A float32 linear weight in both layouts.
+
+    Fields:
+        weight: [in_features, out_features] float32, contiguous (one-row steps, tied embedding lookups).
+        packed: the same values reordered for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`; opaque).
+    """
+
+    weight: torch.Tensor
+    packed: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+@functools.cache
+def onednn_fp32_available() -> bool:
+    """Whether this torch build has oneDNN's float32 linear with reordered weights, and it agrees with `x @ W`
+    on a small random product (within float32 rounding) on this CPU."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 96, generator=generator), torch.randn(96, 40, generator=generator)
+    out = _packed_mm(x, torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None))
+    return bool(torch.allclose(out, x @ w, rtol=1e-5, atol=1e-4))
+
+
+def pack_fp32(weight: torch.Tensor) -> PackedFp32Weight:
+    """Both layouts of an `[in, out]` float32 weight.
+
+    Raises:
+        ValueError: `weight` is not a 2-D float32 tensor.
+    """
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError(f"pack_fp32 takes a 2-D float32 [in, out] weight, not {weight.dtype} {tuple(weight.shape)}")
+    plain = weight.detach().contiguous()
+    return PackedFp32Weight(plain, torch.ops.mkldnn._reorder_linear_weight(plain.t().contiguous(), None))
+
+
+def packed_linear(x: torch.Tensor, weight: PackedFp32Weight) -> torch.Tensor:
+    """`x @ W` for `[rows, in]` float32 `x` -> `[rows, out]` float32, with the faster kernel for `rows`."""
+    if x.shape[0] < MIN_PACKED_ROWS:
+        return x @ weight.weight
+    return _packed_mm(x, weight.packed)
+
+
+def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
