@@ -10,7 +10,7 @@ import torch
 
 from asyncllm.config import ModelConfig
 from asyncllm.model.loader import load_model
-from asyncllm.model.packed_fp32 import PackedFp32Weight, onednn_fp32_available, pack_fp32
+from asyncllm.model.packed_fp32 import PackedFp32Weight, bucket_rows, onednn_fp32_available, pack_fp32
 from asyncllm.model.quant import Int8Weight, linear, onednn_int8_available, quantize_int8, quantize_rows
 from tests.unit.test_quant import TINY_LLAMA, _logits
 
@@ -62,3 +62,8 @@ def test_packed_model_gives_the_plain_models_logits(tmp_path) -> None:  # type: 
     torch.testing.assert_close(_logits(packed, chunks), reference, rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="already converted"):
         packed.pack_fp32()
+
+
+def test_rows_are_padded_to_few_sizes() -> None:
+    assert [bucket_rows(r) for r in (1, 2, 8, 9, 64, 65, 512, 513, 2000)] == [8, 8, 8, 16, 64, 128, 512, 1024, 2048]
+    assert len({bucket_rows(r) for r in range(1, 8193)}) == 8 + 7 + 15  # oneDNN kernels per weight shape

@@ -3,7 +3,8 @@
 `torch.mm` (MKL's sgemm) on a plain `[in, out]` weight is fastest for a single row (a matrix-vector product
 that streams the weight once), but for 2-64 rows oneDNN's inner product on a weight reordered once into its
 blocked layout (`torch.ops.mkldnn._linear_pointwise`, the kernel torch's x86 inference path uses for frozen
-float32 linears) does the same work in 25-40% less time on these CPUs (docs/benchmarks.md, "Kernel choice").
+float32 linears) does the same work in 25-40% less time on these CPUs (`benchmarks/linear_kernels.py`); from
+about 64 rows on they are even, so larger steps (prefill chunks) keep using `x @ W`.
 Both compute in float32 (no reduced-precision math unless the user lowers torch's float32 matmul precision);
 the two kernels sum in different orders, so a row's last bits depend on which one ran, as they already do on
 the attention padding of its batch.
@@ -20,6 +21,25 @@ from dataclasses import dataclass
 import torch
 
 MIN_PACKED_ROWS = 2  # one row: the plain weight's matrix-vector product is faster (measured, module docstring)
+MAX_PACKED_ROWS = 64  # beyond, MKL's sgemm is as fast (compute-bound) and needs no padding
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a oneDNN product runs at for `rows` rows: rounded up to a multiple of 8 (up to 64), of 64
+    (up to 512), then of 512.
+
+    oneDNN builds and caches a kernel per distinct shape, and each costs memory (measured: ~1.2 MB per fp32 and
+    ~0.3 MB per int8 kernel of this model's shapes, and the process kept growing past its cache's 1,024
+    entries), so the rows are padded to a few sizes instead of one kernel per batch size.
+    """
+    step = 8 if rows <= 64 else 64 if rows <= 512 else 512
+    return -(-rows // step) * step
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` `[n, features]` with zero rows appended to make `[rows, features]` (`x` itself if n == rows)."""
+    missing = rows - x.shape[0]
+    return x if missing == 0 else torch.cat([x, x.new_zeros(missing, x.shape[1])])
 
 
 @dataclass
@@ -65,9 +85,10 @@ def pack_fp32(weight: torch.Tensor) -> PackedFp32Weight:
 
 def packed_linear(x: torch.Tensor, weight: PackedFp32Weight) -> torch.Tensor:
     """`x @ W` for `[rows, in]` float32 `x` -> `[rows, out]` float32, with the faster kernel for `rows`."""
-    if x.shape[0] < MIN_PACKED_ROWS:
+    rows = x.shape[0]
+    if not MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS:
         return x @ weight.weight
-    return _packed_mm(x, weight.packed)
+    return _packed_mm(pad_rows(x, bucket_rows(rows)), weight.packed)[:rows]
 
 
 def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
