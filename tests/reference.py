@@ -42,3 +42,11 @@ def clear_prefix_len(margins: list[float], threshold: float) -> int:
         if margin < threshold:
             return i
     return len(margins)
+
+
+def dense_greedy(model: torch.nn.Module, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """`num_tokens` greedy token ids (EOS ignored) from dense prefills of the growing sequence, no engine."""
+    ids = list(prompt_ids)
+    for _ in range(num_tokens):
+        ids.append(int(next_token_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt_ids) :]

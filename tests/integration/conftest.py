@@ -86,6 +86,19 @@ def llm(mode: str, model_path: str) -> Iterator[AsyncLLM]:
 
 
 @pytest.fixture(scope="session")
+def uni_ids(model_path: str) -> list[list[int]]:
+    """Greedy token ids of the executor tests' prompts from a `uni` engine (thread mode, TP=1): the reference
+    the `mp` and `ray` executor tests compare with, computed once per session."""
+    from tests.integration.executor_helpers import PROMPTS, engine_args, greedy_ids
+
+    async def body() -> list[list[int]]:
+        async with AsyncLLM.from_engine_args(engine_args(model_path, engine_process=False)) as llm:
+            return await greedy_ids(llm, PROMPTS)
+
+    return anyio.run(body)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path: str) -> Any:
     """The real SmolLM2 tokenizer (no engine)."""
     from asyncllm.model.tokenizer import Tokenizer

@@ -8,7 +8,6 @@ prompt-embeddings rows.
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,10 +53,9 @@ def llm(request: pytest.FixtureRequest, model_path: str) -> Iterator[AsyncLLM]:
 
 
 @pytest.fixture(scope="module")
-def reference(model_path: str) -> Any:
-    path = pathlib.Path(model_path)
-    model = transformers.AutoModel.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+def reference(hf_reference: tuple[Any, Any]) -> Any:
+    """HF's base `LlamaModel` (what `AutoModel` loads): the session's causal LM without its head."""
+    return hf_reference[1].model
 
 
 _REFERENCE_CACHE: dict[tuple[int, ...], torch.Tensor] = {}  # both engine modes compare with the same forwards

@@ -7,30 +7,20 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import pytest_asyncio
 import torch
 
 from asyncllm import AsyncLLM, PoolingParams, SamplingParams
-from asyncllm.config import ModelConfig
 from asyncllm.errors import ConfigError, EngineDeadError, EngineGenerateError
-from asyncllm.model.loader import load_model
 from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids, pid_alive, wait_gone
 from tests.reference import clear_prefix_len, greedy_margins
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.mp]
 
 MARGIN = 0.05  # logits; below this a greedy choice may flip with fp32 summation order (TP sums partials)
-
-
-@pytest.fixture(scope="module")
-def uni_ids(model_path: str) -> list[list[int]]:
-    async def run() -> list[list[int]]:
-        async with AsyncLLM.from_engine_args(engine_args(model_path, engine_process=False)) as llm:
-            return await greedy_ids(llm, PROMPTS)
-
-    return asyncio.run(run())
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -63,9 +53,9 @@ async def test_collective_rpc_timeout_fails_the_call_only(mp_tp1: AsyncLLM) -> N
 
 
 async def test_tp3_equals_tp1_where_the_choice_is_clear(
-    model_path: str, uni_ids: list[list[int]], mp_tp1: AsyncLLM
+    model_path: str, uni_ids: list[list[int]], mp_tp1: AsyncLLM, reference_model: Any
 ) -> None:
-    reference = load_model(ModelConfig(model=model_path, model_path=model_path))
+    reference = reference_model
     tokenizer_prompts = [mp_tp1.get_tokenizer().encode(p) for p in PROMPTS]
     async with AsyncLLM.from_engine_args(
         engine_args(model_path, distributed_executor_backend="mp", tensor_parallel_size=3)

@@ -7,18 +7,16 @@ to a multi-node cluster.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
-from asyncllm.config import ModelConfig
 from asyncllm.errors import EngineDeadError, ExecutorError
-from asyncllm.model.loader import load_model
 from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids, wait_gone
 from tests.reference import clear_prefix_len, greedy_margins
 
@@ -36,24 +34,15 @@ def ray_address():
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def uni_ids(model_path: str) -> list[list[int]]:
-    async def run() -> list[list[int]]:
-        async with AsyncLLM.from_engine_args(engine_args(model_path, engine_process=False)) as llm:
-            return await greedy_ids(llm, PROMPTS)
-
-    return asyncio.run(run())
-
-
 def ray_args(model_path: str, address: str, **kw) -> EngineArgs:
     return engine_args(model_path, distributed_executor_backend="ray", ray_address=address, **kw)
 
 
 async def test_ray_tp3_equals_tp1_where_the_choice_is_clear(
-    model_path: str, ray_address: str, uni_ids: list[list[int]]
+    model_path: str, ray_address: str, uni_ids: list[list[int]], reference_model: Any
 ) -> None:
     """Runs before the TP=1 engine holds a CPU: 3 ranks of 0.5 CPU fit the 2-CPU cluster."""
-    reference = load_model(ModelConfig(model=model_path, model_path=model_path))
+    reference = reference_model
     args = ray_args(model_path, ray_address, tensor_parallel_size=3, ray_cpus_per_worker=0.5)
     async with AsyncLLM.from_engine_args(args) as llm:
         pids = await llm.collective_rpc("get_pid")

@@ -78,8 +78,8 @@ def prompt(model_path: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def gguf_greedy(model_path: str, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    return _greedy(load_model(ModelConfig(model="m", model_path=model_path)), prompt)
+def gguf_greedy(reference_model: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    return _greedy(reference_model, prompt)  # the session's model loaded from the GGUF file
 
 
 @pytest.mark.parametrize("generation", ["current", "older"])

@@ -23,10 +23,10 @@ from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.engine.core import EngineCore
 from asyncllm.model.loader import load_model
 from asyncllm.model.tokenizer import Tokenizer
-from tests.integration.executor_helpers import PROMPTS, engine_args, greedy_ids
+from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids
 from tests.integration.test_engine_core import _assert_all_free, _requests, _run
 from tests.integration.test_model_parity import CHATS, _Runner
-from tests.reference import clear_prefix_len, greedy_margins, next_token_logits
+from tests.reference import clear_prefix_len, dense_greedy, greedy_margins, next_token_logits
 
 LAST_POSITION_BOUND = 0.12  # relative logit error at the last prompt position (measured <= 0.074)
 MEAN_BOUND = 0.16  # mean over positions (measured <= 0.110)
@@ -37,8 +37,8 @@ TP_MARGIN = 0.5  # logits: TP shards quantize partial rows of o_proj/down_proj i
 
 
 @pytest.fixture(scope="module")
-def models(model_path: str) -> tuple[Any, Any]:
-    fp32 = load_model(ModelConfig(model=model_path, model_path=model_path))
+def models(model_path: str, reference_model: Any) -> tuple[Any, Any]:
+    fp32 = reference_model  # the session's dense fp32 model
     int8 = load_model(ModelConfig(model=model_path, model_path=model_path, quantization="int8"))
     return fp32, int8
 
@@ -150,14 +150,17 @@ def test_int8_batched_matches_alone_where_greedy_choice_is_clear(model_path: str
 @pytest.mark.slow
 @pytest.mark.mp
 def test_int8_tp3_equals_tp1_where_the_choice_is_clear(model_path: str, models: tuple[Any, Any]) -> None:
+    """The TP=1 side is the module's int8 model run densely (the weights a TP=1 engine loads), so only the
+    TP=3 engine (3 worker processes) starts here."""
+
     async def run(**kw: Any) -> tuple[list[list[int]], list[list[int]]]:
         async with AsyncLLM.create(engine_args(model_path, quantization="int8", **kw)) as llm:
             prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
             return prompts, await greedy_ids(llm, PROMPTS)
 
-    prompt_ids, tp1 = asyncio.run(run(engine_process=False))
-    _, tp3 = asyncio.run(run(distributed_executor_backend="mp", tensor_parallel_size=3))
+    prompt_ids, tp3 = asyncio.run(run(distributed_executor_backend="mp", tensor_parallel_size=3))
     _, int8 = models
+    tp1 = [dense_greedy(int8, prompt, MAX_TOKENS) for prompt in prompt_ids]
     num_compared = 0
     for prompt, expected, got in zip(prompt_ids, tp1, tp3, strict=True):
         clear = clear_prefix_len(greedy_margins(int8, prompt, expected), TP_MARGIN)

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from asyncllm import AsyncLLM, EngineArgs, EngineGenerateError, InvalidRequestError, LoRARequest, SamplingParams
-from asyncllm.config import ModelConfig
-from asyncllm.model.loader import load_model, read_arch_config
+from asyncllm.model.loader import read_arch_config
 from tests.integration.conftest import run
 from tests.lora_adapters import ATTENTION, merge_adapter, write_peft_adapter
 from tests.reference import clear_prefix_len, greedy_margins, next_token_logits
@@ -50,9 +49,10 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> dict[
 
 
 @pytest.fixture(scope="module")
-def references(model_path: str, adapters: dict[str, Any]) -> dict[str | None, torch.nn.Module]:
-    """Dense TP=1 models: the base, and the base with each adapter merged (W' = W + alpha / r * B @ A)."""
-    base = load_model(ModelConfig(model=model_path, model_path=model_path))
+def references(reference_model: Any, adapters: dict[str, Any]) -> dict[str | None, torch.nn.Module]:
+    """Dense TP=1 models: the base (the session's, read-only), and copies with each adapter merged
+    (W' = W + alpha / r * B @ A)."""
+    base = reference_model
     models: dict[str | None, torch.nn.Module] = {None: base}
     for name in ("a", "b"):
         models[name] = copy.deepcopy(base)

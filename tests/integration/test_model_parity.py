@@ -8,15 +8,12 @@ bound leaves a 200x margin and still catches any real error (a wrong rotary layo
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import pytest
 import torch
 
-from asyncllm.config import ModelConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.loader import load_model
 from asyncllm.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -52,16 +49,13 @@ def tokenizer(model_path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def model(model_path: str) -> Any:
-    return load_model(ModelConfig(model="smollm2-135m-instruct", model_path=model_path))
+def model(reference_model: Any) -> Any:
+    return reference_model  # the session's dense model (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def reference(model_path: str) -> tuple[Any, Any]:
-    path = pathlib.Path(model_path)
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return tok, ref.eval()
+def reference(hf_reference: tuple[Any, Any]) -> tuple[Any, Any]:
+    return hf_reference  # HF tokenizer and model, loaded once per session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

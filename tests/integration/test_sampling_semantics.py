@@ -12,8 +12,6 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutput, RequestOutputKind, SamplingParams
-from asyncllm.config import ModelConfig
-from asyncllm.model.loader import load_model
 from tests.integration.conftest import greedy, wait_until_idle
 from tests.reference import next_token_logits
 
@@ -31,11 +29,6 @@ async def llm(model_path: str):
     engine = AsyncLLM.from_engine_args(args)
     async with engine:
         yield engine
-
-
-@pytest.fixture(scope="module")
-def reference_model(model_path: str):
-    return load_model(ModelConfig(model=model_path, model_path=model_path))
 
 
 async def outputs_of(stream, stall: AsyncLLM | None = None) -> list[RequestOutput]:

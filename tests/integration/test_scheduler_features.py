@@ -18,8 +18,6 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
-from asyncllm.config import ModelConfig
-from asyncllm.model.loader import load_model
 from tests.integration.conftest import greedy, wait_until_idle
 from tests.reference import greedy_margins
 
@@ -44,11 +42,6 @@ SHORT_PROMPTS = [
 
 def chat(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-
-
-@pytest.fixture(scope="module")
-def reference_model(model_path: str):
-    return load_model(ModelConfig(model=model_path, model_path=model_path))
 
 
 async def run_one(llm: AsyncLLM, prompt, params: SamplingParams):

@@ -17,9 +17,7 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
-from asyncllm.config import ModelConfig
 from asyncllm.errors import InvalidRequestError
-from asyncllm.model.loader import load_model
 from asyncllm.processing.tool_calling import MAX_PARALLEL_TOOL_CALLS
 from asyncllm.structured_outputs import StructuredOutputsParams
 from tests.reference import clear_prefix_len, greedy_margins
@@ -217,7 +215,7 @@ async def test_bad_constraints_fail_at_submission_naming_the_problem(llm: AsyncL
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-async def test_constrained_and_free_batch_together_free_equal_solo(llm: AsyncLLM, model_path: str) -> None:
+async def test_constrained_and_free_batch_together_free_equal_solo(llm: AsyncLLM, reference_model: Any) -> None:
     free_prompts = [f"Write a sentence about the number {i}." for i in range(8)]
     free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     solo = [(await llm.generate(chat(p), free).collect()).outputs[0].token_ids for p in free_prompts]
@@ -227,7 +225,7 @@ async def test_constrained_and_free_batch_together_free_equal_solo(llm: AsyncLLM
     outputs = await asyncio.gather(*(s.collect() for s in streams))
     for (_, schema), out in zip(json_cases, outputs[:8], strict=True):
         assert_valid_json(out.outputs[0].text, schema)
-    reference = load_model(ModelConfig(model=model_path, model_path=model_path))
+    reference = reference_model
     tokenizer = llm.get_tokenizer()
     compared = 0
     for prompt, ref, out in zip(free_prompts, solo, outputs[8:], strict=True):
