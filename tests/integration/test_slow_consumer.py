@@ -11,7 +11,7 @@ from tests.integration.conftest import greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-NUM_TOKENS = 120  # steps the consumer sleeps through; each one merged into the single held output
+NUM_TOKENS = 500
 
 
 async def stall_one_consumer(llm: AsyncLLM) -> None:
@@ -38,7 +38,7 @@ async def stall_one_consumer(llm: AsyncLLM) -> None:
     assert held is not None
     assert held.finished
     assert len(held.outputs[0].token_ids) == NUM_TOKENS - num_first  # every token since, in that one output
-    assert num_busy_outputs >= NUM_TOKENS // 4  # many engine steps passed while the consumer slept
+    assert num_busy_outputs >= 50  # many engine steps passed while the consumer slept
     rest = [out async for out in stalled]  # waking up: one merged output, then the end
     assert len(rest) == 1
     assert rest[0].finished
