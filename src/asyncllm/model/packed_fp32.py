@@ -1,7 +1,7 @@
-"""float32 linear weights kept twice: plain for one-row steps, in oneDNN's blocked layout for the others.
+"""float32 linear weights kept twice: plain for steps of 1-3 rows, in oneDNN's blocked layout for the others.
 
 `torch.mm` (MKL's sgemm) on a plain `[in, out]` weight is fastest for a single row (a matrix-vector product
-that streams the weight once), but for 2-64 rows oneDNN's inner product on a weight reordered once into its
+that streams the weight once), but for 4-64 rows oneDNN's inner product on a weight reordered once into its
 blocked layout (`torch.ops.mkldnn._linear_pointwise`, the kernel torch's x86 inference path uses for frozen
 float32 linears) does the same work in 25-40% less time on these CPUs (`benchmarks/linear_kernels.py`); from
 about 64 rows on they are even, so larger steps (prefill chunks) keep using `x @ W`.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-MIN_PACKED_ROWS = 2  # one row: the plain weight's matrix-vector product is faster (measured, module docstring)
+MIN_PACKED_ROWS = 4  # 1-3 rows: the plain weight is as fast or faster at 2 threads (benchmarks/linear_kernels.py)
 MAX_PACKED_ROWS = 64  # beyond, MKL's sgemm is as fast (compute-bound) and needs no padding
 
 
@@ -47,7 +47,7 @@ class PackedFp32Weight:
     """A float32 linear weight in both layouts.
 
     Fields:
-        weight: [in_features, out_features] float32, contiguous (one-row steps, tied embedding lookups).
+        weight: [in_features, out_features] float32, contiguous (steps of 1-3 rows, tied embedding lookups).
         packed: the same values reordered for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`; opaque).
     """
 
