@@ -71,5 +71,5 @@ def test_packed_model_gives_the_plain_models_logits(tmp_path) -> None:  # type: 
 
 
 def test_rows_are_padded_to_few_sizes() -> None:
-    assert [bucket_rows(r) for r in (1, 2, 8, 9, 64, 65, 512, 513, 2000)] == [8, 8, 8, 16, 64, 128, 512, 1024, 2048]
-    assert len({bucket_rows(r) for r in range(1, 8193)}) == 8 + 7 + 15  # oneDNN kernels per weight shape
+    assert [bucket_rows(r) for r in (1, 2, 8, 9, 64, 65, 512, 513, 2000)] == [1, 2, 8, 16, 64, 128, 512, 1024, 2048]
+    assert len({bucket_rows(r) for r in range(1, 8193)}) == 8 + 7 + 7 + 15  # oneDNN kernels per weight shape
