@@ -300,7 +300,7 @@ class AsyncLLM(EngineAdmin):
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._handler.abort_in_engine(self._output_processor.abort_requests(ids))
-        self._notifier.notify()
+        self._notifier.notify_all()
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 

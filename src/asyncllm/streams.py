@@ -23,30 +23,53 @@ from asyncllm.utils.loops import call_soon_in_loop
 
 
 class Notifier:
-    """Wakes every task waiting for a change (a new output, an error, the output-handling turn passed on).
+    """Wakes tasks waiting for a change: one waiter by its key (its own output arrived), the oldest waiter (the
+    output-handling turn is free), or all of them (an abort, a new event loop).
 
-    One `anyio.Event` per round: `wait()` waits for the next `notify()`. Used on the event loop's thread only;
-    works on asyncio and trio.
+    Waking only the task whose output arrived keeps a step's cost proportional to the outputs it made, not to the
+    number of open streams (waking every stream per step costs a task switch per stream). Used on the event
+    loop's thread only; works on asyncio and trio.
     """
 
     def __init__(self) -> None:
-        self._event: anyio.Event | None = None
+        self._waiters: dict[object, anyio.Event] = {}  # key -> the event its task waits on, oldest first
 
-    async def wait(self) -> None:
-        """Wait until the next `notify()`."""
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
+    @property
+    def has_waiters(self) -> bool:
+        """True while some task waits."""
+        return bool(self._waiters)
 
-    def notify(self) -> None:
-        """Wake every current waiter."""
-        event, self._event = self._event, None
+    async def wait(self, key: object) -> None:
+        """Wait until `notify(key)`, `notify_oldest()` picks this waiter, or `notify_all()` (one task per key)."""
+        event = self._waiters.get(key)
+        if event is None:
+            event = self._waiters[key] = anyio.Event()
+        try:
+            await event.wait()
+        finally:
+            if self._waiters.get(key) is event:
+                del self._waiters[key]
+
+    def notify(self, key: object) -> None:
+        """Wake the task waiting under `key`, if any."""
+        event = self._waiters.pop(key, None)
         if event is not None:
+            event.set()
+
+    def notify_oldest(self) -> None:
+        """Wake the task that has waited longest, if any."""
+        if self._waiters:
+            self._waiters.pop(next(iter(self._waiters))).set()
+
+    def notify_all(self) -> None:
+        """Wake every current waiter."""
+        waiters, self._waiters = self._waiters, {}
+        for event in waiters.values():
             event.set()
 
     def reset(self) -> None:
         """Forget waiters of an event loop that ended."""
-        self._event = None
+        self._waiters = {}
 
 
 class RequestOutputCollector:
@@ -85,7 +108,7 @@ class RequestOutputCollector:
         self._wake()
 
     def _wake(self) -> None:
-        self._notifier.notify()
+        self._notifier.notify(self)
         if self.wake_reader is not None:
             self.wake_reader()
 
@@ -109,7 +132,7 @@ class RequestOutputCollector:
             The delivered error (e.g. `EngineDeadError`), when no output is waiting.
         """
         while (output := self.get_nowait()) is None:
-            await self._notifier.wait()
+            await self._notifier.wait(self)
         return output
 
 

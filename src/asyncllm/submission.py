@@ -140,7 +140,6 @@ class RequestSubmitter:
             InvalidRequestError: the internal id is already in flight (cannot happen: internal ids are unique).
             EngineDeadError: the engine died.
         """
-        self._handler.process_received_outputs_now()
         parent = ParentRequest(request) if request.sampling_params.n > 1 else None
         engine_requests = parent.child_requests if parent is not None else [request]
         for engine_id in [request.request_id, *(r.request_id for r in engine_requests)]:

@@ -250,3 +250,24 @@ async def test_a_long_prompt_is_tokenized_off_the_loop_and_errors_at_the_first_a
         with pytest.raises(InvalidRequestError, match="max_model_len"):
             await too_long.__anext__()
         assert engine.is_running
+
+
+async def test_an_output_wakes_only_its_own_stream(llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Waking every waiting stream per engine step made the frontend's cost grow with the number of open streams
+    # (issue 17's frontend benchmark: 256 streams, up to 56 us of CPU per token); each wait must end in an output
+    # for its own stream or in taking the output-handling turn.
+    notifier = llm._handler.notifier
+    waits = 0
+    real_wait = notifier.wait
+
+    async def counting_wait(key: object) -> None:
+        nonlocal waits
+        waits += 1
+        await real_wait(key)
+
+    monkeypatch.setattr(notifier, "wait", counting_wait)
+    streams = [llm.generate(f"prompt {i}", greedy(8, RequestOutputKind.DELTA)) for i in range(100)]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    yielded = sum(len(outputs) for outputs in results)
+    assert all(sum(len(o.outputs[0].token_ids) for o in outputs) == 8 for outputs in results)
+    assert waits <= 2 * yielded, (waits, yielded)

@@ -20,7 +20,7 @@ from asyncllm.errors import StreamIncompleteError
 from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from asyncllm.outputs import CompletionOutput, Usage
 from asyncllm.processing.output_processor import OutputProcessor
-from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
+from asyncllm.streams import GenerateOutputStream, Notifier, RequestOutputCollector
 
 TEXT = "Streams merge deltas: ünïcödé 😀 and spaces  kept."
 
@@ -302,3 +302,27 @@ async def test_last_streamed_output_counts_n_completions() -> None:
             last = [o async for o in stream][-1] if i == len(parts) - 1 else await stream.__anext__()
     assert last.finished
     assert last.usage == Usage(num_prompt_tokens=2, num_generated_tokens=5, num_cached_tokens=0)
+
+
+async def test_notifier_wakes_one_waiter_by_key_the_oldest_or_all() -> None:
+    notifier, woken = Notifier(), []
+
+    async def wait(key: str) -> None:
+        await notifier.wait(key)
+        woken.append(key)
+
+    tasks = [asyncio.create_task(wait(key)) for key in "abcd"]
+    for _ in range(3):  # let every task reach its wait
+        await asyncio.sleep(0)
+    assert len(notifier._waiters) == 4
+    notifier.notify("c")
+    await tasks[2]
+    notifier.notify_oldest()
+    await tasks[0]
+    assert woken == ["c", "a"]
+    assert notifier.has_waiters
+    notifier.notify("gone")  # nobody waits under this key: nothing happens
+    notifier.notify_all()
+    await asyncio.gather(*tasks)
+    assert sorted(woken[2:]) == ["b", "d"]
+    assert not notifier.has_waiters
