@@ -23,8 +23,8 @@ from asyncllm.utils.loops import call_soon_in_loop
 
 
 class Notifier:
-    """Wakes tasks waiting for a change: one waiter by its key (its own output arrived), the oldest waiter (the
-    output-handling turn is free), or all of them (an abort, a new event loop).
+    """Wakes tasks waiting for a change: one waiter by its key (its own output arrived), or all of them (the
+    output-handling turn is free, an abort).
 
     Waking only the task whose output arrived keeps a step's cost proportional to the outputs it made, not to the
     number of open streams (waking every stream per step costs a task switch per stream). Used on the event
@@ -40,7 +40,7 @@ class Notifier:
         return bool(self._waiters)
 
     async def wait(self, key: object) -> None:
-        """Wait until `notify(key)`, `notify_oldest()` picks this waiter, or `notify_all()` (one task per key)."""
+        """Wait until `notify(key)` or `notify_all()` (one task per key)."""
         event = self._waiters.get(key)
         if event is None:
             event = self._waiters[key] = anyio.Event()
@@ -55,11 +55,6 @@ class Notifier:
         event = self._waiters.pop(key, None)
         if event is not None:
             event.set()
-
-    def notify_oldest(self) -> None:
-        """Wake the task that has waited longest, if any."""
-        if self._waiters:
-            self._waiters.pop(next(iter(self._waiters))).set()
 
     def notify_all(self) -> None:
         """Wake every current waiter."""

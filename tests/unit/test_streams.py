@@ -304,7 +304,7 @@ async def test_last_streamed_output_counts_n_completions() -> None:
     assert last.usage == Usage(num_prompt_tokens=2, num_generated_tokens=5, num_cached_tokens=0)
 
 
-async def test_notifier_wakes_one_waiter_by_key_the_oldest_or_all() -> None:
+async def test_notifier_wakes_one_waiter_by_key_or_all() -> None:
     notifier, woken = Notifier(), []
 
     async def wait(key: str) -> None:
@@ -317,12 +317,10 @@ async def test_notifier_wakes_one_waiter_by_key_the_oldest_or_all() -> None:
     assert len(notifier._waiters) == 4
     notifier.notify("c")
     await tasks[2]
-    notifier.notify_oldest()
-    await tasks[0]
-    assert woken == ["c", "a"]
+    assert woken == ["c"]
     assert notifier.has_waiters
     notifier.notify("gone")  # nobody waits under this key: nothing happens
     notifier.notify_all()
     await asyncio.gather(*tasks)
-    assert sorted(woken[2:]) == ["b", "d"]
+    assert sorted(woken[1:]) == ["a", "b", "d"]
     assert not notifier.has_waiters
