@@ -24,6 +24,7 @@ from asyncllm.config import ModelConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
 from asyncllm.model.resolve import resolve_model_path
+from asyncllm.worker.sampler import argmax_rows
 
 BLOCK_SIZE, CONTEXT = 16, 96
 
@@ -39,7 +40,7 @@ def decode_step(model: Any, rows: int) -> Callable[[], torch.Tensor]:
     def step() -> torch.Tensor:
         meta = build_attention_metadata([1] * rows, [CONTEXT + 1] * rows, tables, BLOCK_SIZE)
         hidden = model(torch.zeros(rows, dtype=torch.long), torch.full((rows,), CONTEXT), kv_caches, meta)
-        return model.compute_logits(hidden).argmax(-1)
+        return argmax_rows(model.compute_logits(hidden))
 
     return step
 

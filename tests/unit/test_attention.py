@@ -61,6 +61,7 @@ def _run_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: 
     [
         pytest.param([1, 1, 1], [1, 7, 13], id="decodes"),  # the decode-only path (`_decode_attention`)
         pytest.param([1], [16], id="one-decode-full-blocks"),
+        pytest.param([1, 1, 1], [6, 6, 6], id="decodes-of-one-length"),  # runs without a mask
         pytest.param([5, 9], [5, 9], id="prefills"),
         pytest.param([3, 6], [11, 6], id="prefill-with-cached-prefix"),
         pytest.param([1, 5, 1, 7, 3], [10, 5, 1, 9, 12], id="mixed"),
@@ -78,3 +79,10 @@ def test_write_kv_cache_writes_only_mapped_slots() -> None:
     assert cache[1, 0, 1].eq(1).all()
     assert cache[2, 1, 0].eq(2).all()
     assert cache.count_nonzero() == 8
+
+
+def test_only_decodes_of_one_length_run_without_a_mask() -> None:
+    tables = [[0, 1], [2, 3]]
+    assert build_attention_metadata([1, 1], [6, 6], tables, BLOCK_SIZE).groups[0].masks_keys is False
+    assert build_attention_metadata([1, 1], [6, 5], tables, BLOCK_SIZE).groups[0].masks_keys is True
+    assert build_attention_metadata([2], [2], tables[:1], BLOCK_SIZE).groups[0].masks_keys is True  # causal

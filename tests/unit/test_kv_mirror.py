@@ -4,6 +4,7 @@ through the block tables gives, step after step, and the mirror is dropped whene
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from asyncllm.model.attention import paged_attention, write_kv_cache
@@ -16,7 +17,8 @@ BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
 class Sequences:
     """Decoding sequences over two layers' paged caches, each token with fresh random K/V and query."""
 
-    def __init__(self, lens: dict[str, int], seed: int = 0) -> None:
+    def __init__(self, lens: dict[str, int], seed: int = 0, pass_new_kv: bool = True) -> None:
+        self.pass_new_kv = pass_new_kv  # attention is given the step's K/V (as the model does) or reads them back
         self.gen = torch.Generator().manual_seed(seed)
         self.caches = [torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=self.gen) for _ in range(2)]
         self.free = list(range(NUM_BLOCKS - 1, 0, -1))  # block 0 stays garbage: the mirror pads with it
@@ -42,7 +44,7 @@ class Sequences:
             k, v = (torch.randn(len(names), KV_HEADS, HEAD_DIM, generator=self.gen) for _ in range(2))
             write_kv_cache(cache, k, v, meta.slot_mapping, meta.slot_blocks)
             query = torch.randn(len(names), HEADS, HEAD_DIM, generator=self.gen)
-            outs.append(paged_attention(query, cache, meta))
+            outs.append(paged_attention(query, cache, meta, new_kv=(k, v) if self.pass_new_kv else None))
         return torch.cat(outs), None if meta.mirror is None else meta.mirror.fresh
 
     def snapshot(self) -> tuple[list[torch.Tensor], dict[str, int], dict[str, list[int]], list[int], torch.Tensor]:
@@ -76,8 +78,9 @@ def _run_both(seqs: Sequences, schedule: list[list[str]], mirror: DecodeKVMirror
     return fresh
 
 
-def test_mirror_gives_the_gathered_attention_and_is_kept_only_while_valid() -> None:
-    seqs = Sequences({"a": 3, "b": 9, "c": 14})
+@pytest.mark.parametrize("pass_new_kv", [True, False])
+def test_mirror_gives_the_gathered_attention_and_is_kept_only_while_valid(pass_new_kv: bool) -> None:
+    seqs = Sequences({"a": 3, "b": 9, "c": 14}, pass_new_kv=pass_new_kv)
     bytes_per_token = 2 * 2 * KV_HEADS * HEAD_DIM * 4
     mirror = DecodeKVMirror(BLOCK_SIZE, bytes_per_token, max_bytes=10**9)
     schedule = [["a", "b", "c"]] * 12 + [["a", "c"]] * 3 + [["c", "a"]] * 2

@@ -8,7 +8,7 @@ import torch
 
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.logits_processing import LogitsEdits, RowTokens, apply_min_p
-from asyncllm.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, seed_generator
+from asyncllm.worker.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, argmax_rows, seed_generator
 
 VOCAB = 50
 
@@ -241,3 +241,15 @@ def test_sampling_with_penalties_follows_the_edited_distribution() -> None:
         logits.repeat(200, 1), SamplingMetadata.from_params([params] * 200, VOCAB, {}, [row] * 200)
     )
     assert 5 not in tokens.tolist()
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_infinities_and_nan() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=gen)
+    x[1, [7, 300, 999]] = 50.0  # ties: the first index wins
+    x[2] = float("-inf")
+    x[2, 500] = 0.0
+    x[3] = float("-inf")  # all equal: index 0
+    x[4, [20, 40]] = float("inf")
+    x[5, 123] = float("nan")  # NaN counts as the maximum
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist() == [int(x[0].argmax()), 7, 500, 0, 20, 123]

@@ -63,7 +63,11 @@ def gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tens
 
 
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None = None
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of each query token over its sequence's cached keys/values (this step's already written).
 
@@ -72,12 +76,14 @@ def paged_attention(
         kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]; num_heads % num_kv_heads == 0 (GQA).
         meta: the step's metadata; every token belongs to exactly one group.
         scale: softmax scale; default 1 / sqrt(head_dim).
+        new_kv: this step's (key, value), [num_tokens, num_kv_heads, head_dim] each, as written to `kv_cache`;
+            a decode step's K/V mirror takes them from here instead of reading the cache back. Optional.
     Returns:
         [num_tokens, num_heads * head_dim] float32.
     """
     num_tokens, num_heads, head_dim = query.shape
     if len(meta.groups) == 1 and meta.groups[0].max_query_len == 1:  # decodes only: row i is sequence i's query
-        return _decode_attention(query, kv_cache, meta, scale)
+        return _decode_attention(query, kv_cache, meta, scale, new_kv)
     # Row num_tokens is a scratch row: padded query positions read it and write their (discarded) output to it.
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     out = query.new_empty(num_tokens + 1, num_heads * head_dim)
@@ -87,22 +93,28 @@ def paged_attention(
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float | None
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float | None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> torch.Tensor:
     """[num_seqs, num_heads * head_dim] attention output of a step whose every sequence has one query token
     (query row i belongs to sequence i): no padding row, no scatter, and the `[num_seqs, 1, 1, max_seq_len]`
-    mask broadcasts over the query heads of each K/V head. K/V come from the step's mirror when it has one."""
+    mask broadcasts over the query heads of each K/V head (no mask when every sequence has the same length:
+    adding a mask of zeros changes nothing). K/V come from the step's mirror when it has one."""
     num_seqs, num_heads, head_dim = query.shape
     group = meta.groups[0]
     if meta.mirror is not None and meta.slot_blocks is not None:
-        dense_key, dense_value = meta.mirror.key_value(kv_cache, meta.slot_blocks)
+        dense_key, dense_value = meta.mirror.key_value(kv_cache, meta.slot_blocks, new_kv)
         key = dense_key[:, : group.max_seq_len].transpose(1, 2)
         value = dense_value[:, : group.max_seq_len].transpose(1, 2)
     else:
         key, value = gather_kv(kv_cache, group)
     num_kv_heads = key.shape[1]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(q, key, value, attn_mask=group.attn_mask, scale=scale)
+    mask = group.attn_mask if group.masks_keys else None
+    o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads * head_dim)
 
 

@@ -27,12 +27,15 @@ class AttentionGroup:
         query_index: [num_seqs, max_query_len] int64; flat token index of each padded query position
             (padding points at index num_tokens: a scratch row that attention discards).
         attn_mask: [num_seqs, 1, max_query_len, max_seq_len] bool; True where a query may attend a key.
+        masks_keys: False when `attn_mask` is all True (decodes of sequences of one length), so attention
+            may run without it.
     """
 
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_index: torch.Tensor
     attn_mask: torch.Tensor
+    masks_keys: bool = True
 
     @property
     def num_seqs(self) -> int:
@@ -139,4 +142,5 @@ def _build_group(
         seq_lens=torch.from_numpy(s),
         query_index=torch.from_numpy(query_index),
         attn_mask=torch.from_numpy(mask[:, None, :, :]),
+        masks_keys=not bool(mask.all()),
     )

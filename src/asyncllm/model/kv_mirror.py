@@ -36,6 +36,7 @@ class MirrorStep:
         capacity_blocks: blocks per sequence in the mirror tensors.
         positions: [num_seqs] int64 position of this step's token in each sequence (where a kept mirror is
             written).
+        rows: [num_seqs] int64, 0 .. num_seqs - 1 (the mirror rows written with `positions`).
         tensors: the mirror's per-layer `(key, value)`, keyed by `id(kv_cache)` of the layer.
     """
 
@@ -43,13 +44,19 @@ class MirrorStep:
     gather_index: torch.Tensor
     capacity_blocks: int
     positions: torch.Tensor
+    rows: torch.Tensor
     tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def key_value(
-        self, kv_cache: torch.Tensor, slot_blocks: tuple[torch.Tensor, torch.Tensor]
+        self,
+        kv_cache: torch.Tensor,
+        slot_blocks: tuple[torch.Tensor, torch.Tensor],
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's `(key, value)`, each `[num_seqs, capacity, num_kv_heads, head_dim]`, up to date with this
-        step's token (already written to `kv_cache` at `slot_blocks`, one slot per sequence in order).
+        step's token (already written to `kv_cache` at `slot_blocks`, one slot per sequence in order). `new_kv`,
+        if given, is that token's (key, value), `[num_seqs, num_kv_heads, head_dim]` each: a kept mirror copies
+        them from there instead of reading the cache back.
 
         Raises:
             RuntimeError: a kept mirror has no tensors for this layer (the layers changed between steps).
@@ -65,11 +72,12 @@ class MirrorStep:
         if layer not in self.tensors:
             raise RuntimeError("the decode K/V mirror has no tensors for this layer's KV cache")
         key, value = self.tensors[layer]
-        blocks, offsets = slot_blocks
-        new = kv_cache[blocks, :, offsets]  # [num_seqs, 2, num_kv_heads, head_dim]
-        rows = torch.arange(key.shape[0])
-        key[rows, self.positions] = new[:, 0]
-        value[rows, self.positions] = new[:, 1]
+        if new_kv is None:
+            blocks, offsets = slot_blocks
+            new = kv_cache[blocks, :, offsets]  # [num_seqs, 2, num_kv_heads, head_dim]
+            new_kv = new[:, 0], new[:, 1]
+        key[self.rows, self.positions] = new_kv[0]
+        value[self.rows, self.positions] = new_kv[1]
         return key, value
 
 
@@ -136,4 +144,5 @@ class DecodeKVMirror:
         padded = np.zeros((len(seq_lens), capacity_blocks), dtype=np.int64)
         width = min(tables.shape[1], capacity_blocks)
         padded[:, :width] = tables[:, :width]
-        return MirrorStep(True, torch.from_numpy(padded.reshape(-1)), capacity_blocks, torch.from_numpy(seq_lens - 1))
+        index, positions = torch.from_numpy(padded.reshape(-1)), torch.from_numpy(seq_lens - 1)
+        return MirrorStep(True, index, capacity_blocks, positions, torch.arange(len(seq_lens)))

@@ -47,16 +47,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of each head ("rotate half" layout, as HF Llama).
+    """Rotate halves of each head ("rotate half" layout, as HF Llama): `x * cos + rotate_half(x) * sin`.
+
+    `rotate_half(x) * sin` is computed as `roll(x, head_dim // 2) * [-sin, sin]`, which is the same values bit for
+    bit (negation is exact), in 4 ops instead of 7.
 
     Args:
         x: [num_tokens, num_heads, head_dim].
-        cos, sin: [num_tokens, 1, head_dim // 2] for the tokens' positions.
+        cos: [num_tokens, 1, head_dim], the cos table repeated twice ([cos, cos]).
+        sin: [num_tokens, 1, head_dim], the sin table with its first half negated ([-sin, sin]).
     Returns:
         [num_tokens, num_heads, head_dim].
     """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -161,8 +164,9 @@ class LlamaDecoderLayer(nn.Module):
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rotary(qk.view(n, -1, d), cos, sin)  # q and k heads rotated in one pass
         q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
-        write_kv_cache(kv_cache, k, v.view(n, -1, d), meta.slot_mapping, meta.slot_blocks)
-        attn = paged_attention(q, kv_cache, meta)
+        v = v.view(n, -1, d)
+        write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks)
+        attn = paged_attention(q, kv_cache, meta, new_kv=(k, v))
         out = linear(attn, self.o_proj)
         return all_reduce(out if lora is None else lora.add(attn, out, "o_proj"))
 
@@ -238,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         arch: the architecture config it was built from.
     """
 
-    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim // 2] buffers
+    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim] buffers: [cos, cos] and [-sin, sin] (apply_rotary)
     rope_sin: torch.Tensor
 
     def __init__(self, arch: ModelArchConfig) -> None:
@@ -257,8 +261,8 @@ class LlamaForCausalLM(nn.Module):
             None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
         )
         cos, sin = rotary_cos_sin(arch.rope_inv_freq(), arch.max_position_embeddings)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", torch.cat([cos, cos], dim=-1), persistent=False)
+        self.register_buffer("rope_sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
     @torch.inference_mode()
     def forward(

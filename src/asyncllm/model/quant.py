@@ -166,6 +166,6 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
             pad_rows(qx, bucket_rows(rows)), 1.0, 0, weight.packed, weight.scale, weight.zero_points, None, 1.0, 0,
             torch.float32, "none", [], "",
         )  # fmt: skip
-        return out[:rows].mul_(x_scale)
+        return (out if out.shape[0] == rows else out[:rows]).mul_(x_scale)
     acc = torch._int_mm(qx, weight.qweight)  # int32 [rows, out]
     return acc.float().mul_(x_scale).mul_(weight.scale)  # (a mixed int32 * float32 mul is 15% slower at 32 rows)

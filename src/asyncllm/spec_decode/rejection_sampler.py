@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.worker.sampler import Sampler, SamplingMetadata
+from asyncllm.worker.sampler import Sampler, SamplingMetadata, argmax_rows
 
 
 @dataclass
@@ -101,7 +101,7 @@ class RejectionSampler:
         random_accept = has_draft & (uniform < probs.gather(1, safe_draft).squeeze(1))
         residual = probs.scatter(1, safe_draft, 0.0)
         residual = torch.where(has_draft.unsqueeze(1), residual, probs)
-        recovered = residual.div_(self.sampler.draw_noise(residual, meta.generators)).argmax(dim=-1)
+        recovered = argmax_rows(residual.div_(self.sampler.draw_noise(residual, meta.generators)))
         tokens = torch.where(is_greedy, greedy_tokens, recovered)
         accept = torch.where(is_greedy, greedy_accept, random_accept)
         return tokens.tolist(), accept.tolist()

