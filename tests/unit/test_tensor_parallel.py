@@ -75,7 +75,6 @@ def attention_and_mlp(
     cache = torch.zeros(num_blocks, 2, block_size, layer.kv_size // ARCH.head_dim, ARCH.head_dim)
     meta = build_attention_metadata([n], [n], [[0, 1]], block_size)
     cos, sin = rotary_cos_sin(ARCH.rope_inv_freq(), ARCH.max_position_embeddings)
-    cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # apply_rotary's tables
     positions = torch.arange(n)
     with torch.inference_mode():
         attn = layer._attention(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), cache, meta, lora)

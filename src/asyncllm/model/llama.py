@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         arch: the architecture config it was built from.
     """
 
-    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim] buffers: [cos, cos] and [-sin, sin] (apply_rotary)
+    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim] buffers: [cos, cos] and [-sin, sin] (rope.py)
     rope_sin: torch.Tensor
 
     def __init__(self, arch: ModelArchConfig) -> None:
@@ -261,8 +261,8 @@ class LlamaForCausalLM(nn.Module):
             None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
         )
         cos, sin = rotary_cos_sin(arch.rope_inv_freq(), arch.max_position_embeddings)
-        self.register_buffer("rope_cos", torch.cat([cos, cos], dim=-1), persistent=False)
-        self.register_buffer("rope_sin", torch.cat([-sin, sin], dim=-1), persistent=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
     def forward(

@@ -93,6 +93,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each [max_positions, head_dim // 2] float32, from [head_dim // 2] inverse frequencies."""
+    """The cos and sin tables `llama.apply_rotary` takes, from `[head_dim // 2]` inverse frequencies.
+
+    Returns:
+        `[cos, cos]` and `[-sin, sin]` (halves concatenated on the last axis), each [max_positions, head_dim]
+        float32: the "rotate half" layout of HF Llama with rotate_half's sign folded into the sin table.
+    """
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
