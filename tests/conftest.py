@@ -41,3 +41,11 @@ def hf_reference(model_path: str) -> tuple[Any, Any]:
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return tok, ref.eval()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the fused int8 kernels (`model/fused_int8.py`, ~20 s once per machine) in the pytest process before any
+    test starts an engine, so no engine process that a test stops mid-start can hold the build lock."""
+    from asyncllm.model.fused_int8 import load_kernels
+
+    load_kernels()

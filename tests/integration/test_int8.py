@@ -56,6 +56,27 @@ def test_int8_logit_error_against_fp32_on_the_parity_corpus(model_path: str, mod
         assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= MIN_TOP1_AGREEMENT, chat
 
 
+def test_fused_kernels_give_the_eager_logits_bit_for_bit(model_path: str, models: tuple[Any, Any]) -> None:
+    """The fused int8 kernels (`model/fused_int8.py`), where they build, change speed only: the real model's logits
+    over a chat prompt are the same with the eager ops."""
+    _, int8 = models
+    kernels = int8.fused_kernels
+    if kernels is None:
+        pytest.skip("the fused int8 kernels are not built on this machine (see test_fused_int8.py)")
+    tokenizer = Tokenizer.load(model_path)
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}]))
+    fused = next_token_logits(int8, ids)
+    modules = (int8, *int8.layers)
+    try:
+        for module in modules:
+            module.fused_kernels = None
+        eager = next_token_logits(int8, ids)
+    finally:
+        for module in modules:
+            module.fused_kernels = kernels
+    assert torch.equal(fused, eager)
+
+
 def test_int8_chunked_prefill_then_decode_is_close_to_one_prefill(model_path: str, models: tuple[Any, Any]) -> None:
     """Chunking changes attention's fp32 summation order in the last bits; a per-row int8 rounding that lands
     on the other side of .5 then moves later layers by one quantization step. Measured: max |diff| 1.30-1.39

@@ -54,6 +54,7 @@ def test_onednn_int8_equals_int_mm(rows: int) -> None:
     torch.testing.assert_close(linear(x, packed), reference, rtol=1e-6, atol=1e-5)
     plain = linear(x, Int8Weight(packed.qweight, packed.scale))  # the fallback path without oneDNN
     torch.testing.assert_close(plain, reference, rtol=1e-6, atol=1e-5)
+    assert torch.equal(plain, linear(x, packed))  # exact int32 sums, scaled in the same order on both paths
 
 
 def test_packed_model_gives_the_plain_models_logits(tmp_path) -> None:  # type: ignore[no-untyped-def]

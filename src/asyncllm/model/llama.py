@@ -29,8 +29,17 @@ from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, ge
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from asyncllm.model.fused_int8 import MAX_NORM_COLUMNS, FusedInt8Kernels, load_kernels
 from asyncllm.model.packed_fp32 import PackedFp32Weight, pack_fp32
-from asyncllm.model.quant import Weight, linear, quantize_int8, record_input_absmax, smoothing_scale
+from asyncllm.model.quant import (
+    Int8Weight,
+    Weight,
+    int8_matmul,
+    linear,
+    quantize_int8,
+    record_input_absmax,
+    smoothing_scale,
+)
 from asyncllm.model.rope import rotary_cos_sin
 
 if TYPE_CHECKING:
@@ -89,6 +98,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_norm = _param(h)
         self.gate_up_proj: Weight = _param(h, 2 * self.inter_size)
         self.down_proj: Weight = _param(self.inter_size, h)
+        self.fused_kernels: FusedInt8Kernels | None = None  # set by quantize_int8 where they build
 
     def smooth(self, input_absmax: dict[int, torch.Tensor]) -> None:
         """Apply SmoothQuant factors (`model/quant.py`) to the four linear inputs, exactly in fp32: each input
@@ -116,8 +126,10 @@ class LlamaDecoderLayer(nn.Module):
         o.mul_(s_kv.view(num_kv, 1, d).expand(num_kv, self.q_size // self.kv_size, d).reshape(-1, 1))
 
     def quantize_int8(self) -> None:
-        """Replace the four fused fp32 weights by int8 ones (this rank's shard, per output channel)."""
+        """Replace the four fused fp32 weights by int8 ones (this rank's shard, per output channel); forward then
+        runs the fused int8 kernels (`model/fused_int8.py`) where they build."""
         self._replace_weights(quantize_int8)
+        self.fused_kernels = load_kernels() if self.arch.hidden_size <= MAX_NORM_COLUMNS else None
 
     def pack_fp32(self) -> None:
         """Keep the four fused fp32 weights in both layouts (`model/packed_fp32.py`)."""
@@ -143,8 +155,39 @@ class LlamaDecoderLayer(nn.Module):
         """[num_tokens, hidden_size] -> [num_tokens, hidden_size]; writes this step's K/V into `kv_cache`. With
         `lora`, each adapter's delta is added to its rows' outputs of the four linear weights."""
         eps = self.arch.rms_norm_eps
+        if self.fused_kernels is not None and lora is None:
+            return self._forward_fused_int8(hidden, cos, sin, kv_cache, meta, self.fused_kernels)
         hidden = hidden + self._attention(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, lora)
         return hidden + self._mlp(rms_norm(hidden, self.post_attention_norm, eps), lora)
+
+    def _forward_fused_int8(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kernels: FusedInt8Kernels,
+    ) -> torch.Tensor:
+        """`forward` with int8 weights in 6 fused kernel calls around the products instead of ~50 small torch ops,
+        giving the same values bit for bit (`model/fused_int8.py`)."""
+        qkv_proj, o_proj, gate_up_proj, down_proj = (cast(Int8Weight, getattr(self, n)) for n in LINEAR_WEIGHTS)
+        eps = self.arch.rms_norm_eps
+        qx, scale = kernels.rms_norm_quantize(hidden, self.input_norm, eps)
+        attn = self._attend(int8_matmul(qx, qkv_proj).mul_(scale), cos, sin, kv_cache, meta)
+        qx, scale = kernels.quantize_rows(attn.contiguous())
+        hidden = self._add_scaled(kernels, hidden, int8_matmul(qx, o_proj), scale)
+        qx, scale = kernels.rms_norm_quantize(hidden, self.post_attention_norm, eps)
+        qx, scale = kernels.silu_mul_quantize(int8_matmul(qx, gate_up_proj), scale)
+        return self._add_scaled(kernels, hidden, int8_matmul(qx, down_proj), scale)
+
+    def _add_scaled(
+        self, kernels: FusedInt8Kernels, hidden: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
+        """`hidden + all_reduce(out * scale)`: one fused kernel at TP=1."""
+        if self.tp_size == 1:
+            return kernels.add_scaled_(hidden, out, scale)
+        return hidden + all_reduce(out.mul_(scale))
 
     def _attention(
         self,
@@ -155,10 +198,19 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: LayerLoRA | None = None,
     ) -> torch.Tensor:
-        n, d = x.shape[0], self.arch.head_dim
         qkv = linear(x, self.qkv_proj)
         if lora is not None:
             lora.add(x, qkv, "qkv_proj")
+        attn = self._attend(qkv, cos, sin, kv_cache, meta)
+        out = linear(attn, self.o_proj)
+        return all_reduce(out if lora is None else lora.add(attn, out, "o_proj"))
+
+    def _attend(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """[num_tokens, q + 2 kv columns] projections -> [num_tokens, q columns] attention output: bias, rotary,
+        this step's K/V written into `kv_cache`, paged attention."""
+        n, d = qkv.shape[0], self.arch.head_dim
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -166,9 +218,7 @@ class LlamaDecoderLayer(nn.Module):
         q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
         v = v.view(n, -1, d)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks)
-        attn = paged_attention(q, kv_cache, meta, new_kv=(k, v))
-        out = linear(attn, self.o_proj)
-        return all_reduce(out if lora is None else lora.add(attn, out, "o_proj"))
+        return paged_attention(q, kv_cache, meta, new_kv=(k, v))
 
     def _mlp(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
@@ -255,6 +305,7 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(arch, qkv_bias, tp_rank, tp_size) for _ in range(arch.num_hidden_layers)
         )
         self.norm = _param(arch.hidden_size)
+        self.fused_kernels: FusedInt8Kernels | None = None  # set by quantize_int8 where they build
         self.lm_head: Weight = _param(arch.hidden_size, arch.vocab_size)  # [in, out]
         # Tied: embeddings are columns of lm_head (no second 113 MB copy); untied: their own [vocab, hidden].
         self.embed_tokens: nn.Parameter | None = (
@@ -348,6 +399,7 @@ class LlamaForCausalLM(nn.Module):
             cast(LlamaDecoderLayer, layer).quantize_int8()
         del self.lm_head
         self.lm_head = quantize_int8(head)
+        self.fused_kernels = load_kernels()
 
     def _calibration_pass(self, token_ids: list[int], block_size: int = 16) -> None:
         """One prefill of `token_ids` in a scratch KV cache, then the LM head on every row."""
@@ -361,6 +413,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden_size] -> [num_sampled, vocab_size] float32 logits."""
+        if self.fused_kernels is not None and isinstance(self.lm_head, Int8Weight):
+            qx, scale = self.fused_kernels.quantize_rows(hidden.contiguous())  # bit for bit `linear`'s
+            return int8_matmul(qx, self.lm_head).mul_(scale)
         return linear(hidden, self.lm_head)
 
     @torch.no_grad()

@@ -7,7 +7,7 @@ multiplying in int32 and scaling back. The int32 product runs in oneDNN's int8 i
 reordered once into its blocked layout (`torch.ops.onednn.qlinear_pointwise`, the kernel behind torch's x86
 int8 inference; VNNI/AMX where the CPU has them), with the activation scale passed as 1 and applied per row
 afterwards; torch builds without that op use `torch._int_mm` on the plain `[in, out]` int8 weight. Integer
-accumulation is exact, so both give the same values up to the order of the two float scale multiplies.
+accumulation is exact and both scale it by the weight scale, then by the row's, so both give the same values.
 
 Every row has its own activation scale, so a row's result never depends on which rows share its batch
 (fbgemm's dynamic quantized linear scales the whole batch with one activation range, which would make a
@@ -160,12 +160,22 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
     if isinstance(weight, PackedFp32Weight):
         return packed_linear(x, weight)
     qx, x_scale = quantize_rows(x)
+    return int8_matmul(qx, weight).mul_(x_scale)
+
+
+def int8_matmul(qx: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """`qx @ qweight * scale`: an int8 `[rows, in]` input times an int8 weight, summed exactly in int32 and
+    scaled by the weight's per-column scale (not by any activation scale).
+
+    Returns:
+        [rows, out] float32.
+    """
     if weight.packed is not None:  # int32 accumulation scaled by the weight scale in-kernel; x scale is 1 here
         rows = qx.shape[0]
         out = torch.ops.onednn.qlinear_pointwise(
             pad_rows(qx, bucket_rows(rows)), 1.0, 0, weight.packed, weight.scale, weight.zero_points, None, 1.0, 0,
             torch.float32, "none", [], "",
         )  # fmt: skip
-        return (out if out.shape[0] == rows else out[:rows]).mul_(x_scale)
+        return out if out.shape[0] == rows else out[:rows]
     acc = torch._int_mm(qx, weight.qweight)  # int32 [rows, out]
-    return acc.float().mul_(x_scale).mul_(weight.scale)  # (a mixed int32 * float32 mul is 15% slower at 32 rows)
+    return acc.float().mul_(weight.scale)  # (a mixed int32 * float32 mul is 15% slower at 32 rows)

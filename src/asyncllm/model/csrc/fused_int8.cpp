@@ -1,0 +1,249 @@
+// Fused row kernels for the int8 decoder layer (asyncllm/model/fused_int8.py builds and loads this file).
+//
+// Each kernel does in one pass over a row what the eager path does in 4-12 torch ops, so a decode step runs
+// far fewer ops between its int8 products. The arithmetic is the eager ops', operation for operation, so the
+// values are the same bit for bit: per-row symmetric int8 quantization `scale = max(max|y|, 1e-30) / 127`,
+// `q = round_half_even(y / scale)` (model/quant.py `quantize_rows`); RMSNorm `x * rsqrt(mean(x^2) + eps) * w`
+// (Zhang & Sennrich, 2019) with the sum of squares added in ATen's order (`sum_squares`); SiLU
+// `a / (1 + exp(-a))` with ATen's vectorized exp. Built with -ffp-contract=off (no fused multiply-adds). Rows
+// are independent: a row's result never depends on its batch.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#endif
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kGrainElements = 32768;  // ATen's grain size: fewer elements than this run on one thread
+
+int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(cols, 1)); }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
+              " must be a contiguous 2-D float32 tensor");
+}
+
+float max_lanes(const Vec& v) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  return *std::max_element(lanes, lanes + Vec::size());
+}
+
+// ATen's utils::CeilLog2.
+int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  int64_t bits = 0;
+  while ((int64_t{1} << bits) < x) ++bits;
+  return bits;
+}
+
+// W float lanes added lane by lane (one `Vectorized<float>` of ATen's sum kernel when W = 8).
+template <int64_t W>
+struct Lanes {
+  float v[W];
+  static Lanes zero() {
+    Lanes lanes;
+    std::fill_n(lanes.v, W, 0.f);
+    return lanes;
+  }
+  void add(const Lanes& other) {
+    for (int64_t i = 0; i < W; ++i) v[i] += other.v[i];
+  }
+};
+
+// The W squares x[index * W + i]^2.
+template <int64_t W>
+Lanes<W> squares_at(const float* x, int64_t index) {
+  Lanes<W> lanes;
+  for (int64_t i = 0; i < W; ++i) lanes.v[i] = x[index * W + i] * x[index * W + i];
+  return lanes;
+}
+
+// ATen's `row_sum` over `count` items of W lanes (SumKernel.cpp, `multi_row_sum` with 4 interleaved
+// accumulators merged in a cascade of 4 levels, chunks of at least 16 rows).
+template <int64_t W>
+Lanes<W> cascade_sum_squares(const float* x, int64_t count) {
+  constexpr int64_t kIlp = 4, kLevels = 4;
+  const int64_t rows = count / kIlp;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(rows) / kLevels);
+  const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
+  Lanes<W> acc[kLevels][kIlp];
+  for (auto& level : acc) std::fill_n(level, kIlp, Lanes<W>::zero());
+  int64_t i = 0;
+  while (i + level_step <= rows) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int64_t k = 0; k < kIlp; ++k) acc[0][k].add(squares_at<W>(x, i * kIlp + k));
+    for (int64_t j = 1; j < kLevels; ++j) {
+      for (int64_t k = 0; k < kIlp; ++k) {
+        acc[j][k].add(acc[j - 1][k]);
+        acc[j - 1][k] = Lanes<W>::zero();
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i)
+    for (int64_t k = 0; k < kIlp; ++k) acc[0][k].add(squares_at<W>(x, i * kIlp + k));
+  for (int64_t j = 1; j < kLevels; ++j)
+    for (int64_t k = 0; k < kIlp; ++k) acc[0][k].add(acc[j][k]);
+  for (int64_t v = rows * kIlp; v < count; ++v) acc[0][0].add(squares_at<W>(x, v));
+  for (int64_t k = 1; k < kIlp; ++k) acc[0][0].add(acc[0][k]);
+  return acc[0][0];
+}
+
+// Sum of x[i]^2 over a contiguous row in the order of ATen's float `sum` over a contiguous dimension, so that
+// RMSNorm here gives `F.rms_norm`'s values bit for bit: 8-lane vectors (the width of ATen's sum kernel: x86
+// builds dispatch it to the AVX2 or default kernel, both 8 floats wide), then the scalar tail, then the lanes;
+// rows shorter than one vector take ATen's scalar path. `fused_int8.self_check` compares with torch at start-up.
+float sum_squares(const float* x, int64_t n) {
+  constexpr int64_t kWidth = 8;
+  if (n < kWidth) return cascade_sum_squares<1>(x, n).v[0];
+  const int64_t count = n / kWidth;
+  const Lanes<kWidth> lanes = cascade_sum_squares<kWidth>(x, count);
+  float total = 0.f;
+  for (int64_t t = count * kWidth; t < n; ++t) total += x[t] * x[t];
+  for (int64_t i = 0; i < kWidth; ++i) total += lanes.v[i];
+  return total;
+}
+
+// Quantize one row `y[0:n]` in place of `q`; returns its scale. `y` is overwritten with the rounded values.
+float quantize_row(float* y, int64_t n, int8_t* q) {
+  Vec vmax(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(y + i).abs());
+  float amax = max_lanes(vmax);
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(y[i]));
+  const float scale = std::max(amax, 1e-30f) * (1.0f / 127.0f);
+  const Vec vscale(scale);
+  for (i = 0; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(y + i) / vscale).round().store(y + i);
+  for (; i < n; ++i) y[i] = std::nearbyint(y[i] / scale);
+  for (i = 0; i < n; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(y[i]));
+  return scale;
+}
+
+std::tuple<at::Tensor, at::Tensor> new_outputs(const at::Tensor& like, int64_t rows, int64_t cols) {
+  return {at::empty({rows, cols}, like.options().dtype(at::kChar)), at::empty({rows, 1}, like.options())};
+}
+
+}  // namespace
+
+// [rows, hidden] float32, [hidden] float32 -> (int8 [rows, hidden], float32 [rows, 1]).
+std::tuple<at::Tensor, at::Tensor> rms_norm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols && weight.scalar_type() == at::kFloat &&
+              weight.is_contiguous(), "weight must be a contiguous float32 [hidden]");
+  auto [q, scale] = new_outputs(x, rows, cols);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> y(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * cols;
+      const float mean = sum_squares(row, cols) / static_cast<float>(cols);
+      const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+      const Vec vinv(inv);
+      int64_t i = 0;
+      for (; i + Vec::size() <= cols; i += Vec::size())
+        (Vec::loadu(row + i) * vinv * Vec::loadu(wp + i)).store(y.data() + i);
+      for (; i < cols; ++i) y[i] = row[i] * inv * wp[i];
+      sp[r] = quantize_row(y.data(), cols, qp + r * cols);
+    }
+  });
+  return {q, scale};
+}
+
+// [rows, 2 * inter] unscaled gate/up product, [rows, 1] row scales -> (int8 [rows, inter], float32 [rows, 1])
+// of silu(gate * s) * (up * s).
+std::tuple<at::Tensor, at::Tensor> silu_mul_quantize(const at::Tensor& gate_up, const at::Tensor& row_scale) {
+  check_rows(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  TORCH_CHECK(row_scale.numel() == rows && row_scale.is_contiguous(), "row_scale must be [rows, 1]");
+  auto [q, scale] = new_outputs(gate_up, rows, inter);
+  const float* gp = gate_up.data_ptr<float>();
+  const float* rs = row_scale.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    std::vector<float> y(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gp + r * 2 * inter;
+      const float* up = gate + inter;
+      const float s = rs[r];
+      const Vec vs(s), one(1.f);
+      int64_t i = 0;
+      for (; i + Vec::size() <= inter; i += Vec::size()) {
+        Vec a = Vec::loadu(gate + i) * vs;
+        ((a / (one + a.neg().exp())) * (Vec::loadu(up + i) * vs)).store(y.data() + i);
+      }
+      for (; i < inter; ++i) {
+        const float a = gate[i] * s;
+        y[i] = a / (1.f + std::exp(-a)) * (up[i] * s);
+      }
+      sp[r] = quantize_row(y.data(), inter, qp + r * inter);
+    }
+  });
+  return {q, scale};
+}
+
+// [rows, cols] float32 -> (int8 [rows, cols], float32 [rows, 1]).
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto [q, scale] = new_outputs(x, rows, cols);
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> y(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      std::copy(xp + r * cols, xp + (r + 1) * cols, y.begin());
+      sp[r] = quantize_row(y.data(), cols, qp + r * cols);
+    }
+  });
+  return {q, scale};
+}
+
+// residual + out * row_scale, written into `out` (returned): [rows, cols] float32 each, row_scale [rows, 1].
+at::Tensor add_scaled_(const at::Tensor& residual, at::Tensor& out, const at::Tensor& row_scale) {
+  check_rows(residual, "residual");
+  check_rows(out, "out");
+  const int64_t rows = out.size(0), cols = out.size(1);
+  TORCH_CHECK(residual.sizes() == out.sizes(), "residual and out must have one shape");
+  TORCH_CHECK(row_scale.numel() == rows && row_scale.is_contiguous(), "row_scale must be [rows, 1]");
+  const float* hp = residual.data_ptr<float>();
+  const float* rs = row_scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float s = rs[r];
+      const Vec vs(s);
+      float* o = op + r * cols;
+      const float* h = hp + r * cols;
+      int64_t i = 0;
+      for (; i + Vec::size() <= cols; i += Vec::size()) (Vec::loadu(h + i) + Vec::loadu(o + i) * vs).store(o + i);
+      for (; i < cols; ++i) o[i] = h[i] + o[i] * s;
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm_quantize", &rms_norm_quantize);
+  m.def("silu_mul_quantize", &silu_mul_quantize);
+  m.def("quantize_rows", &quantize_rows);
+  m.def("add_scaled_", &add_scaled_);
+}

@@ -1,0 +1,140 @@
+"""Fused row kernels for int8 decoder layers, built from `csrc/fused_int8.cpp` on first use.
+
+Inside a decode step every small torch op costs several times its cost alone (`benchmarks/op_overhead.py`: an
+RMSNorm of one row takes 8.7 us alone, 18 us right after an int8 product and 46 us after a 16 MB elementwise op;
+most likely each product's megabytes of weights evict from the caches what the next op needs). An int8 layer ran about 50 small
+torch ops around its four products (counting RMSNorm's parts); these kernels do the same work in 6 calls:
+
+- `rms_norm_quantize(x, weight, eps)`: RMSNorm then per-row int8 quantization (the input of qkv and gate/up).
+- `silu_mul_quantize(gate_up, row_scale)`: scale the gate/up product by its rows' activation scales, SiLU(gate)
+  * up, quantize (the input of down).
+- `quantize_rows(x)`: per-row int8 quantization, bit for bit `quant.quantize_rows` (o_proj's and the LM head's
+  input).
+- `add_scaled_(residual, out, row_scale)`: `residual + out * row_scale` into `out` (the two residual adds).
+
+Every kernel gives the eager ops' values bit for bit (RMSNorm adds its squares in the order of ATen's sum kernel,
+which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed across threads by ATen): the int8
+model's outputs do not depend on whether the kernels are in use. `self_check` compares them with torch at start-up
+and `tests/unit/test_fused_int8.py` on more shapes.
+
+The kernels are compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja; about 20 s once per
+machine, cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), for this CPU's vector width
+(`-march=native`; the cache name includes the CPU's flags, so a shared home directory never loads another CPU's
+build). Where the build or the start-up self-check fails, `load_kernels` returns None, logs why once, and the
+model uses the eager ops. `ASYNCLLM_FUSED_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+from typing import Protocol, cast
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused_int8.cpp"
+ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
+MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to this many columns
+
+
+class FusedInt8Kernels(Protocol):
+    """The compiled module's functions (shapes: `[rows, cols]` float32 contiguous inputs, `[rows, 1]` scales).
+
+    Each raises RuntimeError on a wrong dtype, shape or layout.
+    """
+
+    def rms_norm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, hidden], [hidden] -> (int8 [rows, hidden], float32 [rows, 1] scales)."""
+        ...
+
+    def silu_mul_quantize(self, gate_up: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, 2 * inter] unscaled gate/up, [rows, 1] -> (int8 [rows, inter], float32 [rows, 1])."""
+        ...
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, cols] -> (int8 [rows, cols], float32 [rows, 1])."""
+        ...
+
+    def add_scaled_(self, residual: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+        """`out = residual + out * row_scale`, in place; returns `out`."""
+        ...
+
+
+def _cpu_tag() -> str:
+    """A short digest of this CPU's model and feature flags (Linux `/proc/cpuinfo`) and of the source."""
+    cpu = platform.machine() + platform.processor()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name")):
+                cpu += line
+    except OSError:
+        pass
+    return hashlib.sha256((cpu + SOURCE.read_text()).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def load_kernels() -> FusedInt8Kernels | None:
+    """The fused kernels, built (or loaded from the cache) once per process; None where they are off
+    (`ASYNCLLM_FUSED_KERNELS=0`), cannot be built here, or fail the self-check. Never raises."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        logger.info("fused int8 kernels are built for x86-64 only; using torch ops")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(
+            name=f"asyncllm_fused_int8_{_cpu_tag()}",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja, a failed build: the eager ops still work
+        logger.warning("fused int8 kernels could not be built (%s); using torch ops", str(exc)[-400:])
+        return None
+    kernels = cast(FusedInt8Kernels, module)
+    problem = self_check(kernels)
+    if problem:
+        logger.warning("fused int8 kernels failed their self-check (%s); using torch ops", problem)
+        return None
+    return kernels
+
+
+def self_check(kernels: FusedInt8Kernels) -> str:
+    """Compare every kernel with the eager ops it replaces, on rows of 70, 576 and 2048 columns (with a row of
+    zeros); returns "" when all are equal bit for bit, else which kernel differs."""
+    gen = torch.Generator().manual_seed(0)
+    for cols in (70, 576, 2048):
+        x = torch.randn(3, cols, generator=gen) * 4
+        x[1] = 0.0  # a row of zeros keeps scale 1e-30 / 127 and values 0
+        problem = _compare(kernels, x, torch.rand(cols, generator=gen) + 0.5, torch.randn(3, cols, generator=gen))
+        if problem:
+            return f"{problem} ({cols} columns)"
+    return ""
+
+
+def _compare(kernels: FusedInt8Kernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> str:
+    from asyncllm.model.quant import quantize_rows
+
+    def same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    scale = quantize_rows(x)[1]
+    if not same(kernels.quantize_rows(x), quantize_rows(x)):
+        return "quantize_rows differs from the eager quantization"
+    if not torch.equal(kernels.add_scaled_(residual, x.clone(), scale), residual + x * scale):
+        return "add_scaled_ differs from residual + out * scale"
+    gate, up = (x * scale).chunk(2, dim=-1)
+    if not same(kernels.silu_mul_quantize(x, scale), quantize_rows(F.silu(gate) * up)):
+        return "silu_mul_quantize differs from the eager SiLU and quantization"
+    normed = F.rms_norm(x, weight.shape, weight, 1e-5)
+    if not same(kernels.rms_norm_quantize(x, weight, 1e-5), quantize_rows(normed)):
+        return "rms_norm_quantize differs from F.rms_norm and the eager quantization"
+    return ""

@@ -1,0 +1,110 @@
+"""The fused int8 row kernels (`model/fused_int8.py`): built here, equal to the eager ops they replace bit for bit
+over many shapes, rows independent of their batch, bad inputs rejected, the switch honoured, and an int8 model
+giving the same logits with and without them."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncllm.model import fused_int8
+from asyncllm.model.fused_int8 import FusedInt8Kernels, load_kernels
+from asyncllm.model.quant import quantize_rows
+from tests.unit.test_quant import _logits, _tiny_model
+
+CAN_BUILD = platform.machine().lower() in ("x86_64", "amd64") and bool(shutil.which("c++") and shutil.which("ninja"))
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64, a C++ compiler and ninja to build the kernels")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> FusedInt8Kernels:
+    built = load_kernels()
+    assert built is not None, "the fused kernels did not build or failed their self-check (see the log)"
+    return built
+
+
+def _rows(rows: int, cols: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 3, rows).unsqueeze(1)  # 1e-3 .. 1e3 per row
+    x[rows // 2] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("cols", [6, 70, 576, 1536, 2048, 4099])
+@pytest.mark.parametrize("rows", [1, 5, 64, 257])
+def test_kernels_equal_the_eager_ops_bit_for_bit(kernels: FusedInt8Kernels, rows: int, cols: int) -> None:
+    torch.set_num_threads(2)  # 64 and 257 rows of the wider shapes run on both threads
+    x = _rows(rows, cols, seed=rows * cols)
+    weight = torch.rand(cols, generator=torch.Generator().manual_seed(cols)) + 0.5
+    q, scale = kernels.quantize_rows(x)
+    q_ref, scale_ref = quantize_rows(x)
+    assert torch.equal(q, q_ref)
+    assert torch.equal(scale, scale_ref)
+    assert torch.all(q[rows // 2] == 0)
+
+    q, scale = kernels.rms_norm_quantize(x, weight, 1e-6)
+    q_ref, scale_ref = quantize_rows(F.rms_norm(x, (cols,), weight, 1e-6))
+    assert torch.equal(q, q_ref)
+    assert torch.equal(scale, scale_ref)
+
+    residual = _rows(rows, cols, seed=1)
+    assert torch.equal(kernels.add_scaled_(residual, x.clone(), scale_ref), residual + x * scale_ref)
+
+    if cols % 2 == 0:
+        gate, up = (x * scale_ref).chunk(2, dim=-1)
+        q, scale = kernels.silu_mul_quantize(x, scale_ref)
+        q_ref, scale_ref = quantize_rows(F.silu(gate) * up)
+        assert torch.equal(q, q_ref)
+        assert torch.equal(scale, scale_ref)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(kernels: FusedInt8Kernels) -> None:
+    x = _rows(40, 576, seed=3)
+    weight = torch.rand(576) + 0.5
+    q, scale = kernels.rms_norm_quantize(x, weight, 1e-5)
+    for i in (0, 17, 39):
+        alone = kernels.rms_norm_quantize(x[i : i + 1].clone(), weight, 1e-5)
+        assert torch.equal(alone[0], q[i : i + 1])
+        assert torch.equal(alone[1], scale[i : i + 1])
+
+
+def test_bad_inputs_raise_instead_of_reading_wrong_memory(kernels: FusedInt8Kernels) -> None:
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
+        kernels.quantize_rows(x.t())
+    with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
+        kernels.quantize_rows(x.double())
+    with pytest.raises(RuntimeError, match="weight must be"):
+        kernels.rms_norm_quantize(x, torch.ones(32), 1e-5)
+    with pytest.raises(RuntimeError, match="row_scale"):
+        kernels.silu_mul_quantize(x, torch.ones(3, 1))
+    with pytest.raises(RuntimeError, match="one shape"):
+        kernels.add_scaled_(x, torch.randn(4, 32), torch.ones(4, 1))
+
+
+def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fused_int8.ENV_SWITCH, "0")
+    load_kernels.cache_clear()
+    try:
+        assert load_kernels() is None
+    finally:
+        monkeypatch.delenv(fused_int8.ENV_SWITCH)
+        load_kernels.cache_clear()
+    assert load_kernels() is not None
+
+
+def test_int8_model_gives_the_same_logits_with_and_without_them(kernels: FusedInt8Kernels, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = _tiny_model(tmp_path, "int8")
+    assert model.fused_kernels is kernels
+    assert all(layer.fused_kernels is kernels for layer in model.layers)
+    chunks = [[[5, 9, 200, 31, 7, 7, 1], [7, 1, 3]], [[3], [8]], [[11], [12]]]  # a prefill of two, then decodes
+    fused = _logits(model, chunks)
+    for module in (model, *model.layers):
+        module.fused_kernels = None
+    eager = _logits(model, chunks)
+    assert eager.abs().max() > 0.1  # the random weights give logits that are not all zero
+    assert torch.equal(fused, eager)
