@@ -44,8 +44,8 @@ def hf_reference(model_path: str) -> tuple[Any, Any]:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the fused int8 kernels (`model/fused_int8.py`, ~20 s once per machine) in the pytest process before any
+    """Build the fused int8 kernels (`model/row_kernels.py`, ~20 s once per machine) in the pytest process before any
     test starts an engine, so no engine process that a test stops mid-start can hold the build lock."""
-    from asyncllm.model.fused_int8 import load_kernels
+    from asyncllm.model.row_kernels import load_kernels
 
     load_kernels()

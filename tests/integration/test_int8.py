@@ -57,24 +57,24 @@ def test_int8_logit_error_against_fp32_on_the_parity_corpus(model_path: str, mod
 
 
 def test_fused_kernels_give_the_eager_logits_bit_for_bit(model_path: str, models: tuple[Any, Any]) -> None:
-    """The fused int8 kernels (`model/fused_int8.py`), where they build, change speed only: the real model's logits
-    over a chat prompt are the same with the eager ops."""
-    _, int8 = models
-    kernels = int8.fused_kernels
-    if kernels is None:
-        pytest.skip("the fused int8 kernels are not built on this machine (see test_fused_int8.py)")
+    """The fused row kernels (`model/row_kernels.py`), where they build, change speed only: the real model's
+    logits over a chat prompt, fp32 and int8, are the same with the eager ops."""
     tokenizer = Tokenizer.load(model_path)
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}]))
-    fused = next_token_logits(int8, ids)
-    modules = (int8, *int8.layers)
-    try:
-        for module in modules:
-            module.fused_kernels = None
-        eager = next_token_logits(int8, ids)
-    finally:
-        for module in modules:
-            module.fused_kernels = kernels
-    assert torch.equal(fused, eager)
+    for model in models:
+        kernels = model.fused_kernels
+        if kernels is None:
+            pytest.skip("the fused row kernels are not built on this machine (see test_row_kernels.py)")
+        fused = next_token_logits(model, ids)
+        modules = (model, *model.layers)
+        try:
+            for module in modules:
+                module.fused_kernels = None
+            eager = next_token_logits(model, ids)
+        finally:
+            for module in modules:
+                module.fused_kernels = kernels
+        assert torch.equal(fused, eager)
 
 
 def test_int8_chunked_prefill_then_decode_is_close_to_one_prefill(model_path: str, models: tuple[Any, Any]) -> None:

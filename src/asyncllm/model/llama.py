@@ -29,7 +29,6 @@ from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, ge
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
-from asyncllm.model.fused_int8 import MAX_NORM_COLUMNS, FusedInt8Kernels, load_kernels
 from asyncllm.model.packed_fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.quant import (
     Int8Weight,
@@ -40,7 +39,8 @@ from asyncllm.model.quant import (
     record_input_absmax,
     smoothing_scale,
 )
-from asyncllm.model.rope import rotary_cos_sin
+from asyncllm.model.rope import apply_rotary, rotary_cos_sin
+from asyncllm.model.row_kernels import MAX_NORM_COLUMNS, RowKernels, load_kernels
 
 if TYPE_CHECKING:
     from asyncllm.lora.weights import LayerLoRA, LoRABatch
@@ -55,22 +55,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of each head ("rotate half" layout, as HF Llama): `x * cos + rotate_half(x) * sin`.
-
-    `rotate_half(x) * sin` is computed as `roll(x, head_dim // 2) * [-sin, sin]`, which is the same values bit for
-    bit (negation is exact), in 4 ops instead of 7.
-
-    Args:
-        x: [num_tokens, num_heads, head_dim].
-        cos: [num_tokens, 1, head_dim], the cos table repeated twice ([cos, cos]).
-        sin: [num_tokens, 1, head_dim], the sin table with its first half negated ([-sin, sin]).
-    Returns:
-        [num_tokens, num_heads, head_dim].
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
 LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -81,11 +65,20 @@ class LlamaDecoderLayer(nn.Module):
         arch: the model's hyper-parameters.
         qkv_bias: q/k/v projections have biases (Qwen2).
         tp_rank, tp_size: this rank's shard (`num_*_heads` and `intermediate_size` divisible by `tp_size`).
+        kernels: the fused row kernels (`model/row_kernels.py`), or None for torch ops only (same values).
     """
 
-    def __init__(self, arch: ModelArchConfig, qkv_bias: bool, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        qkv_bias: bool,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        kernels: RowKernels | None = None,
+    ) -> None:
         super().__init__()
         self.arch = arch
+        self.fused_kernels = kernels
         self.tp_rank, self.tp_size = tp_rank, tp_size
         h, d = arch.hidden_size, arch.head_dim
         self.q_size = arch.num_attention_heads // tp_size * d  # this rank's columns
@@ -98,7 +91,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_norm = _param(h)
         self.gate_up_proj: Weight = _param(h, 2 * self.inter_size)
         self.down_proj: Weight = _param(self.inter_size, h)
-        self.fused_kernels: FusedInt8Kernels | None = None  # set by quantize_int8 where they build
 
     def smooth(self, input_absmax: dict[int, torch.Tensor]) -> None:
         """Apply SmoothQuant factors (`model/quant.py`) to the four linear inputs, exactly in fp32: each input
@@ -127,9 +119,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def quantize_int8(self) -> None:
         """Replace the four fused fp32 weights by int8 ones (this rank's shard, per output channel); forward then
-        runs the fused int8 kernels (`model/fused_int8.py`) where they build."""
+        runs the fused int8 kernels (`model/row_kernels.py`) where they build and no LoRA adapter is in the step."""
         self._replace_weights(quantize_int8)
-        self.fused_kernels = load_kernels() if self.arch.hidden_size <= MAX_NORM_COLUMNS else None
 
     def pack_fp32(self) -> None:
         """Keep the four fused fp32 weights in both layouts (`model/packed_fp32.py`)."""
@@ -154,11 +145,16 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """[num_tokens, hidden_size] -> [num_tokens, hidden_size]; writes this step's K/V into `kv_cache`. With
         `lora`, each adapter's delta is added to its rows' outputs of the four linear weights."""
-        eps = self.arch.rms_norm_eps
-        if self.fused_kernels is not None and lora is None:
-            return self._forward_fused_int8(hidden, cos, sin, kv_cache, meta, self.fused_kernels)
-        hidden = hidden + self._attention(rms_norm(hidden, self.input_norm, eps), cos, sin, kv_cache, meta, lora)
-        return hidden + self._mlp(rms_norm(hidden, self.post_attention_norm, eps), lora)
+        kernels = self.fused_kernels
+        if kernels is not None and lora is None and isinstance(self.qkv_proj, Int8Weight):
+            return self._forward_fused_int8(hidden, cos, sin, kv_cache, meta, kernels)
+        hidden = hidden + self._attention(self._rms_norm(hidden, self.input_norm), cos, sin, kv_cache, meta, lora)
+        return hidden + self._mlp(self._rms_norm(hidden, self.post_attention_norm), lora)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_kernels is None:
+            return rms_norm(x, weight, self.arch.rms_norm_eps)
+        return self.fused_kernels.rms_norm(x.contiguous(), weight, self.arch.rms_norm_eps)
 
     def _forward_fused_int8(
         self,
@@ -167,14 +163,14 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        kernels: FusedInt8Kernels,
+        kernels: RowKernels,
     ) -> torch.Tensor:
-        """`forward` with int8 weights in 6 fused kernel calls around the products instead of ~50 small torch ops,
-        giving the same values bit for bit (`model/fused_int8.py`)."""
+        """`forward` with int8 weights in 7 fused kernel calls around the products instead of ~55 small torch ops,
+        giving the same values bit for bit (`model/row_kernels.py`)."""
         qkv_proj, o_proj, gate_up_proj, down_proj = (cast(Int8Weight, getattr(self, n)) for n in LINEAR_WEIGHTS)
         eps = self.arch.rms_norm_eps
         qx, scale = kernels.rms_norm_quantize(hidden, self.input_norm, eps)
-        attn = self._attend(int8_matmul(qx, qkv_proj).mul_(scale), cos, sin, kv_cache, meta)
+        attn = self._attend(int8_matmul(qx, qkv_proj), cos, sin, kv_cache, meta, row_scale=scale)
         qx, scale = kernels.quantize_rows(attn.contiguous())
         hidden = self._add_scaled(kernels, hidden, int8_matmul(qx, o_proj), scale)
         qx, scale = kernels.rms_norm_quantize(hidden, self.post_attention_norm, eps)
@@ -182,7 +178,7 @@ class LlamaDecoderLayer(nn.Module):
         return self._add_scaled(kernels, hidden, int8_matmul(qx, down_proj), scale)
 
     def _add_scaled(
-        self, kernels: FusedInt8Kernels, hidden: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
+        self, kernels: RowKernels, hidden: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
     ) -> torch.Tensor:
         """`hidden + all_reduce(out * scale)`: one fused kernel at TP=1."""
         if self.tp_size == 1:
@@ -206,17 +202,31 @@ class LlamaDecoderLayer(nn.Module):
         return all_reduce(out if lora is None else lora.add(attn, out, "o_proj"))
 
     def _attend(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        row_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[num_tokens, q + 2 kv columns] projections -> [num_tokens, q columns] attention output: bias, rotary,
-        this step's K/V written into `kv_cache`, paged attention."""
+        """[num_tokens, q + 2 kv columns] projections (times `row_scale` [num_tokens, 1] if given; modified in
+        place) -> [num_tokens, q columns] attention output: bias, rotary, this step's K/V written into
+        `kv_cache`, paged attention."""
         n, d = qkv.shape[0], self.arch.head_dim
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rotary(qk.view(n, -1, d), cos, sin)  # q and k heads rotated in one pass
+        rotated = self.q_size + self.kv_size  # q and k heads rotated in one pass
+        if self.fused_kernels is not None:
+            qkv = qkv.contiguous()
+            self.fused_kernels.scale_bias_rotate_(qkv, row_scale, self.qkv_bias, cos, sin, rotated)
+            qk = qkv[:, :rotated].view(n, -1, d)
+        else:
+            if row_scale is not None:
+                qkv.mul_(row_scale)
+            if self.qkv_bias is not None:
+                qkv = qkv + self.qkv_bias
+            qk = apply_rotary(qkv[:, :rotated].view(n, -1, d), cos, sin)
         q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
-        v = v.view(n, -1, d)
+        v = qkv[:, rotated:].view(n, -1, d)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks)
         return paged_attention(q, kv_cache, meta, new_kv=(k, v))
 
@@ -224,8 +234,11 @@ class LlamaDecoderLayer(nn.Module):
         gate_up = linear(x, self.gate_up_proj)
         if lora is not None:
             lora.add(x, gate_up, "gate_up_proj")
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        if self.fused_kernels is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            act = self.fused_kernels.silu_mul(gate_up.contiguous())
         out = linear(act, self.down_proj)
         return all_reduce(out if lora is None else lora.add(act, out, "down_proj"))
 
@@ -301,11 +314,12 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = arch.architecture == "qwen2"
         tp_rank, tp_size = get_tp_rank(), get_tp_size()  # from parallel_state: (0, 1) unless a TP group was joined
         check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp_size)
+        self.fused_kernels = load_kernels() if arch.hidden_size <= MAX_NORM_COLUMNS else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, qkv_bias, tp_rank, tp_size) for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, qkv_bias, tp_rank, tp_size, self.fused_kernels)
+            for _ in range(arch.num_hidden_layers)
         )
         self.norm = _param(arch.hidden_size)
-        self.fused_kernels: FusedInt8Kernels | None = None  # set by quantize_int8 where they build
         self.lm_head: Weight = _param(arch.hidden_size, arch.vocab_size)  # [in, out]
         # Tied: embeddings are columns of lm_head (no second 113 MB copy); untied: their own [vocab, hidden].
         self.embed_tokens: nn.Parameter | None = (
@@ -346,7 +360,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, cos, sin, kv_cache, meta, None if lora is None else lora.layer(index))
-        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+        if self.fused_kernels is None:
+            return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+        return self.fused_kernels.rms_norm(hidden.contiguous(), self.norm, self.arch.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] int64 -> [num_tokens, hidden_size] float32 token embeddings."""
@@ -399,7 +415,6 @@ class LlamaForCausalLM(nn.Module):
             cast(LlamaDecoderLayer, layer).quantize_int8()
         del self.lm_head
         self.lm_head = quantize_int8(head)
-        self.fused_kernels = load_kernels()
 
     def _calibration_pass(self, token_ids: list[int], block_size: int = 16) -> None:
         """One prefill of `token_ids` in a scratch KV cache, then the LM head on every row."""

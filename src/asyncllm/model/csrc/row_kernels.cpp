@@ -1,11 +1,11 @@
-// Fused row kernels for the int8 decoder layer (asyncllm/model/fused_int8.py builds and loads this file).
+// Fused row kernels of the decoder layer (asyncllm/model/row_kernels.py builds and loads this file).
 //
-// Each kernel does in one pass over a row what the eager path does in 4-12 torch ops, so a decode step runs
-// far fewer ops between its int8 products. The arithmetic is the eager ops', operation for operation, so the
+// Each kernel does in one pass over a row what the eager path does in 2-12 torch ops, so a decode step runs
+// far fewer ops between its matrix products. The arithmetic is the eager ops', operation for operation, so the
 // values are the same bit for bit: per-row symmetric int8 quantization `scale = max(max|y|, 1e-30) / 127`,
 // `q = round_half_even(y / scale)` (model/quant.py `quantize_rows`); RMSNorm `x * rsqrt(mean(x^2) + eps) * w`
 // (Zhang & Sennrich, 2019) with the sum of squares added in ATen's order (`sum_squares`); SiLU
-// `a / (1 + exp(-a))` with ATen's vectorized exp. Built with -ffp-contract=off (no fused multiply-adds). Rows
+// `a / (1 + exp(-a))` with ATen's vectorized exp; rotary `y * cos + roll(y) * sin`. Built with -ffp-contract=off (no fused multiply-adds). Rows
 // are independent: a row's result never depends on its batch.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -104,7 +105,7 @@ Lanes<W> cascade_sum_squares(const float* x, int64_t count) {
 // Sum of x[i]^2 over a contiguous row in the order of ATen's float `sum` over a contiguous dimension, so that
 // RMSNorm here gives `F.rms_norm`'s values bit for bit: 8-lane vectors (the width of ATen's sum kernel: x86
 // builds dispatch it to the AVX2 or default kernel, both 8 floats wide), then the scalar tail, then the lanes;
-// rows shorter than one vector take ATen's scalar path. `fused_int8.self_check` compares with torch at start-up.
+// rows shorter than one vector take ATen's scalar path. `row_kernels.self_check` compares with torch at start-up.
 float sum_squares(const float* x, int64_t n) {
   constexpr int64_t kWidth = 8;
   if (n < kWidth) return cascade_sum_squares<1>(x, n).v[0];
@@ -114,6 +115,11 @@ float sum_squares(const float* x, int64_t n) {
   for (int64_t t = count * kWidth; t < n; ++t) total += x[t] * x[t];
   for (int64_t i = 0; i < kWidth; ++i) total += lanes.v[i];
   return total;
+}
+
+void check_weight(const at::Tensor& weight, int64_t cols) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols && weight.scalar_type() == at::kFloat &&
+              weight.is_contiguous(), "weight must be a contiguous float32 [hidden]");
 }
 
 // Quantize one row `y[0:n]` in place of `q`; returns its scale. `y` is overwritten with the rounded values.
@@ -131,6 +137,56 @@ float quantize_row(float* y, int64_t n, int8_t* q) {
   return scale;
 }
 
+// RMSNorm of one row into y: row * (1 / sqrt(sum(row^2) / cols + eps)) * w, in `F.rms_norm`'s order.
+void rms_norm_row(const float* row, const float* w, int64_t cols, float eps, float* y) {
+  const float mean = sum_squares(row, cols) / static_cast<float>(cols);
+  const float inv = 1.0f / std::sqrt(mean + eps);
+  const Vec vinv(inv);
+  int64_t i = 0;
+  for (; i + Vec::size() <= cols; i += Vec::size()) (Vec::loadu(row + i) * vinv * Vec::loadu(w + i)).store(y + i);
+  for (; i < cols; ++i) y[i] = row[i] * inv * w[i];
+}
+
+// silu(gate * s) * (up * s) of one gate/up row ([gate | up], 2 * inter values) into y; s = 1 leaves both as they
+// are (multiplying by 1 is exact).
+void silu_mul_row(const float* gate, int64_t inter, float s, float* y) {
+  const float* up = gate + inter;
+  const Vec vs(s), one(1.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= inter; i += Vec::size()) {
+    const Vec a = Vec::loadu(gate + i) * vs;
+    ((a / (one + a.neg().exp())) * (Vec::loadu(up + i) * vs)).store(y + i);
+  }
+  for (; i < inter; ++i) {
+    const float a = gate[i] * s;
+    y[i] = a / (1.f + std::exp(-a)) * (up[i] * s);
+  }
+}
+
+// x[i] *= s.
+void scale_row(float* x, int64_t n, float s) {
+  const Vec vs(s);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) * vs).store(x + i);
+  for (; i < n; ++i) x[i] *= s;
+}
+
+// x[i] += b[i].
+void add_row(float* x, const float* b, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) + Vec::loadu(b + i)).store(x + i);
+  for (; i < n; ++i) x[i] += b[i];
+}
+
+// out[i] = x[i] * c[i] + rolled[i] * s[i] for i < n: one half of a head's rotary embedding, where `rolled` is the
+// other half of the same head (roll by head_dim / 2).
+void rotate_half(const float* x, const float* rolled, const float* c, const float* s, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size())
+    (Vec::loadu(x + i) * Vec::loadu(c + i) + Vec::loadu(rolled + i) * Vec::loadu(s + i)).store(out + i);
+  for (; i < n; ++i) out[i] = x[i] * c[i] + rolled[i] * s[i];
+}
+
 std::tuple<at::Tensor, at::Tensor> new_outputs(const at::Tensor& like, int64_t rows, int64_t cols) {
   return {at::empty({rows, cols}, like.options().dtype(at::kChar)), at::empty({rows, 1}, like.options())};
 }
@@ -141,8 +197,7 @@ std::tuple<at::Tensor, at::Tensor> new_outputs(const at::Tensor& like, int64_t r
 std::tuple<at::Tensor, at::Tensor> rms_norm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), cols = x.size(1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols && weight.scalar_type() == at::kFloat &&
-              weight.is_contiguous(), "weight must be a contiguous float32 [hidden]");
+  check_weight(weight, cols);
   auto [q, scale] = new_outputs(x, rows, cols);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -151,14 +206,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quantize(const at::Tensor& x, const 
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     std::vector<float> y(cols);
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * cols;
-      const float mean = sum_squares(row, cols) / static_cast<float>(cols);
-      const float inv = 1.0f / std::sqrt(mean + static_cast<float>(eps));
-      const Vec vinv(inv);
-      int64_t i = 0;
-      for (; i + Vec::size() <= cols; i += Vec::size())
-        (Vec::loadu(row + i) * vinv * Vec::loadu(wp + i)).store(y.data() + i);
-      for (; i < cols; ++i) y[i] = row[i] * inv * wp[i];
+      rms_norm_row(xp + r * cols, wp, cols, static_cast<float>(eps), y.data());
       sp[r] = quantize_row(y.data(), cols, qp + r * cols);
     }
   });
@@ -180,19 +228,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quantize(const at::Tensor& gate_up, 
   at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
     std::vector<float> y(inter);
     for (int64_t r = begin; r < end; ++r) {
-      const float* gate = gp + r * 2 * inter;
-      const float* up = gate + inter;
-      const float s = rs[r];
-      const Vec vs(s), one(1.f);
-      int64_t i = 0;
-      for (; i + Vec::size() <= inter; i += Vec::size()) {
-        Vec a = Vec::loadu(gate + i) * vs;
-        ((a / (one + a.neg().exp())) * (Vec::loadu(up + i) * vs)).store(y.data() + i);
-      }
-      for (; i < inter; ++i) {
-        const float a = gate[i] * s;
-        y[i] = a / (1.f + std::exp(-a)) * (up[i] * s);
-      }
+      silu_mul_row(gp + r * 2 * inter, inter, rs[r], y.data());
       sp[r] = quantize_row(y.data(), inter, qp + r * inter);
     }
   });
@@ -241,9 +277,78 @@ at::Tensor add_scaled_(const at::Tensor& residual, at::Tensor& out, const at::Te
   return out;
 }
 
+// [rows, hidden] float32, [hidden] -> [rows, hidden] float32 RMSNorm (the fp32 model's norms).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  check_weight(weight, cols);
+  auto y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * cols, wp, cols, static_cast<float>(eps), yp + r * cols);
+  });
+  return y;
+}
+
+// [rows, 2 * inter] float32 gate/up -> [rows, inter] silu(gate) * up (the fp32 model's MLP activation).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto y = at::empty({rows, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * 2 * inter, inter, 1.f, yp + r * inter);
+  });
+  return y;
+}
+
+// In place on qkv [rows, cols] float32: y = qkv * row_scale (if given) + bias (if given), then the first `rotated`
+// columns, one head of `head_dim` at a time, become y * cos + roll(y, head_dim / 2) * sin (model/llama.py
+// `apply_rotary` on the sign-folded tables). cos, sin: rows * head_dim float32, contiguous ([rows, 1, head_dim]).
+void scale_bias_rotate_(at::Tensor& qkv, const std::optional<at::Tensor>& row_scale,
+                        const std::optional<at::Tensor>& bias, const at::Tensor& cos, const at::Tensor& sin,
+                        int64_t rotated) {
+  check_rows(qkv, "qkv");
+  const int64_t rows = qkv.size(0), cols = qkv.size(1), head_dim = cos.size(-1), half = head_dim / 2;
+  TORCH_CHECK(head_dim % 2 == 0 && rotated % head_dim == 0 && rotated <= cols, "rotated must be whole heads");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->numel() == rows * head_dim && t->is_contiguous() && t->scalar_type() == at::kFloat,
+                "cos and sin must be contiguous float32 [rows, 1, head_dim]");
+  if (row_scale) TORCH_CHECK(row_scale->numel() == rows && row_scale->is_contiguous(), "row_scale must be [rows, 1]");
+  if (bias) TORCH_CHECK(bias->numel() == cols && bias->is_contiguous(), "bias must be [cols]");
+  float* qp = qkv.data_ptr<float>();
+  const float* rs = row_scale ? row_scale->data_ptr<float>() : nullptr;
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> head(head_dim);
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = qp + r * cols;
+      if (rs) scale_row(row, cols, rs[r]);
+      if (bp) add_row(row, bp, cols);
+      const float* c = cp + r * head_dim;
+      const float* sn = sp + r * head_dim;
+      for (int64_t h = 0; h < rotated / head_dim; ++h) {
+        float* x = row + h * head_dim;
+        std::copy(x, x + head_dim, head.begin());
+        rotate_half(head.data(), head.data() + half, c, sn, half, x);             // first half reads the second
+        rotate_half(head.data() + half, head.data(), c + half, sn + half, half, x + half);
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_quantize", &rms_norm_quantize);
   m.def("silu_mul_quantize", &silu_mul_quantize);
   m.def("quantize_rows", &quantize_rows);
   m.def("add_scaled_", &add_scaled_);
+  m.def("rms_norm", &rms_norm);
+  m.def("silu_mul", &silu_mul);
+  m.def("scale_bias_rotate_", &scale_bias_rotate_);
 }

@@ -1,6 +1,6 @@
-"""The fused int8 row kernels (`model/fused_int8.py`): built here, equal to the eager ops they replace bit for bit
-over many shapes, rows independent of their batch, bad inputs rejected, the switch honoured, and an int8 model
-giving the same logits with and without them."""
+"""The fused row kernels (`model/row_kernels.py`): built here, equal to the eager ops they replace bit for bit over
+many shapes, rows independent of their batch, bad inputs rejected, the switch honoured, and fp32, int8 and
+Qwen2-style (q/k/v bias) models giving the same logits with and without them."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncllm.model import fused_int8
-from asyncllm.model.fused_int8 import FusedInt8Kernels, load_kernels
+from asyncllm.model import row_kernels
 from asyncllm.model.quant import quantize_rows
+from asyncllm.model.rope import apply_rotary, rotary_cos_sin
+from asyncllm.model.row_kernels import RowKernels, load_kernels
 from tests.unit.test_quant import _logits, _tiny_model
 
 CAN_BUILD = platform.machine().lower() in ("x86_64", "amd64") and bool(shutil.which("c++") and shutil.which("ninja"))
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs x86-64, a C++ compi
 
 
 @pytest.fixture(scope="module")
-def kernels() -> FusedInt8Kernels:
+def kernels() -> RowKernels:
     built = load_kernels()
     assert built is not None, "the fused kernels did not build or failed their self-check (see the log)"
     return built
@@ -36,7 +37,7 @@ def _rows(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("cols", [6, 70, 576, 1536, 2048, 4099])
 @pytest.mark.parametrize("rows", [1, 5, 64, 257])
-def test_kernels_equal_the_eager_ops_bit_for_bit(kernels: FusedInt8Kernels, rows: int, cols: int) -> None:
+def test_kernels_equal_the_eager_ops_bit_for_bit(kernels: RowKernels, rows: int, cols: int) -> None:
     torch.set_num_threads(2)  # 64 and 257 rows of the wider shapes run on both threads
     x = _rows(rows, cols, seed=rows * cols)
     weight = torch.rand(cols, generator=torch.Generator().manual_seed(cols)) + 0.5
@@ -51,10 +52,14 @@ def test_kernels_equal_the_eager_ops_bit_for_bit(kernels: FusedInt8Kernels, rows
     assert torch.equal(q, q_ref)
     assert torch.equal(scale, scale_ref)
 
+    normed = F.rms_norm(x, (cols,), weight, 1e-6)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-6), normed)
+
     residual = _rows(rows, cols, seed=1)
     assert torch.equal(kernels.add_scaled_(residual, x.clone(), scale_ref), residual + x * scale_ref)
 
     if cols % 2 == 0:
+        assert torch.equal(kernels.silu_mul(x), F.silu(x[:, : cols // 2]) * x[:, cols // 2 :])
         gate, up = (x * scale_ref).chunk(2, dim=-1)
         q, scale = kernels.silu_mul_quantize(x, scale_ref)
         q_ref, scale_ref = quantize_rows(F.silu(gate) * up)
@@ -62,7 +67,35 @@ def test_kernels_equal_the_eager_ops_bit_for_bit(kernels: FusedInt8Kernels, rows
         assert torch.equal(scale, scale_ref)
 
 
-def test_a_rows_result_does_not_depend_on_its_batch(kernels: FusedInt8Kernels) -> None:
+@pytest.mark.parametrize(("head_dim", "heads", "extra"), [(64, 12, 192), (48, 3, 0), (6, 5, 6), (128, 2, 128)])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_scale_bias_rotate_equals_the_eager_ops(
+    kernels: RowKernels, head_dim: int, heads: int, extra: int, with_scale: bool
+) -> None:
+    rows, cols = 37, heads * head_dim + extra  # `extra` columns (V) are scaled and biased but not rotated
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(rows, cols, generator=gen) * 30
+    scale = torch.rand(rows, 1, generator=gen) if with_scale else None
+    bias = torch.randn(cols, generator=gen)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    cos, sin = (
+        t[positions].unsqueeze(1) for t in rotary_cos_sin(10000.0 ** -(torch.arange(0, head_dim, 2) / head_dim), 4096)
+    )
+    want = (qkv * scale if scale is not None else qkv) + bias
+    rotated = heads * head_dim
+    want[:, :rotated] = apply_rotary(want[:, :rotated].view(rows, heads, head_dim), cos, sin).flatten(1)
+    got = qkv.clone()
+    kernels.scale_bias_rotate_(got, scale, bias, cos, sin, rotated)
+    assert torch.equal(got, want)
+    got = qkv.clone()
+    kernels.scale_bias_rotate_(got, None, None, cos, sin, rotated)
+    assert torch.equal(got[:, rotated:], qkv[:, rotated:])
+    assert torch.equal(
+        got[:, :rotated], apply_rotary(qkv[:, :rotated].view(rows, heads, head_dim), cos, sin).flatten(1)
+    )
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(kernels: RowKernels) -> None:
     x = _rows(40, 576, seed=3)
     weight = torch.rand(576) + 0.5
     q, scale = kernels.rms_norm_quantize(x, weight, 1e-5)
@@ -72,7 +105,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(kernels: FusedInt8Kernels) -
         assert torch.equal(alone[1], scale[i : i + 1])
 
 
-def test_bad_inputs_raise_instead_of_reading_wrong_memory(kernels: FusedInt8Kernels) -> None:
+def test_bad_inputs_raise_instead_of_reading_wrong_memory(kernels: RowKernels) -> None:
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="contiguous 2-D float32"):
         kernels.quantize_rows(x.t())
@@ -84,23 +117,34 @@ def test_bad_inputs_raise_instead_of_reading_wrong_memory(kernels: FusedInt8Kern
         kernels.silu_mul_quantize(x, torch.ones(3, 1))
     with pytest.raises(RuntimeError, match="one shape"):
         kernels.add_scaled_(x, torch.randn(4, 32), torch.ones(4, 1))
+    with pytest.raises(RuntimeError, match="whole heads"):
+        kernels.scale_bias_rotate_(x, None, None, torch.ones(4, 1, 8), torch.ones(4, 1, 8), 12)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        kernels.scale_bias_rotate_(x, None, None, torch.ones(3, 1, 8), torch.ones(3, 1, 8), 16)
 
 
 def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fused_int8.ENV_SWITCH, "0")
+    monkeypatch.setenv(row_kernels.ENV_SWITCH, "0")
     load_kernels.cache_clear()
     try:
         assert load_kernels() is None
     finally:
-        monkeypatch.delenv(fused_int8.ENV_SWITCH)
+        monkeypatch.delenv(row_kernels.ENV_SWITCH)
         load_kernels.cache_clear()
     assert load_kernels() is not None
 
 
-def test_int8_model_gives_the_same_logits_with_and_without_them(kernels: FusedInt8Kernels, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    model = _tiny_model(tmp_path, "int8")
-    assert model.fused_kernels is kernels
-    assert all(layer.fused_kernels is kernels for layer in model.layers)
+@pytest.mark.parametrize(("quantization", "qkv_bias"), [(None, False), ("int8", False), (None, True), ("int8", True)])
+def test_models_give_the_same_logits_with_and_without_them(
+    kernels: RowKernels, tmp_path, quantization: str | None, qkv_bias: bool
+) -> None:  # type: ignore[no-untyped-def]
+    model = _tiny_model(tmp_path, quantization)
+    if qkv_bias:  # Qwen2's q/k/v biases, through the kernel's bias add
+        for layer in model.layers:
+            layer.qkv_bias = torch.nn.Parameter(torch.randn(layer.q_size + 2 * layer.kv_size) / 4, requires_grad=False)
+    assert model.fused_kernels is not None
+    assert model.fused_kernels is load_kernels()  # one instance per process
+    assert all(layer.fused_kernels is model.fused_kernels for layer in model.layers)
     chunks = [[[5, 9, 200, 31, 7, 7, 1], [7, 1, 3]], [[3], [8]], [[11], [12]]]  # a prefill of two, then decodes
     fused = _logits(model, chunks)
     for module in (model, *model.layers):

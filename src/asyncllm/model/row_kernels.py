@@ -1,21 +1,24 @@
-"""Fused row kernels for int8 decoder layers, built from `csrc/fused_int8.cpp` on first use.
+"""Fused row kernels for the decoder layer, built from `csrc/row_kernels.cpp` on first use.
 
 Inside a decode step every small torch op costs several times its cost alone (`benchmarks/op_overhead.py`: an
 RMSNorm of one row takes 8.7 us alone, 18 us right after an int8 product and 46 us after a 16 MB elementwise op;
-most likely each product's megabytes of weights evict from the caches what the next op needs). An int8 layer ran about 50 small
-torch ops around its four products (counting RMSNorm's parts); these kernels do the same work in 6 calls:
+most likely each product's megabytes of weights evict from the caches what the next op needs). These kernels do
+in one call per row what took 2-12 torch ops:
 
-- `rms_norm_quantize(x, weight, eps)`: RMSNorm then per-row int8 quantization (the input of qkv and gate/up).
-- `silu_mul_quantize(gate_up, row_scale)`: scale the gate/up product by its rows' activation scales, SiLU(gate)
-  * up, quantize (the input of down).
-- `quantize_rows(x)`: per-row int8 quantization, bit for bit `quant.quantize_rows` (o_proj's and the LM head's
-  input).
-- `add_scaled_(residual, out, row_scale)`: `residual + out * row_scale` into `out` (the two residual adds).
+- `rms_norm(x, weight, eps)`: RMSNorm (every norm of the fp32 model, and the final norm).
+- `silu_mul(gate_up)`: SiLU(gate) * up from the fused gate/up product (fp32 MLP).
+- `scale_bias_rotate_(qkv, row_scale, bias, cos, sin, rotated)`: in place, the q/k/v product times its rows'
+  activation scales (int8) plus the bias (Qwen2), with rotary embeddings applied to the q and k heads.
+- int8 layers: `rms_norm_quantize(x, weight, eps)` (RMSNorm then per-row int8 quantization: qkv's and gate/up's
+  input), `silu_mul_quantize(gate_up, row_scale)` (scale by the rows' activation scales, SiLU(gate) * up,
+  quantize: down's input), `quantize_rows(x)` (o_proj's and the LM head's input) and `add_scaled_(residual, out,
+  row_scale)` (`residual + out * row_scale` into `out`: the residual adds). An int8 layer runs 7 kernel calls
+  around its four products instead of about 55 torch ops; an fp32 layer 4 instead of about 20.
 
 Every kernel gives the eager ops' values bit for bit (RMSNorm adds its squares in the order of ATen's sum kernel,
-which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed across threads by ATen): the int8
-model's outputs do not depend on whether the kernels are in use. `self_check` compares them with torch at start-up
-and `tests/unit/test_fused_int8.py` on more shapes.
+which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed across threads by ATen): a model's
+outputs do not depend on whether the kernels are in use. `self_check` compares them with torch at start-up and
+`tests/unit/test_row_kernels.py` on more shapes.
 
 The kernels are compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja; about 20 s once per
 machine, cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), for this CPU's vector width
@@ -32,22 +35,44 @@ import logging
 import os
 import pathlib
 import platform
+from types import ModuleType
 from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "fused_int8.cpp"
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
 ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
 MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to this many columns
 
 
-class FusedInt8Kernels(Protocol):
+class RowKernels(Protocol):
     """The compiled module's functions (shapes: `[rows, cols]` float32 contiguous inputs, `[rows, 1]` scales).
 
     Each raises RuntimeError on a wrong dtype, shape or layout.
     """
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """[rows, hidden], [hidden] -> [rows, hidden] float32."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * inter] -> [rows, inter] float32."""
+        ...
+
+    def scale_bias_rotate_(
+        self,
+        qkv: torch.Tensor,
+        row_scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rotated: int,
+    ) -> None:
+        """In place on `[rows, cols]` qkv: times `[rows, 1]` row_scale, plus `[cols]` bias, then the first `rotated`
+        columns (whole heads) rotated with `[rows, 1, head_dim]` sign-folded cos/sin tables (`llama.apply_rotary`)."""
+        ...
 
     def rms_norm_quantize(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """[rows, hidden], [hidden] -> (int8 [rows, hidden], float32 [rows, 1] scales)."""
@@ -79,35 +104,58 @@ def _cpu_tag() -> str:
 
 
 @functools.cache
-def load_kernels() -> FusedInt8Kernels | None:
+def load_kernels() -> RowKernels | None:
     """The fused kernels, built (or loaded from the cache) once per process; None where they are off
     (`ASYNCLLM_FUSED_KERNELS=0`), cannot be built here, or fail the self-check. Never raises."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        logger.info("fused int8 kernels are built for x86-64 only; using torch ops")
+        logger.info("fused row kernels are built for x86-64 only; using torch ops")
         return None
     try:
         from torch.utils.cpp_extension import load
 
         module = load(
-            name=f"asyncllm_fused_int8_{_cpu_tag()}",
+            name=f"asyncllm_row_kernels_{_cpu_tag()}",
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
             verbose=False,
         )
     except Exception as exc:  # a missing compiler or ninja, a failed build: the eager ops still work
-        logger.warning("fused int8 kernels could not be built (%s); using torch ops", str(exc)[-400:])
+        logger.warning("fused row kernels could not be built (%s); using torch ops", str(exc)[-400:])
         return None
-    kernels = cast(FusedInt8Kernels, module)
+    kernels = cast(RowKernels, _SharedKernels(module))
     problem = self_check(kernels)
     if problem:
-        logger.warning("fused int8 kernels failed their self-check (%s); using torch ops", problem)
+        logger.warning("fused row kernels failed their self-check (%s); using torch ops", problem)
         return None
     return kernels
 
 
-def self_check(kernels: FusedInt8Kernels) -> str:
+class _SharedKernels:
+    """The compiled module's functions, bound once; a deep copy of a model shares them (a Python module can be
+    neither copied nor pickled)."""
+
+    def __init__(self, module: ModuleType) -> None:
+        for name in KERNELS:
+            setattr(self, name, getattr(module, name))
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _SharedKernels:
+        return self
+
+
+KERNELS = (
+    "rms_norm",
+    "silu_mul",
+    "scale_bias_rotate_",
+    "rms_norm_quantize",
+    "silu_mul_quantize",
+    "quantize_rows",
+    "add_scaled_",
+)
+
+
+def self_check(kernels: RowKernels) -> str:
     """Compare every kernel with the eager ops it replaces, on rows of 70, 576 and 2048 columns (with a row of
     zeros); returns "" when all are equal bit for bit, else which kernel differs."""
     gen = torch.Generator().manual_seed(0)
@@ -120,7 +168,7 @@ def self_check(kernels: FusedInt8Kernels) -> str:
     return ""
 
 
-def _compare(kernels: FusedInt8Kernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> str:
+def _compare(kernels: RowKernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> str:
     from asyncllm.model.quant import quantize_rows
 
     def same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -135,6 +183,25 @@ def _compare(kernels: FusedInt8Kernels, x: torch.Tensor, weight: torch.Tensor, r
     if not same(kernels.silu_mul_quantize(x, scale), quantize_rows(F.silu(gate) * up)):
         return "silu_mul_quantize differs from the eager SiLU and quantization"
     normed = F.rms_norm(x, weight.shape, weight, 1e-5)
+    if not torch.equal(kernels.rms_norm(x, weight, 1e-5), normed):
+        return "rms_norm differs from F.rms_norm"
     if not same(kernels.rms_norm_quantize(x, weight, 1e-5), quantize_rows(normed)):
         return "rms_norm_quantize differs from F.rms_norm and the eager quantization"
-    return ""
+    if not torch.equal(kernels.silu_mul(x), F.silu(x[:, : x.shape[1] // 2]) * x[:, x.shape[1] // 2 :]):
+        return "silu_mul differs from F.silu(gate) * up"
+    return _compare_rotary(kernels, x, scale, weight)
+
+
+def _compare_rotary(kernels: RowKernels, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> str:
+    from asyncllm.model.rope import apply_rotary
+
+    head_dim = 64 if x.shape[1] % 64 == 0 else 2  # some whole heads, some columns left unrotated (like V)
+    heads = x.shape[1] // head_dim - 1
+    cos, sin = torch.randn(2, x.shape[0], 1, head_dim, generator=torch.Generator().manual_seed(1))
+    got = x.clone()
+    kernels.scale_bias_rotate_(got, scale, bias, cos, sin, heads * head_dim)
+    want = x * scale + bias
+    want[:, : heads * head_dim] = apply_rotary(
+        want[:, : heads * head_dim].view(x.shape[0], heads, -1), cos, sin
+    ).flatten(1)
+    return "" if torch.equal(got, want) else "scale_bias_rotate_ differs from scale, bias and apply_rotary"
