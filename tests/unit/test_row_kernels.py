@@ -4,8 +4,10 @@ Qwen2-style (q/k/v bias) models giving the same logits with and without them."""
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
+import time
 
 import pytest
 import torch
@@ -152,3 +154,22 @@ def test_models_give_the_same_logits_with_and_without_them(
     eager = _logits(model, chunks)
     assert eager.abs().max() > 0.1  # the random weights give logits that are not all zero
     assert torch.equal(fused, eager)
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    lock = tmp_path / "lock"
+    assert not row_kernels.remove_stale_lock(tmp_path)  # no lock: nothing to do
+    lock.write_text("")
+    assert not row_kernels.remove_stale_lock(tmp_path)  # a build in progress keeps its lock
+    assert lock.exists()
+    old = time.time() - row_kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert row_kernels.remove_stale_lock(tmp_path)  # left by a process that died mid-build
+    assert not lock.exists()
+
+
+def test_kernels_are_built_under_the_asyncllm_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    directory = row_kernels.build_directory("asyncllm_row_kernels_x")
+    assert directory == tmp_path / "asyncllm" / "kernels" / "asyncllm_row_kernels_x"
+    assert directory.is_dir()

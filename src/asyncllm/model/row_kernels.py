@@ -21,10 +21,10 @@ outputs do not depend on whether the kernels are in use. `self_check` compares t
 `tests/unit/test_row_kernels.py` on more shapes.
 
 The kernels are compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja; about 20 s once per
-machine, cached under `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), for this CPU's vector width
-(`-march=native`; the cache name includes the CPU's flags, so a shared home directory never loads another CPU's
-build). Where the build or the start-up self-check fails, `load_kernels` returns None, logs why once, and the
-model uses the eager ops. `ASYNCLLM_FUSED_KERNELS=0` turns them off.
+machine, cached in `$XDG_CACHE_HOME/asyncllm/kernels/`, default `~/.cache/asyncllm/kernels/`), for this CPU's
+vector width (`-march=native`; the cache name includes the CPU's flags, so a shared home directory never loads
+another CPU's build). Where the build or the start-up self-check fails, `load_kernels` returns None, logs why
+once, and the model uses the eager ops. `ASYNCLLM_FUSED_KERNELS=0` turns them off.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import logging
 import os
 import pathlib
 import platform
+import time
 from types import ModuleType
 from typing import Protocol, cast
 
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
 ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
+STALE_LOCK_S = 600.0  # seconds; a build takes about 20
 MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to this many columns
 
 
@@ -115,10 +117,14 @@ def load_kernels() -> RowKernels | None:
     try:
         from torch.utils.cpp_extension import load
 
+        name = f"asyncllm_row_kernels_{_cpu_tag()}"
+        directory = build_directory(name)
+        remove_stale_lock(directory)
         module = load(
-            name=f"asyncllm_row_kernels_{_cpu_tag()}",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            build_directory=str(directory),
             verbose=False,
         )
     except Exception as exc:  # a missing compiler or ninja, a failed build: the eager ops still work
@@ -130,6 +136,34 @@ def load_kernels() -> RowKernels | None:
         logger.warning("fused row kernels failed their self-check (%s); using torch ops", problem)
         return None
     return kernels
+
+
+def build_directory(name: str) -> pathlib.Path:
+    """`$XDG_CACHE_HOME/asyncllm/kernels/<name>` (default `~/.cache/asyncllm/kernels/<name>`), created.
+
+    Raises:
+        OSError: the directory cannot be created.
+    """
+    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    path = pathlib.Path(base) / "asyncllm" / "kernels" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def remove_stale_lock(directory: pathlib.Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock `torch.utils.cpp_extension` left in `directory` if it is older than `max_age_s`
+    seconds: a process that dies mid-build leaves it, and every later build would wait for it forever. A build
+    takes about 20 s, so a lock this old has no live owner. Returns whether a lock was removed."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False
+    logger.warning("removing a %.0f s old build lock left by a stopped process: %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 class _SharedKernels:
