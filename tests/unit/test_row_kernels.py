@@ -4,10 +4,13 @@ Qwen2-style (q/k/v bias) models giving the same logits with and without them."""
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
 import time
+import types
+from typing import cast
 
 import pytest
 import torch
@@ -173,3 +176,26 @@ def test_kernels_are_built_under_the_asyncllm_cache(tmp_path, monkeypatch: pytes
     directory = row_kernels.build_directory("asyncllm_row_kernels_x")
     assert directory == tmp_path / "asyncllm" / "kernels" / "asyncllm_row_kernels_x"
     assert directory.is_dir()
+
+
+def test_a_failed_build_falls_back_to_the_torch_ops(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    broken = tmp_path / "row_kernels.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(row_kernels, "SOURCE", broken)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    load_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncllm.model.row_kernels"):
+            assert load_kernels() is None  # never raises
+        assert "could not be built" in caplog.text
+    finally:
+        monkeypatch.undo()
+        load_kernels.cache_clear()
+    assert load_kernels() is not None
+
+
+def test_the_self_check_names_a_kernel_that_differs(kernels: RowKernels) -> None:
+    wrong = types.SimpleNamespace(**{name: getattr(kernels, name) for name in row_kernels.KERNELS})
+    wrong.rms_norm = lambda x, weight, eps: x.clone()  # forgets to normalize
+    assert row_kernels.self_check(cast(RowKernels, wrong)).startswith("rms_norm differs from F.rms_norm")
+    assert row_kernels.self_check(kernels) == ""

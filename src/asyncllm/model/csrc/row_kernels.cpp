@@ -187,8 +187,23 @@ void rotate_half(const float* x, const float* rolled, const float* c, const floa
   for (; i < n; ++i) out[i] = x[i] * c[i] + rolled[i] * s[i];
 }
 
-std::tuple<at::Tensor, at::Tensor> new_outputs(const at::Tensor& like, int64_t rows, int64_t cols) {
-  return {at::empty({rows, cols}, like.options().dtype(at::kChar)), at::empty({rows, 1}, like.options())};
+// Quantize `rows` rows of `cols` values each: `fill(r, y)` writes row r's float32 values into y, which is then
+// quantized into int8 [rows, cols] with float32 [rows, 1] scales. `grain_cols` is the width of an input row.
+template <typename Fill>
+std::tuple<at::Tensor, at::Tensor> quantize_each_row(const at::Tensor& like, int64_t rows, int64_t cols,
+                                                     int64_t grain_cols, const Fill& fill) {
+  auto q = at::empty({rows, cols}, like.options().dtype(at::kChar));
+  auto scale = at::empty({rows, 1}, like.options());
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, grain_rows(grain_cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> y(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      fill(r, y.data());
+      sp[r] = quantize_row(y.data(), cols, qp + r * cols);
+    }
+  });
+  return {q, scale};
 }
 
 }  // namespace
@@ -198,19 +213,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quantize(const at::Tensor& x, const 
   check_rows(x, "x");
   const int64_t rows = x.size(0), cols = x.size(1);
   check_weight(weight, cols);
-  auto [q, scale] = new_outputs(x, rows, cols);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
-    std::vector<float> y(cols);
-    for (int64_t r = begin; r < end; ++r) {
-      rms_norm_row(xp + r * cols, wp, cols, static_cast<float>(eps), y.data());
-      sp[r] = quantize_row(y.data(), cols, qp + r * cols);
-    }
+  return quantize_each_row(x, rows, cols, cols, [&](int64_t r, float* y) {
+    rms_norm_row(xp + r * cols, wp, cols, static_cast<float>(eps), y);
   });
-  return {q, scale};
 }
 
 // [rows, 2 * inter] unscaled gate/up product, [rows, 1] row scales -> (int8 [rows, inter], float32 [rows, 1])
@@ -220,37 +227,21 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quantize(const at::Tensor& gate_up, 
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
   TORCH_CHECK(row_scale.numel() == rows && row_scale.is_contiguous(), "row_scale must be [rows, 1]");
-  auto [q, scale] = new_outputs(gate_up, rows, inter);
   const float* gp = gate_up.data_ptr<float>();
   const float* rs = row_scale.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
-    std::vector<float> y(inter);
-    for (int64_t r = begin; r < end; ++r) {
-      silu_mul_row(gp + r * 2 * inter, inter, rs[r], y.data());
-      sp[r] = quantize_row(y.data(), inter, qp + r * inter);
-    }
+  return quantize_each_row(gate_up, rows, inter, 2 * inter, [&](int64_t r, float* y) {
+    silu_mul_row(gp + r * 2 * inter, inter, rs[r], y);
   });
-  return {q, scale};
 }
 
 // [rows, cols] float32 -> (int8 [rows, cols], float32 [rows, 1]).
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), cols = x.size(1);
-  auto [q, scale] = new_outputs(x, rows, cols);
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = scale.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
-    std::vector<float> y(cols);
-    for (int64_t r = begin; r < end; ++r) {
-      std::copy(xp + r * cols, xp + (r + 1) * cols, y.begin());
-      sp[r] = quantize_row(y.data(), cols, qp + r * cols);
-    }
+  return quantize_each_row(x, rows, cols, cols, [&](int64_t r, float* y) {
+    std::copy(xp + r * cols, xp + (r + 1) * cols, y);
   });
-  return {q, scale};
 }
 
 // residual + out * row_scale, written into `out` (returned): [rows, cols] float32 each, row_scale [rows, 1].
