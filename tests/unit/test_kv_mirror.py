@@ -10,6 +10,7 @@ import torch
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.kv_mirror import DecodeKVMirror
+from asyncllm.model.row_kernels import RowKernels, load_kernels
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
 
@@ -17,8 +18,11 @@ BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
 class Sequences:
     """Decoding sequences over two layers' paged caches, each token with fresh random K/V and query."""
 
-    def __init__(self, lens: dict[str, int], seed: int = 0, pass_new_kv: bool = True) -> None:
+    def __init__(
+        self, lens: dict[str, int], seed: int = 0, pass_new_kv: bool = True, kernels: RowKernels | None = None
+    ) -> None:
         self.pass_new_kv = pass_new_kv  # attention is given the step's K/V (as the model does) or reads them back
+        self.kernels = kernels  # the fused K/V copies, used on the mirror steps (the gathered steps use torch's)
         self.gen = torch.Generator().manual_seed(seed)
         self.caches = [torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=self.gen) for _ in range(2)]
         self.free = list(range(NUM_BLOCKS - 1, 0, -1))  # block 0 stays garbage: the mirror pads with it
@@ -39,12 +43,13 @@ class Sequences:
         meta = build_attention_metadata([1] * len(names), seq_lens, [self.tables[n] for n in names], BLOCK_SIZE)
         if mirror is not None:
             meta.mirror = mirror.plan(names, np.asarray(seq_lens), meta.groups[0].block_tables.numpy())
-        outs = []
+        outs, kernels = [], None if mirror is None else self.kernels
         for cache in self.caches:
             k, v = (torch.randn(len(names), KV_HEADS, HEAD_DIM, generator=self.gen) for _ in range(2))
-            write_kv_cache(cache, k, v, meta.slot_mapping, meta.slot_blocks)
+            write_kv_cache(cache, k, v, meta.slot_mapping, meta.slot_blocks, kernels)
             query = torch.randn(len(names), HEADS, HEAD_DIM, generator=self.gen)
-            outs.append(paged_attention(query, cache, meta, new_kv=(k, v) if self.pass_new_kv else None))
+            new_kv = (k, v) if self.pass_new_kv else None
+            outs.append(paged_attention(query, cache, meta, new_kv=new_kv, kernels=kernels))
         return torch.cat(outs), None if meta.mirror is None else meta.mirror.fresh
 
     def snapshot(self) -> tuple[list[torch.Tensor], dict[str, int], dict[str, list[int]], list[int], torch.Tensor]:
@@ -78,9 +83,14 @@ def _run_both(seqs: Sequences, schedule: list[list[str]], mirror: DecodeKVMirror
     return fresh
 
 
+@pytest.mark.parametrize("with_kernels", [False, True])
 @pytest.mark.parametrize("pass_new_kv", [True, False])
-def test_mirror_gives_the_gathered_attention_and_is_kept_only_while_valid(pass_new_kv: bool) -> None:
-    seqs = Sequences({"a": 3, "b": 9, "c": 14}, pass_new_kv=pass_new_kv)
+def test_mirror_gives_the_gathered_attention_and_is_kept_only_while_valid(
+    pass_new_kv: bool, with_kernels: bool
+) -> None:
+    kernels = load_kernels() if with_kernels else None
+    assert kernels is not None or not with_kernels, "the fused kernels failed to build on this machine"
+    seqs = Sequences({"a": 3, "b": 9, "c": 14}, pass_new_kv=pass_new_kv, kernels=kernels)
     bytes_per_token = 2 * 2 * KV_HEADS * HEAD_DIM * 4
     mirror = DecodeKVMirror(BLOCK_SIZE, bytes_per_token, max_bytes=10**9)
     schedule = [["a", "b", "c"]] * 12 + [["a", "c"]] * 3 + [["c", "a"]] * 2

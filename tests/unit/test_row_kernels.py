@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.model import row_kernels
+from asyncllm.model.attention import write_kv_cache
 from asyncllm.model.quant import quantize_rows
 from asyncllm.model.rope import apply_rotary, rotary_cos_sin
 from asyncllm.model.row_kernels import RowKernels, load_kernels
@@ -126,6 +127,46 @@ def test_bad_inputs_raise_instead_of_reading_wrong_memory(kernels: RowKernels) -
         kernels.scale_bias_rotate_(x, None, None, torch.ones(4, 1, 8), torch.ones(4, 1, 8), 12)
     with pytest.raises(RuntimeError, match="cos and sin"):
         kernels.scale_bias_rotate_(x, None, None, torch.ones(3, 1, 8), torch.ones(3, 1, 8), 16)
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "block_size"), [(3, 64, 16), (1, 2, 1), (8, 128, 4)])
+def test_kv_stores_equal_torchs_indexed_writes(kernels: RowKernels, heads: int, head_dim: int, block_size: int) -> None:
+    rows, width = 7, heads * head_dim
+    qkv = _rows(rows, 3 * width + 5, seed=4)  # key and value are strided views of a wider product, as in the model
+    key = qkv[:, width : 2 * width].view(rows, heads, head_dim)
+    value = qkv[:, 2 * width : 3 * width].view(rows, heads, head_dim)
+    slots = torch.tensor([0, 5, 6, 13, 2, 31, 17]) % (8 * block_size)
+    got = torch.randn(8, 2, block_size, heads, head_dim)
+    want = got.clone()
+    kernels.store_kv_cache_(got, key, value, slots // block_size, slots % block_size)
+    write_kv_cache(want, key, value, slots)
+    assert torch.equal(got, want)
+    positions = torch.tensor([0, 3, 1, 9, 9, 2, 4])
+    got = torch.randn(2, rows, 10, heads, head_dim)
+    want = got.clone()
+    kernels.store_kv_rows_(got[0], got[1], key, value, positions)
+    want[0][torch.arange(rows), positions], want[1][torch.arange(rows), positions] = key, value
+    assert torch.equal(got, want)
+
+
+def test_kv_stores_reject_slots_outside_without_writing(kernels: RowKernels) -> None:
+    cache = torch.zeros(4, 2, 16, 3, 64)
+    key = value = torch.ones(2, 3, 64)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernels.store_kv_cache_(cache, key, value, torch.tensor([1, 4]), torch.tensor([0, 0]))
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernels.store_kv_cache_(cache, key, value, torch.tensor([1, 1]), torch.tensor([0, -1]))
+    assert not cache.any()  # rows are checked before any is written
+    with pytest.raises(RuntimeError, match="key must be"):
+        kernels.store_kv_cache_(cache, torch.ones(2, 3, 32), value, torch.tensor([1, 1]), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="blocks must be"):
+        kernels.store_kv_cache_(cache, key, value, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([0, 1]))
+    mirror = torch.zeros(2, 2, 5, 3, 64)
+    with pytest.raises(IndexError, match="outside the mirror"):
+        kernels.store_kv_rows_(mirror[0], mirror[1], key, value, torch.tensor([4, 5]))
+    with pytest.raises(RuntimeError, match="one shape"):
+        kernels.store_kv_rows_(mirror[0], torch.zeros(2, 6, 3, 64), key, value, torch.tensor([0, 1]))
+    assert not mirror.any()
 
 
 def test_the_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,10 +13,15 @@ grouped-query attention (Ainslie et al., 2023).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from asyncllm.model.attention_metadata import AttentionGroup, AttentionMetadata
+
+if TYPE_CHECKING:
+    from asyncllm.model.row_kernels import RowKernels
 
 
 def write_kv_cache(
@@ -25,8 +30,10 @@ def write_kv_cache(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
     slot_blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernels: RowKernels | None = None,
 ) -> None:
-    """Store this step's keys and values in the paged cache, in place (one indexed write for both).
+    """Store this step's keys and values in the paged cache, in place (one indexed write for both, or one
+    `store_kv_cache_` kernel call: the same values).
 
     Args:
         kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] float32; modified in place.
@@ -34,6 +41,7 @@ def write_kv_cache(
         slot_mapping: [num_tokens] int64 slot (block_id * block_size + offset) of each token.
         slot_blocks: (block ids, offsets) of `slot_mapping`, [num_tokens] int64 each, if already computed
             (`AttentionMetadata.slot_blocks`, once per step instead of once per layer).
+        kernels: the fused row kernels (`model/row_kernels.py`), if loaded.
     Raises:
         IndexError: if a slot is outside the cache.
     """
@@ -41,6 +49,9 @@ def write_kv_cache(
         block_size = kv_cache.shape[2]
         slot_blocks = torch.div(slot_mapping, block_size, rounding_mode="floor"), slot_mapping % block_size
     blocks, offsets = slot_blocks
+    if kernels is not None:
+        kernels.store_kv_cache_(kv_cache, key, value, blocks, offsets)
+        return
     kv_cache.permute(0, 2, 1, 3, 4)[blocks, offsets] = torch.stack((key, value), dim=1)
 
 
@@ -68,6 +79,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernels: RowKernels | None = None,
 ) -> torch.Tensor:
     """Attention of each query token over its sequence's cached keys/values (this step's already written).
 
@@ -78,12 +90,13 @@ def paged_attention(
         scale: softmax scale; default 1 / sqrt(head_dim).
         new_kv: this step's (key, value), [num_tokens, num_kv_heads, head_dim] each, as written to `kv_cache`;
             a decode step's K/V mirror takes them from here instead of reading the cache back. Optional.
+        kernels: the fused row kernels, if loaded (the mirror's row writes).
     Returns:
         [num_tokens, num_heads * head_dim] float32.
     """
     num_tokens, num_heads, head_dim = query.shape
     if len(meta.groups) == 1 and meta.groups[0].max_query_len == 1:  # decodes only: row i is sequence i's query
-        return _decode_attention(query, kv_cache, meta, scale, new_kv)
+        return _decode_attention(query, kv_cache, meta, scale, new_kv, kernels)
     # Row num_tokens is a scratch row: padded query positions read it and write their (discarded) output to it.
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     out = query.new_empty(num_tokens + 1, num_heads * head_dim)
@@ -98,6 +111,7 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float | None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    kernels: RowKernels | None,
 ) -> torch.Tensor:
     """[num_seqs, num_heads * head_dim] attention output of a step whose every sequence has one query token
     (query row i belongs to sequence i): no padding row, no scatter, and the `[num_seqs, 1, 1, max_seq_len]`
@@ -106,7 +120,7 @@ def _decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     group = meta.groups[0]
     if meta.mirror is not None and meta.slot_blocks is not None:
-        dense_key, dense_value = meta.mirror.key_value(kv_cache, meta.slot_blocks, new_kv)
+        dense_key, dense_value = meta.mirror.key_value(kv_cache, meta.slot_blocks, new_kv, kernels)
         key = dense_key[:, : group.max_seq_len].transpose(1, 2)
         value = dense_value[:, : group.max_seq_len].transpose(1, 2)
     else:

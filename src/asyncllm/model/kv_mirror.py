@@ -18,9 +18,13 @@ preempted or resumes, a step with prefills or draft tokens) gathers afresh. Its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from asyncllm.model.row_kernels import RowKernels
 
 HEADROOM_BLOCKS = 2  # blocks of room added per sequence when gathering afresh, at least (and 1/4 of the length)
 
@@ -52,11 +56,13 @@ class MirrorStep:
         kv_cache: torch.Tensor,
         slot_blocks: tuple[torch.Tensor, torch.Tensor],
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kernels: RowKernels | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's `(key, value)`, each `[num_seqs, capacity, num_kv_heads, head_dim]`, up to date with this
         step's token (already written to `kv_cache` at `slot_blocks`, one slot per sequence in order). `new_kv`,
         if given, is that token's (key, value), `[num_seqs, num_kv_heads, head_dim]` each: a kept mirror copies
-        them from there instead of reading the cache back.
+        them from there instead of reading the cache back. `kernels` (the fused row kernels, if loaded) write the
+        token in one call instead of two indexed writes (the same values).
 
         Raises:
             RuntimeError: a kept mirror has no tensors for this layer (the layers changed between steps).
@@ -76,8 +82,11 @@ class MirrorStep:
             blocks, offsets = slot_blocks
             new = kv_cache[blocks, :, offsets]  # [num_seqs, 2, num_kv_heads, head_dim]
             new_kv = new[:, 0], new[:, 1]
-        key[self.rows, self.positions] = new_kv[0]
-        value[self.rows, self.positions] = new_kv[1]
+        if kernels is not None:
+            kernels.store_kv_rows_(key, value, new_kv[0], new_kv[1], self.positions)
+        else:
+            key[self.rows, self.positions] = new_kv[0]
+            value[self.rows, self.positions] = new_kv[1]
         return key, value
 
 

@@ -183,8 +183,9 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
             qk = apply_rotary(qkv[:, :rotated].view(n, -1, d), cos, sin)
         q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
         v = qkv[:, rotated:].view(n, -1, d)
-        write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks)
-        return paged_attention(q, kv_cache, meta, new_kv=(k, v))
+        kernels = self.fused_kernels
+        write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks, kernels)
+        return paged_attention(q, kv_cache, meta, new_kv=(k, v), kernels=kernels)
 
     def _mlp(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)

@@ -14,6 +14,9 @@ in one call per row what took 2-12 torch ops:
   quantize: down's input), `quantize_rows(x)` (o_proj's and the LM head's input) and `add_scaled_(residual, out,
   row_scale)` (`residual + out * row_scale` into `out`: the residual adds). An int8 layer runs 7 kernel calls
   around its four products instead of about 55 torch ops; an fp32 layer 4 instead of about 20.
+- K/V copies (both paths): `store_kv_cache_` (this step's keys and values into the paged cache at their slots:
+  `attention.write_kv_cache`'s permute, stack and indexed write) and `store_kv_rows_` (the new token into the
+  decode K/V mirror: two indexed writes). Indexed writes cost 5-20 us each in a step; these are plain copies.
 
 Every kernel gives the eager ops' values bit for bit (RMSNorm adds its squares in the order of ATen's sum kernel,
 which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed across threads by ATen): a model's
@@ -90,6 +93,31 @@ class RowKernels(Protocol):
 
     def add_scaled_(self, residual: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
         """`out = residual + out * row_scale`, in place; returns `out`."""
+        ...
+
+    def store_kv_cache_(
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> None:
+        """`kv_cache[blocks[i], 0, offsets[i]] = key[i]` and `[..., 1, ...] = value[i]` for a contiguous
+        `[num_blocks, 2, block_size, heads, head_dim]` cache, `[rows, heads, head_dim]` key/value (rows may be
+        strided) and `[rows]` int64 blocks/offsets. Raises IndexError for a slot outside the cache."""
+        ...
+
+    def store_kv_rows_(
+        self,
+        key_dst: torch.Tensor,
+        value_dst: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """`key_dst[i, positions[i]] = key[i]` and the same for value, for contiguous `[rows, capacity, heads,
+        head_dim]` destinations. Raises IndexError for a position outside the capacity."""
         ...
 
 
@@ -186,6 +214,8 @@ KERNELS = (
     "silu_mul_quantize",
     "quantize_rows",
     "add_scaled_",
+    "store_kv_cache_",
+    "store_kv_rows_",
 )
 
 
@@ -223,7 +253,7 @@ def _compare(kernels: RowKernels, x: torch.Tensor, weight: torch.Tensor, residua
         return "rms_norm_quantize differs from F.rms_norm and the eager quantization"
     if not torch.equal(kernels.silu_mul(x), F.silu(x[:, : x.shape[1] // 2]) * x[:, x.shape[1] // 2 :]):
         return "silu_mul differs from F.silu(gate) * up"
-    return _compare_rotary(kernels, x, scale, weight)
+    return _compare_rotary(kernels, x, scale, weight) or _compare_kv_stores(kernels, x)
 
 
 def _compare_rotary(kernels: RowKernels, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> str:
@@ -239,3 +269,22 @@ def _compare_rotary(kernels: RowKernels, x: torch.Tensor, scale: torch.Tensor, b
         want[:, : heads * head_dim].view(x.shape[0], heads, -1), cos, sin
     ).flatten(1)
     return "" if torch.equal(got, want) else "scale_bias_rotate_ differs from scale, bias and apply_rotary"
+
+
+def _compare_kv_stores(kernels: RowKernels, x: torch.Tensor) -> str:
+    """The two K/V copies against torch's indexed writes, with rows taken from a wider tensor (strided rows)."""
+    rows, heads, head_dim = x.shape[0], 2, 2
+    key, value = (
+        x[:, : heads * head_dim].view(rows, heads, head_dim),
+        x[:, -heads * head_dim :].view(rows, heads, head_dim),
+    )
+    blocks, offsets = torch.arange(rows) * 2 % 5, torch.arange(rows) % 3
+    cache, want = torch.zeros(2, 5, 2, 3, heads, head_dim)
+    kernels.store_kv_cache_(cache, key, value, blocks, offsets)
+    want.permute(0, 2, 1, 3, 4)[blocks, offsets] = torch.stack((key, value), dim=1)  # attention.write_kv_cache
+    if not torch.equal(cache, want):
+        return "store_kv_cache_ differs from write_kv_cache"
+    got, want = torch.zeros(2, 2, rows, 4, heads, head_dim)
+    kernels.store_kv_rows_(got[0], got[1], key, value, offsets)
+    want[0][torch.arange(rows), offsets], want[1][torch.arange(rows), offsets] = key, value
+    return "" if torch.equal(got, want) else "store_kv_rows_ differs from indexed row writes"

@@ -5,8 +5,9 @@
 // values are the same bit for bit: per-row symmetric int8 quantization `scale = max(max|y|, 1e-30) / 127`,
 // `q = round_half_even(y / scale)` (model/quant.py `quantize_rows`); RMSNorm `x * rsqrt(mean(x^2) + eps) * w`
 // (Zhang & Sennrich, 2019) with the sum of squares added in ATen's order (`sum_squares`); SiLU
-// `a / (1 + exp(-a))` with ATen's vectorized exp; rotary `y * cos + roll(y) * sin`. Built with -ffp-contract=off (no fused multiply-adds). Rows
-// are independent: a row's result never depends on its batch.
+// `a / (1 + exp(-a))` with ATen's vectorized exp; rotary `y * cos + roll(y) * sin`; the K/V stores are copies.
+// Built with -ffp-contract=off (no fused multiply-adds). Rows are independent: a row's result never depends on its
+// batch.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
 #define CPU_CAPABILITY AVX512
@@ -334,6 +335,77 @@ void scale_bias_rotate_(at::Tensor& qkv, const std::optional<at::Tensor>& row_sc
   });
 }
 
+// Checks a [n, heads, head_dim] float32 tensor whose rows may be strided (a view of the q/k/v product) but whose
+// heads are contiguous.
+void check_heads(const at::Tensor& x, int64_t n, int64_t row_numel, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(0) == n && x.size(1) * x.size(2) == row_numel &&
+                  x.stride(2) == 1 && x.stride(1) == x.size(2),
+              name, " must be float32 [rows, heads, head_dim] with contiguous heads, matching the destination");
+}
+
+void check_index(const at::Tensor& index, int64_t n, const char* name) {
+  TORCH_CHECK(index.dim() == 1 && index.numel() == n && index.scalar_type() == at::kLong && index.is_contiguous(),
+              name, " must be a contiguous int64 [rows] tensor");
+}
+
+// Copies row i of `key` and `value` ([rows, heads, head_dim]) to key_dst[i0(i)][i1(i)] and value_dst[...], whose
+// rows are `row_numel` floats apart within dimension 1 and `stride0` floats apart within dimension 0.
+void copy_kv_rows(const at::Tensor& key, const at::Tensor& value, float* key_dst, float* value_dst,
+                  const int64_t* i0, int64_t stride0, const int64_t* i1, int64_t row_numel) {
+  const int64_t rows = key.size(0);
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t at = i0[r] * stride0 + i1[r] * row_numel;
+    std::copy_n(kp + r * key.stride(0), row_numel, key_dst + at);
+    std::copy_n(vp + r * value.stride(0), row_numel, value_dst + at);
+  }
+}
+
+// The paged KV cache write (model/attention.py `write_kv_cache`): kv_cache [num_blocks, 2, block_size, heads,
+// head_dim] float32 contiguous gets key[i] at [blocks[i], 0, offsets[i]] and value[i] at [blocks[i], 1, offsets[i]].
+// Raises IndexError for a block or offset outside the cache (nothing is written then).
+void store_kv_cache_(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& blocks,
+                     const at::Tensor& offsets) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.scalar_type() == at::kFloat &&
+                  kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous float32 [num_blocks, 2, block_size, heads, head_dim] tensor");
+  const int64_t rows = key.size(0), num_blocks = kv_cache.size(0), block_size = kv_cache.size(2);
+  const int64_t row_numel = kv_cache.size(3) * kv_cache.size(4);
+  check_heads(key, rows, row_numel, "key");
+  check_heads(value, rows, row_numel, "value");
+  check_index(blocks, rows, "blocks");
+  check_index(offsets, rows, "offsets");
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* op = offsets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK_INDEX(bp[r] >= 0 && bp[r] < num_blocks && op[r] >= 0 && op[r] < block_size, "slot of row ", r,
+                      " (block ", bp[r], ", offset ", op[r], ") is outside the KV cache");
+  float* base = kv_cache.data_ptr<float>();
+  const int64_t stride0 = 2 * block_size * row_numel;
+  copy_kv_rows(key, value, base, base + block_size * row_numel, bp, stride0, op, row_numel);
+}
+
+// The decode K/V mirror write (model/kv_mirror.py): key_dst and value_dst [rows, capacity, heads, head_dim] float32
+// contiguous get key[i] and value[i] at [i, positions[i]]. Raises IndexError for a position outside the capacity.
+void store_kv_rows_(at::Tensor& key_dst, at::Tensor& value_dst, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& positions) {
+  for (const at::Tensor* t : {&key_dst, &value_dst})
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == key_dst.sizes(),
+                "key_dst and value_dst must be contiguous float32 [rows, capacity, heads, head_dim] of one shape");
+  const int64_t rows = key_dst.size(0), capacity = key_dst.size(1), row_numel = key_dst.size(2) * key_dst.size(3);
+  check_heads(key, rows, row_numel, "key");
+  check_heads(value, rows, row_numel, "value");
+  check_index(positions, rows, "positions");
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK_INDEX(pp[r] >= 0 && pp[r] < capacity, "position ", pp[r], " of row ", r, " is outside the mirror");
+  std::vector<int64_t> row_ids(rows);
+  for (int64_t r = 0; r < rows; ++r) row_ids[r] = r;
+  copy_kv_rows(key, value, key_dst.data_ptr<float>(), value_dst.data_ptr<float>(), row_ids.data(),
+               capacity * row_numel, pp, row_numel);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_quantize", &rms_norm_quantize);
   m.def("silu_mul_quantize", &silu_mul_quantize);
@@ -342,4 +414,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("scale_bias_rotate_", &scale_bias_rotate_);
+  m.def("store_kv_cache_", &store_kv_cache_);
+  m.def("store_kv_rows_", &store_kv_rows_);
 }
