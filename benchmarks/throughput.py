@@ -7,7 +7,12 @@ this process with torch's default threads. `--contended` measures everything a s
 CPU-bound process (`while True: pass`) running beside it and adds the contended / quiet ratio. The machine
 (CPU model, flags that matter, cores, load average before and after) is printed and stored in the JSON.
 
-    .venv/bin/python benchmarks/throughput.py [--quick] [--contended] [--json PATH]
+Both asyncllm engines and the HF model stay loaded for the whole run, and each stream count is measured on all
+three one right after the other, in `--rounds` rounds (default 3): a shared machine's speed drifts by 20-30%
+over minutes, and this way every ratio compares runs made under the same conditions. The tables show each
+configuration's median over the rounds; the JSON keeps every round's value.
+
+    .venv/bin/python benchmarks/throughput.py [--quick] [--contended] [--rounds N] [--json PATH]
 
 Needs the dev extra (transformers + accelerate) for the reference column (`--skip-hf` to run without).
 """
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -117,40 +124,50 @@ def load_transformers(path: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-async def measure_asyncllm(
-    path: str, quantization: str | None, streams: list[int], max_tokens: int, contended: bool
-) -> dict[str, dict[int, float]]:
-    """{"quiet": {streams: tok/s}, "contended": {...}} for one engine configuration."""
-    args = EngineArgs(model=path, quantization=quantization, max_num_seqs=max(streams))  # type: ignore[arg-type]
-    results: dict[str, dict[int, float]] = {}
-    async with AsyncLLM.create(args) as llm:
-        await run_asyncllm(llm, make_prompts(2), 8)  # warm-up
-        for mode in ["quiet", "contended"] if contended else ["quiet"]:
-            with cpu_hog(mode == "contended"):
-                await run_asyncllm(llm, make_prompts(max(streams)), 4)  # let the thread policy settle
-                results[mode] = {}
-                for n in streams:
-                    results[mode][n] = await run_asyncllm(llm, make_prompts(n), max_tokens)
-                    print(
-                        f"asyncllm {quantization or 'fp32'} {mode} {n} streams: {results[mode][n]:.1f} tok/s",
-                        flush=True,
-                    )
-    return results
+async def settle(llm: AsyncLLM, max_streams: int) -> None:
+    """A short run at the most streams, so the thread policy has measured the current load before timing."""
+    await run_asyncllm(llm, make_prompts(max_streams), 4)
 
 
-def measure_transformers(
-    path: str, streams: list[int], max_tokens: int, contended: bool
+async def measure_round(
+    engines: dict[str, AsyncLLM], hf: tuple[Any, Any] | None, streams: list[int], max_tokens: int, mode: str
 ) -> dict[str, dict[int, float]]:
-    model, tokenizer = load_transformers(path)
-    run_transformers(model, tokenizer, make_prompts(2), 4)  # warm-up
-    results: dict[str, dict[int, float]] = {}
-    for mode in ["quiet", "contended"] if contended else ["quiet"]:
-        with cpu_hog(mode == "contended"):
-            results[mode] = {}
-            for n in streams:
-                results[mode][n] = run_transformers(model, tokenizer, make_prompts(n), max_tokens)
-                print(f"HF fp32 {mode} {n} streams: {results[mode][n]:.1f} tok/s", flush=True)
-    return results
+    """One round of one mode: for each stream count, every asyncllm engine and then HF, one after the other (so
+    all see the same machine state). Returns {"fp32" | "int8" | "hf": {streams: tok/s}}."""
+    result: dict[str, dict[int, float]] = {name: {} for name in [*engines, *(["hf"] if hf else [])]}
+    with cpu_hog(mode == "contended"):
+        for llm in engines.values():
+            await settle(llm, max(streams))
+        for n in streams:
+            for name, llm in engines.items():
+                result[name][n] = await run_asyncllm(llm, make_prompts(n), max_tokens)
+            if hf is not None:
+                # on the event loop's thread, as HF runs alone (the engines are idle; a thread measured ~5% slower)
+                result["hf"][n] = run_transformers(*hf, make_prompts(n), max_tokens)
+            print(f"{mode} {n} streams: " + ", ".join(f"{k} {v[n]:.1f}" for k, v in result.items()), flush=True)
+    return result
+
+
+async def measure(
+    path: str, streams: list[int], max_tokens: int, modes: list[str], rounds: int, with_hf: bool
+) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """Every round of every mode; {engine: {mode: {streams: [tok/s of each round]}}} for fp32, int8 and hf."""
+    hf = load_transformers(path) if with_hf else None
+    if hf is not None:
+        run_transformers(*hf, make_prompts(2), 4)  # warm-up
+    samples: dict[str, dict[str, dict[int, list[float]]]] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {}
+        for name, quantization in (("fp32", None), ("int8", "int8")):
+            args = EngineArgs(model=path, quantization=quantization, max_num_seqs=max(streams))
+            engines[name] = await stack.enter_async_context(AsyncLLM.create(args))
+            await run_asyncllm(engines[name], make_prompts(2), 8)  # warm-up
+        for _ in range(rounds):
+            for mode in modes:
+                for name, by_streams in (await measure_round(engines, hf, streams, max_tokens, mode)).items():
+                    for n, value in by_streams.items():
+                        samples.setdefault(name, {}).setdefault(mode, {}).setdefault(n, []).append(value)
+    return samples
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -186,6 +203,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="64 new tokens per stream (finishes in minutes)")
     parser.add_argument("--contended", action="store_true", help="also measure beside one CPU-bound process")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of all measurements; the tables show medians")
     parser.add_argument("--json", default="benchmarks/results/throughput.json")
     args = parser.parse_args()
     max_tokens = 64 if args.quick else args.max_tokens
@@ -200,12 +218,12 @@ def main() -> None:
         "asyncllm": {},
         "transformers": {},
     }
-    for name, quantization in (("fp32", None), ("int8", "int8")):
-        result["asyncllm"][name] = asyncio.run(
-            measure_asyncllm(path, quantization, args.streams, max_tokens, args.contended)
-        )
-    if not args.skip_hf:
-        result["transformers"] = measure_transformers(path, args.streams, max_tokens, args.contended)
+    samples = asyncio.run(measure(path, args.streams, max_tokens, result["modes"], args.rounds, not args.skip_hf))
+    result["rounds"] = {"count": args.rounds, "samples": samples}
+    medians = {name: {m: {n: statistics.median(v) for n, v in by_n.items()} for m, by_n in by_mode.items()}
+               for name, by_mode in samples.items()}  # fmt: skip
+    result["asyncllm"] = {"fp32": medians["fp32"], "int8": medians["int8"]}
+    result["transformers"] = medians.get("hf", {})
     result["load_after"] = [round(x, 2) for x in os.getloadavg()]
     print_table(result)
     out = pathlib.Path(args.json)
