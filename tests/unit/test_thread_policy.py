@@ -1,11 +1,12 @@
 """`AdaptiveThreads` on simulated step times: stays at 2 threads when quiet (probing rarely), drops to 1 when
-2-thread steps become slow (contention), and returns to 2 when the contention ends."""
+2-thread steps become slow (contention), and returns to 2 when the contention ends: within a few steps when the
+machine's idle CPU time shows it, else at the next periodic probe."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncllm.worker.thread_policy import AdaptiveThreads
+from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
 
 
 class _Machine:
@@ -15,7 +16,11 @@ class _Machine:
         self.threads = 0
         self.contended = False
         self.now = 0.0
+        self.idle_s = 0.0  # idle CPU-seconds of the 2-CPU machine so far
         self.steps_at = {1: 0, 2: 0}
+
+    def idle_meter(self) -> float:
+        return self.idle_s
 
     def set_threads(self, n: int) -> None:
         self.threads = n
@@ -25,7 +30,9 @@ class _Machine:
 
     def step(self) -> None:
         cost = {(2, False): 0.010, (1, False): 0.017, (2, True): 0.040, (1, True): 0.019}
-        self.now += cost[(self.threads, self.contended)]
+        seconds = cost[(self.threads, self.contended)]
+        self.now += seconds
+        self.idle_s += 0.0 if self.contended else seconds * (2 - self.threads)  # the CPUs our threads leave free
         self.steps_at[self.threads] += 1
 
 
@@ -58,6 +65,51 @@ def test_contention_drops_to_one_thread_and_recovers() -> None:
     machine.contended = False
     _run(policy, machine, 1000)  # a periodic probe finds 2 threads faster again
     assert policy.threads == 2
+
+
+def test_idle_cpus_bring_two_threads_back_within_a_few_steps() -> None:
+    machine = _Machine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, idle_meter=machine.idle_meter)
+    _run(policy, machine, 300)
+    machine.contended = True
+    _run(policy, machine, 1000)  # the periodic probes confirm 1 thread: the probe interval grows to 512 steps
+    assert policy.threads == 1
+    machine.steps_at = {1: 0, 2: 0}
+    _run(policy, machine, 1000)
+    assert machine.steps_at[2] / 1000 < 0.05  # contended, no CPU is idle: no extra probes
+    machine.contended = False
+    steps = 0
+    while policy.threads == 1:
+        _run(policy, machine, 1)
+        steps += 1
+        assert steps <= 20, "still one thread 20 steps after the contention ended"
+    assert machine.threads == 2
+
+
+def test_idle_probes_that_keep_losing_back_off() -> None:
+    machine = _Machine()
+    idle = {"s": 0.0}
+
+    def always_idle() -> float:  # the meter says a CPU is free, yet 2-thread steps stay slow (e.g. a noisy VM)
+        idle["s"] += 1.0
+        return idle["s"]
+
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, idle_meter=always_idle)
+    _run(policy, machine, 50)
+    machine.contended = True
+    _run(policy, machine, 3000)
+    assert policy.threads == 1
+    assert machine.steps_at[2] < 3 * 20 + 50  # a probe per 8, 16, 32 ... 512 steps, not one per 8 steps
+
+
+def test_system_idle_meter_reads_proc_stat(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 700 30 0 0 0 0 0\ncpu0 50 0 25 350 15 0 0 0 0 0\n")
+    meter = SystemIdleMeter(str(stat))
+    assert meter() == pytest.approx(730 * meter.tick_s)  # idle + iowait ticks
+    stat.write_text("intr 1 2 3\n")
+    assert meter() is None
+    assert SystemIdleMeter(str(tmp_path / "missing"))() is None
 
 
 def test_a_long_step_of_another_size_is_not_a_slowdown() -> None:

@@ -10,10 +10,17 @@ depends on its size. The worker runs at the largest count. Every `probe_interval
 probe that confirms the current count, up to `max_probe_interval`), and at once when a step takes more than
 `slowdown` x the fastest recent step of its size, it runs `probe_steps` steps at the other count; the count
 whose median step time for that size is lower by `hysteresis` wins. Quiet, the cost is the rare probe step.
+
+Coming back: at one thread, the end of the contention does not make steps slower, and a periodic probe can be
+512 steps away (tens of seconds at 32 streams), so the worker also watches the machine's idle CPU time while its
+one-thread steps run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idle_cpus_to_probe` CPUs sat idle
+on average over `idle_window_steps` steps, it probes at once (the gap between such probes doubles while they
+confirm one thread). Contended, the other core is busy and this never fires.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import deque
@@ -22,6 +29,28 @@ from collections.abc import Callable
 import torch
 
 StepKey = tuple[int, int]  # (scheduled tokens, sampled rows)
+
+
+class SystemIdleMeter:
+    """Idle CPU-seconds of the whole machine so far (all CPUs, idle + iowait), read from Linux `/proc/stat`
+    (proc(5): the first `cpu` line, in USER_HZ ticks). Calling it returns None where that file cannot be read."""
+
+    def __init__(self, path: str = "/proc/stat") -> None:
+        self.path = path
+        try:
+            self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+        except (AttributeError, ValueError, OSError):
+            self.tick_s = 0.01
+
+    def __call__(self) -> float | None:
+        try:
+            with open(self.path, "rb") as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if len(fields) < 6 or fields[0] != b"cpu":
+            return None
+        return (int(fields[4]) + int(fields[5])) * self.tick_s
 
 
 class AdaptiveThreads:
@@ -36,6 +65,10 @@ class AdaptiveThreads:
         hysteresis: the other count must be this much faster (fraction) to be chosen.
         set_threads: sets the thread count (torch.set_num_threads; replaceable in tests).
         clock: seconds (time.perf_counter).
+        idle_meter: the machine's idle CPU-seconds so far, or None where unknown (`SystemIdleMeter`); None turns
+            the idle trigger off.
+        idle_window_steps: one-thread steps over which idle CPU time is averaged.
+        idle_cpus_to_probe: average idle CPUs during those steps that start a probe of `max_threads`.
     Raises:
         ValueError: max_threads < 2 or a non-positive interval.
     """
@@ -50,6 +83,9 @@ class AdaptiveThreads:
         hysteresis: float = 0.1,
         set_threads: Callable[[int], None] = torch.set_num_threads,
         clock: Callable[[], float] = time.perf_counter,
+        idle_meter: Callable[[], float | None] | None = None,
+        idle_window_steps: int = 8,
+        idle_cpus_to_probe: float = 0.5,
     ) -> None:
         if max_threads < 2 or probe_interval < 1 or probe_steps < 1:
             raise ValueError("AdaptiveThreads needs max_threads >= 2 and positive probe sizes")
@@ -63,6 +99,12 @@ class AdaptiveThreads:
         self._probing = 0  # probe steps left
         self._times: dict[int, dict[StepKey, deque[float]]] = {max_threads: {}, 1: {}}
         self.num_switches = 0
+        self._idle_meter = idle_meter
+        self.idle_window_steps, self.idle_cpus_to_probe = idle_window_steps, idle_cpus_to_probe
+        self._idle_s = self._step_s = 0.0  # idle CPU-seconds and wall seconds of this window's one-thread steps
+        self._idle_steps = 0
+        self._idle_gap = idle_window_steps  # steps between two idle-triggered probes (doubles while they fail)
+        self._since_idle_probe = 0
         set_threads(max_threads)
 
     @property
@@ -76,10 +118,37 @@ class AdaptiveThreads:
 
     def run(self, key: StepKey, step: Callable[[], object]) -> object:
         """Run one step with the current thread count, time it and update the policy; returns its result."""
+        watch = self._watching_idle()
+        idle_before = self._idle_meter() if watch and self._idle_meter is not None else None
         start = self._clock()
         result = step()
-        self.record(key, self._clock() - start)
+        seconds = self._clock() - start
+        if idle_before is not None and self._idle_meter is not None:
+            idle_after = self._idle_meter()
+            if idle_after is not None:
+                self._add_idle(idle_after - idle_before, seconds)
+        self.record(key, seconds)
         return result
+
+    def _watching_idle(self) -> bool:
+        """Whether this step's idle CPU time counts: running one thread (not probing) with a meter."""
+        return self._idle_meter is not None and self.threads < self.max_threads and not self._probing
+
+    def _add_idle(self, idle_s: float, step_s: float) -> None:
+        """Account one one-thread step; probe `max_threads` now if the window shows idle CPUs."""
+        self._idle_s += idle_s
+        self._step_s += step_s
+        self._idle_steps += 1
+        self._since_idle_probe += 1
+        if self._idle_steps < self.idle_window_steps:
+            return
+        idle_cpus = self._idle_s / self._step_s if self._step_s > 0 else 0.0
+        self._idle_s = self._step_s = 0.0
+        self._idle_steps = 0
+        if idle_cpus >= self.idle_cpus_to_probe and self._since_idle_probe >= self._idle_gap:
+            self._since_idle_probe = 0
+            self._idle_gap = min(2 * self._idle_gap, self.max_interval)
+            self._start_probe()
 
     def record(self, key: StepKey, seconds: float) -> None:
         """Account one step of size `key` that took `seconds` at `self.current` threads."""
@@ -109,6 +178,7 @@ class AdaptiveThreads:
             self._times[self._other] = {}
             self.num_switches += 1
             self._interval = self.base_interval
+            self._idle_gap = self.idle_window_steps
         else:
             self._interval = min(2 * self._interval, self.max_interval)
         self._until_probe = self._interval

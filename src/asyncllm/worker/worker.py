@@ -22,7 +22,7 @@ from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
 from asyncllm.worker.kv_cache_sizing import allocate_zeroed, available_memory_bytes, default_num_kv_blocks
 from asyncllm.worker.model_runner import CausalLM, ModelRunner
-from asyncllm.worker.thread_policy import AdaptiveThreads
+from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
 
 
 class Worker:
@@ -52,9 +52,8 @@ class Worker:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         # num_threads=None on one rank: adapt between torch's default count and 1 by measured step time.
-        self.thread_policy = (
-            AdaptiveThreads(torch.get_num_threads()) if num_threads is None and torch.get_num_threads() > 1 else None
-        )
+        adapt = num_threads is None and torch.get_num_threads() > 1
+        self.thread_policy = AdaptiveThreads(torch.get_num_threads(), idle_meter=SystemIdleMeter()) if adapt else None
         if self.tp_size > 1:
             if distributed_init_method is None:
                 raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method")
