@@ -4,7 +4,7 @@
 
 Runs `linear_kernels.py`, `step_profile.py`, `throughput.py` and `frontend_overhead.py` one after the other
 (each in its own process, results in benchmarks/results/*.json), then renders the tables. `--quick --contended`
-takes about 9 minutes on a quiet 2-core machine.
+takes about 20 minutes on a quiet 2-core machine.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any],
         lines += ["", "Not measured yet (no benchmarks/results/throughput.json): run `make bench`."]
     else:
         lines += ["", f"Load average (1, 5, 15 min) before {t['load_before']}, after {t['load_after']}."]
+        if "rounds" in t:
+            lines += [
+                f"Each number is the median of {t['rounds']['count']} rounds; in every round each stream count ran on",
+                "asyncllm fp32, asyncllm int8 and HF back to back (all three loaded for the whole run).",
+            ]
         lines += throughput_tables(t)
     lines += [
         "",
