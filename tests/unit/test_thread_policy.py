@@ -106,10 +106,14 @@ def test_system_idle_meter_reads_proc_stat(tmp_path) -> None:  # type: ignore[no
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 50 700 30 0 0 0 0 0\ncpu0 50 0 25 350 15 0 0 0 0 0\n")
     meter = SystemIdleMeter(str(stat))
+    assert meter.tick_s is not None
     assert meter() == pytest.approx(730 * meter.tick_s)  # idle + iowait ticks
     stat.write_text("intr 1 2 3\n")
     assert meter() is None
     assert SystemIdleMeter(str(tmp_path / "missing"))() is None
+    meter.tick_s = None  # no sysconf(SC_CLK_TCK): no reading rather than a guessed tick
+    stat.write_text("cpu  100 0 50 700 30 0 0 0 0 0\n")
+    assert meter() is None
 
 
 def test_a_long_step_of_another_size_is_not_a_slowdown() -> None:

@@ -33,16 +33,20 @@ StepKey = tuple[int, int]  # (scheduled tokens, sampled rows)
 
 class SystemIdleMeter:
     """Idle CPU-seconds of the whole machine so far (all CPUs, idle + iowait), read from Linux `/proc/stat`
-    (proc(5): the first `cpu` line, in USER_HZ ticks). Calling it returns None where that file cannot be read."""
+    (proc(5): the first `cpu` line, in USER_HZ ticks of `sysconf(SC_CLK_TCK)` seconds). Calling it returns None
+    where that file or the tick length cannot be read (the idle trigger is then off)."""
 
     def __init__(self, path: str = "/proc/stat") -> None:
         self.path = path
+        self.tick_s: float | None
         try:
             self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
-        except (AttributeError, ValueError, OSError):
-            self.tick_s = 0.01
+        except (AttributeError, ValueError, OSError, ZeroDivisionError):
+            self.tick_s = None
 
     def __call__(self) -> float | None:
+        if self.tick_s is None:
+            return None
         try:
             with open(self.path, "rb") as f:
                 fields = f.readline().split()
