@@ -1,11 +1,14 @@
 """The kernel choice behind `model/quant.py` and `model/packed_fp32.py`, measured on this machine.
 
 The model's linear layers and LM head alone (SmolLM2-135M's fused shapes, 30 distinct layers so the weights
-stream from memory as in a real step, random values), at 1-64 rows per step, with each kernel asyncllm could
+stream from memory as in a real step, random values), at 1-128 rows per step, with each kernel asyncllm could
 use: float32 `x @ W` (MKL sgemm on the plain weight) against oneDNN's inner product on a weight reordered once
-(`torch.ops.mkldnn._linear_pointwise`); int8 weights with per-row int8 activations through `torch._int_mm`
-against oneDNN's prepacked int8 kernel (`torch.ops.onednn.qlinear_pointwise`). tok/s = rows / wall time of one
-pass, best of `--repeats` interleaved passes, torch's default threads.
+(`torch.ops.mkldnn._linear_pointwise`) and MKL's packed GEMM on a weight packed once (`cblas_sgemm_compute`,
+through the row-kernel module; asyncllm's default where it loads); each packed kernel runs the plain weight for
+the row counts `model/packed_fp32.py` gives it (oneDNN: 1-3 and 65+ rows, MKL: 1 row); int8 weights with per-row
+int8 activations through `torch._int_mm` against oneDNN's prepacked int8 kernel
+(`torch.ops.onednn.qlinear_pointwise`). tok/s = rows / wall time of one pass, best of `--repeats` interleaved
+passes, torch's default threads.
 
     .venv/bin/python benchmarks/linear_kernels.py [--json PATH]
 """
@@ -23,12 +26,12 @@ from typing import Any
 import torch
 from throughput import machine_info  # benchmarks/ is on sys.path when run as a script
 
-from asyncllm.model.packed_fp32 import pack_fp32
+from asyncllm.model.packed_fp32 import PackedFp32Weight, mkl_packed_kernels
 from asyncllm.model.quant import Int8Weight, linear, quantize_int8
 
 HIDDEN, LAYERS, VOCAB = 576, 30, 49152
 SHAPES = [(HIDDEN, 960), (HIDDEN, HIDDEN), (HIDDEN, 3072), (1536, HIDDEN)]  # qkv, o, gate_up, down ([in, out])
-ROWS = (1, 2, 4, 8, 32, 64)
+ROWS = (1, 2, 4, 8, 32, 64, 128)
 
 
 def build_weights() -> dict[str, list[Any]]:
@@ -37,12 +40,18 @@ def build_weights() -> dict[str, list[Any]]:
     plain = [torch.randn(i, o, generator=gen) * i**-0.5 for _ in range(LAYERS) for i, o in SHAPES]
     plain.append(torch.randn(HIDDEN, VOCAB, generator=gen) * HIDDEN**-0.5)
     int8 = [quantize_int8(w) for w in plain]
-    return {
+    weights: dict[str, list[Any]] = {
         "fp32 `x @ W`": plain,
-        "fp32 oneDNN, reordered weight": [pack_fp32(w) for w in plain],
+        "fp32 oneDNN, reordered weight": [
+            PackedFp32Weight(w, torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)) for w in plain
+        ],
         "int8 `torch._int_mm`": [Int8Weight(w.qweight, w.scale) for w in int8],
         "int8 oneDNN, prepacked weight": int8,
     }
+    mkl = mkl_packed_kernels()
+    if mkl is not None:  # where it does not load, asyncllm packs for oneDNN
+        weights["fp32 MKL packed GEMM"] = [PackedFp32Weight(w, mkl.sgemm_pack(w), mkl) for w in plain]
+    return weights
 
 
 def one_pass(weights: list[Any], rows: int) -> Callable[[], None]:

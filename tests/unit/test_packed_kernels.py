@@ -1,19 +1,24 @@
-"""The oneDNN kernels behind `linear` (`model/packed_fp32.py`, `model/quant.py`): each gives the values of the
-plain product it replaces, on random products and on a whole (tiny, dummy) model."""
+"""The packed kernels behind `linear` (`model/packed_fp32.py`: MKL's packed GEMM, or oneDNN's where it is missing;
+`model/quant.py`: oneDNN int8): each gives the values of the plain product it replaces, on random products and on a
+whole (tiny, dummy) model."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
 from asyncllm.config import ModelConfig
+from asyncllm.model import packed_fp32
 from asyncllm.model.loader import load_model
 from asyncllm.model.packed_fp32 import (
+    MIN_MKL_ROWS,
     MIN_PACKED_ROWS,
     PackedFp32Weight,
     bucket_rows,
+    mkl_packed_kernels,
     onednn_fp32_available,
     pack_fp32,
 )
@@ -25,15 +30,69 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 33])
-def test_packed_fp32_linear_equals_the_plain_product(rows: int) -> None:
+@pytest.fixture(params=["mkl", "onednn"])
+def fp32_kernel(request, monkeypatch) -> str:  # type: ignore[no-untyped-def]
+    """Each fp32 packing in turn: MKL's packed GEMM (this CI's torch has it), then oneDNN as where it is missing."""
+    if request.param == "mkl":
+        assert mkl_packed_kernels() is not None, "the MKL packed GEMM failed to load or its check"
+    else:
+        monkeypatch.setattr(packed_fp32, "mkl_packed_kernels", lambda: None)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 300])
+def test_packed_fp32_linear_equals_the_plain_product(rows: int, fp32_kernel: str) -> None:
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 96, generator=gen), torch.randn(96, 200, generator=gen)
-    out = linear(x, pack_fp32(w))
-    if rows < MIN_PACKED_ROWS:
-        assert torch.equal(out, x @ w)  # few rows run the plain weight
+    weight = pack_fp32(w)
+    assert (weight.mkl is not None) == (fp32_kernel == "mkl")
+    out = linear(x, weight)
+    plain_rows = rows < MIN_MKL_ROWS if fp32_kernel == "mkl" else not MIN_PACKED_ROWS <= rows <= 64
+    if plain_rows:
+        assert torch.equal(out, x @ w)  # these rows run the plain weight
     else:
         torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-4)
+        assert out.abs().max() > 1.0  # a real product, not zeros
+
+
+@pytest.mark.parametrize(("pack_threads", "run_threads"), [(1, 2), (2, 1)])
+def test_mkl_pack_serves_any_thread_count(pack_threads: int, run_threads: int) -> None:
+    """The thread policy (`worker/thread_policy.py`) switches threads after the weights were packed."""
+    kernels = mkl_packed_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(40, 576, generator=gen), torch.randn(576, 1000, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(pack_threads)
+        packed = kernels.sgemm_pack(w)
+        torch.set_num_threads(run_threads)
+        torch.testing.assert_close(kernels.sgemm_packed(x, packed, 1000), x @ w, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_mkl_pack_refuses_a_product_of_another_shape() -> None:
+    kernels = mkl_packed_kernels()
+    assert kernels is not None
+    packed = kernels.sgemm_pack(torch.randn(64, 48))
+    with pytest.raises(RuntimeError, match=r"holds a \[64, 48\] weight, not \[63, 48\]"):
+        kernels.sgemm_packed(torch.randn(3, 63), packed, 48)
+    with pytest.raises(RuntimeError, match=r"not \[64, 47\]"):
+        kernels.sgemm_packed(torch.randn(3, 64), packed, 47)
+    with pytest.raises(RuntimeError, match="made by sgemm_pack"):
+        kernels.sgemm_packed(torch.randn(3, 64), torch.zeros(10, dtype=torch.uint8), 48)
+    assert kernels.sgemm_packed(torch.randn(0, 64), packed, 48).shape == (0, 48)
+
+
+def test_a_copied_mkl_weight_is_packed_again() -> None:
+    """MKL's packed data must not move: a deep copy (tests copy a shared model) packs its own."""
+    weight = pack_fp32(torch.randn(96, 200, generator=torch.Generator().manual_seed(5)))
+    assert weight.mkl is not None
+    copied = copy.deepcopy(weight)
+    assert copied.packed.data_ptr() != weight.packed.data_ptr()
+    x = torch.randn(7, 96)
+    assert torch.equal(linear(x, copied), linear(x, weight))
 
 
 def test_pack_fp32_refuses_what_it_cannot_pack() -> None:
@@ -57,11 +116,12 @@ def test_onednn_int8_equals_int_mm(rows: int) -> None:
     assert torch.equal(plain, linear(x, packed))  # exact int32 sums, scaled in the same order on both paths
 
 
-def test_packed_model_gives_the_plain_models_logits(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_packed_model_gives_the_plain_models_logits(tmp_path, fp32_kernel: str) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     config = ModelConfig("tiny", str(tmp_path), load_format="dummy")
     plain, packed = load_model(config), load_model(config, pack_weights=True)
     assert isinstance(packed.lm_head, PackedFp32Weight)
+    assert (packed.lm_head.mkl is not None) == (fp32_kernel == "mkl")
     assert all(isinstance(layer.gate_up_proj, PackedFp32Weight) for layer in packed.layers)
     chunks = [[[5, 9, 200, 31], [7, 1]], [[3], [8]]]  # a prefill step with two sequences, then two decode rows
     reference = _logits(plain, chunks)

@@ -22,7 +22,7 @@ from torch import nn
 from asyncllm.config import ModelConfig
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.gguf_metadata import GGUFTensorInfo, read_gguf_header
-from asyncllm.model.packed_fp32 import onednn_fp32_available
+from asyncllm.model.packed_fp32 import fp32_packing_available
 from asyncllm.model.registry import HF_MODEL_TYPES, get_model_class
 from asyncllm.model.rope import read_hf_rope
 
@@ -172,8 +172,8 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
     `load_format="auto"` loads the checkpoint (GGUF dequantized to float32, or safetensors);
     `"dummy"` fills random weights of the right shapes from `model_config.seed` (no file I/O beyond metadata).
     With `quantization="int8"` the loaded float32 weights (this TP rank's shard) are then requantized; without,
-    with `pack_weights` (what the worker asks for) they are also kept in oneDNN's blocked layout where this torch
-    build has it (`model/packed_fp32.py`): faster, but the weights are no longer `nn.Parameter`s to edit.
+    with `pack_weights` (what the worker asks for) they are also kept packed for MKL's packed GEMM or oneDNN where
+    this build has one (`model/packed_fp32.py`): faster, but the weights are no longer `nn.Parameter`s to edit.
 
     Returns:
         The model in eval mode, float32, with attribute `arch: ModelArchConfig`.
@@ -193,7 +193,7 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
         model.load_weights(weights)  # type: ignore[operator]
     if model_config.quantization == "int8":
         model.quantize_int8(_calibration_ids(model_config, arch))  # type: ignore[operator]
-    elif pack_weights and onednn_fp32_available():
+    elif pack_weights and fp32_packing_available():
         model.pack_fp32()  # type: ignore[operator]
     return model.eval()
 

@@ -1,13 +1,19 @@
-"""float32 linear weights kept twice: plain for steps of 1-3 rows, in oneDNN's blocked layout for the others.
+"""float32 linear weights kept twice: plain for single-row steps, packed once for a faster kernel for the others.
 
-`torch.mm` (MKL's sgemm) on a plain `[in, out]` weight is fastest for a single row (a matrix-vector product
-that streams the weight once), but for 4-64 rows oneDNN's inner product on a weight reordered once into its
-blocked layout (`torch.ops.mkldnn._linear_pointwise`, the kernel torch's x86 inference path uses for frozen
-float32 linears) does the same work in 25-40% less time on these CPUs (`benchmarks/linear_kernels.py`); from
-about 64 rows on they are even, so larger steps (prefill chunks) keep using `x @ W`.
-Both compute in float32 (no reduced-precision math unless the user lowers torch's float32 matmul precision);
-the two kernels sum in different orders, so a row's last bits depend on which one ran, as they already do on
-the attention padding of its batch.
+`torch.mm` (MKL's sgemm) on a plain `[in, out]` weight is fastest for a single row (a matrix-vector product that
+streams the weight once). For more rows the weight is packed once at load time into a kernel's own layout:
+- MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`, Intel oneMKL Developer Reference), called through
+  the fused row-kernel module (`model/row_kernels.py`) from the MKL torch links. One pack serves every row count
+  (no per-shape kernels, no padding). Measured on this model's 30 layers plus LM head, 2 threads
+  (`benchmarks/linear_kernels.py`): 32 rows 43-46 ms vs oneDNN's 48-52 and `x @ W`'s 53-57; 64 rows 60-67 vs
+  74-83 and 70-74; 2 rows 21 vs 24-25 and 25-26.
+- Where that is missing (no compiler, torch without MKL, `ASYNCLLM_FUSED_KERNELS=0`) or fails its start-up check:
+  oneDNN's inner product on a weight reordered into its blocked layout (`torch.ops.mkldnn._linear_pointwise`,
+  the kernel torch's x86 inference path uses for frozen float32 linears), for 4-64 rows (padded to a few row
+  counts); `x @ W` for the rest.
+Every kernel computes in float32 (no reduced-precision math unless the user lowers torch's float32 matmul
+precision); they sum in different orders, so a row's last bits depend on which one ran, as they already do on the
+attention padding of its batch.
 
 The price is memory: the linear weights and the LM head are stored a second time (about 540 MB more for the
 default 135M-parameter model). int8 weights (`model/quant.py`) are packed for oneDNN instead.
@@ -15,12 +21,18 @@ default 135M-parameter model). int8 weights (`model/quant.py`) are packed for on
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 
 import torch
 
-MIN_PACKED_ROWS = 4  # 1-3 rows: the plain weight is as fast or faster at 2 threads (benchmarks/linear_kernels.py)
+from asyncllm.model.row_kernels import RowKernels, load_kernels
+
+MIN_MKL_ROWS = 2  # 1 row: MKL's sgemv on the plain weight is faster than the packed GEMM
+MIN_PACKED_ROWS = (
+    4  # oneDNN: 1-3 rows: the plain weight is as fast or faster at 2 threads (benchmarks/linear_kernels.py)
+)
 MAX_PACKED_ROWS = 64  # beyond, MKL's sgemm is as fast (compute-bound) and needs no padding
 
 
@@ -51,16 +63,26 @@ class PackedFp32Weight:
     """A float32 linear weight in both layouts.
 
     Fields:
-        weight: [in_features, out_features] float32, contiguous (steps of 1-3 rows, tied embedding lookups).
-        packed: the same values reordered for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`; opaque).
+        weight: [in_features, out_features] float32, contiguous (single-row steps, tied embedding lookups).
+        packed: the same values packed for `mkl`'s packed GEMM (opaque uint8) or, when `mkl` is None, reordered for
+            oneDNN (`torch.ops.mkldnn._reorder_linear_weight`; opaque).
+        mkl: the kernel module that packed `packed` with MKL, or None.
     """
 
     weight: torch.Tensor
     packed: torch.Tensor
+    mkl: RowKernels | None = None
 
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
+
+    def __deepcopy__(self, memo: dict[int, object]) -> PackedFp32Weight:
+        """A copy packed afresh: MKL's packed data must not move to another address."""
+        weight = copy.deepcopy(self.weight, memo)
+        if self.mkl is None:
+            return PackedFp32Weight(weight, copy.deepcopy(self.packed, memo))
+        return PackedFp32Weight(weight, self.mkl.sgemm_pack(weight), self.mkl)
 
 
 @functools.cache
@@ -75,8 +97,37 @@ def onednn_fp32_available() -> bool:
     return bool(torch.allclose(out, x @ w, rtol=1e-5, atol=1e-4))
 
 
+@functools.cache
+def mkl_packed_kernels() -> RowKernels | None:
+    """The row-kernel module if its MKL packed GEMM links here and agrees with `x @ W` (within float32 rounding) on
+    products of 1-300 rows packed once, at one thread and at torch's thread count; else None. Never raises."""
+    kernels = load_kernels()
+    if kernels is None or not kernels.has_packed_sgemm():
+        return None
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 328, generator=generator)
+    threads = torch.get_num_threads()
+    try:
+        packed = kernels.sgemm_pack(w)
+        for num_threads in sorted({1, threads}):
+            torch.set_num_threads(num_threads)
+            for rows in (1, 2, 5, 17, 64, 300):
+                x = torch.randn(rows, 200, generator=generator)
+                if not torch.allclose(kernels.sgemm_packed(x, packed, 328), x @ w, rtol=1e-5, atol=1e-4):
+                    return None
+    finally:
+        torch.set_num_threads(threads)
+    return kernels
+
+
+def fp32_packing_available() -> bool:
+    """Whether `pack_fp32` has a faster kernel to pack for here (MKL's packed GEMM or oneDNN's)."""
+    return mkl_packed_kernels() is not None or onednn_fp32_available()
+
+
 def pack_fp32(weight: torch.Tensor) -> PackedFp32Weight:
-    """Both layouts of an `[in, out]` float32 weight.
+    """Both layouts of an `[in, out]` float32 weight: packed for MKL's packed GEMM where it passed its check
+    (`mkl_packed_kernels`), else for oneDNN.
 
     Raises:
         ValueError: `weight` is not a 2-D float32 tensor.
@@ -84,12 +135,19 @@ def pack_fp32(weight: torch.Tensor) -> PackedFp32Weight:
     if weight.dtype != torch.float32 or weight.dim() != 2:
         raise ValueError(f"pack_fp32 takes a 2-D float32 [in, out] weight, not {weight.dtype} {tuple(weight.shape)}")
     plain = weight.detach().contiguous()
+    kernels = mkl_packed_kernels()
+    if kernels is not None:
+        return PackedFp32Weight(plain, kernels.sgemm_pack(plain), kernels)
     return PackedFp32Weight(plain, torch.ops.mkldnn._reorder_linear_weight(plain.t().contiguous(), None))
 
 
 def packed_linear(x: torch.Tensor, weight: PackedFp32Weight) -> torch.Tensor:
     """`x @ W` for `[rows, in]` float32 `x` -> `[rows, out]` float32, with the faster kernel for `rows`."""
     rows = x.shape[0]
+    if weight.mkl is not None:
+        if rows < MIN_MKL_ROWS:
+            return x @ weight.weight
+        return weight.mkl.sgemm_packed(x.contiguous(), weight.packed, weight.weight.shape[1])
     if not MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS:
         return x @ weight.weight
     return _packed_mm(pad_rows(x, bucket_rows(rows)), weight.packed)[:rows]

@@ -17,8 +17,11 @@ in one call per row what took 2-12 torch ops:
 - K/V copies (both paths): `store_kv_cache_` (this step's keys and values into the paged cache at their slots:
   `attention.write_kv_cache`'s permute, stack and indexed write) and `store_kv_rows_` (the new token into the
   decode K/V mirror: two indexed writes). Indexed writes cost 5-20 us each in a step; these are plain copies.
+- float32 products with a weight packed once by MKL (`sgemm_pack`, `sgemm_packed`: the CBLAS packed-GEMM routines
+  of the MKL torch links, where it exports them). Not row kernels and not bit-exact with other GEMMs:
+  `model/packed_fp32.py` checks them and decides whether to use them.
 
-Every kernel gives the eager ops' values bit for bit (RMSNorm adds its squares in the order of ATen's sum kernel,
+Every row kernel gives the eager ops' values bit for bit (RMSNorm adds its squares in the order of ATen's sum kernel,
 which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed across threads by ATen): a model's
 outputs do not depend on whether the kernels are in use. `self_check` compares them with torch at start-up and
 `tests/unit/test_row_kernels.py` on more shapes.
@@ -120,6 +123,21 @@ class RowKernels(Protocol):
         head_dim]` destinations. Raises IndexError for a position outside the capacity."""
         ...
 
+    def has_packed_sgemm(self) -> bool:
+        """Whether the MKL packed-GEMM routines below are linked (torch's MKL exports them)."""
+        ...
+
+    def sgemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`[in, out]` float32 contiguous -> MKL's packed copy (opaque uint8; must not be copied or moved: pack the
+        copy's weight again). Raises RuntimeError without MKL."""
+        ...
+
+    def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """`x @ W`: `[rows, in]` float32 contiguous times a packed `[in, out_features]` weight -> `[rows, out_features]`
+        (MKL's kernel, float32 arithmetic in its own summation order). Raises RuntimeError on a buffer of another
+        shape."""
+        ...
+
 
 def _cpu_tag() -> str:
     """A short digest of this CPU's model and feature flags (Linux `/proc/cpuinfo`) and of the source."""
@@ -216,6 +234,9 @@ KERNELS = (
     "add_scaled_",
     "store_kv_cache_",
     "store_kv_rows_",
+    "has_packed_sgemm",
+    "sgemm_pack",
+    "sgemm_packed",
 )
 
 
