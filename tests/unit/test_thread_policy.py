@@ -86,6 +86,38 @@ def test_idle_cpus_bring_two_threads_back_within_a_few_steps() -> None:
     assert machine.threads == 2
 
 
+def test_contention_onset_is_judged_on_fresh_steps() -> None:
+    """The 2-thread history is full of quiet steps when contention starts: judged against them, 2 threads won the
+    first probes and kept running slow steps; judged on the steps after the slowdown, one probe decides."""
+    machine = _Machine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    _run(policy, machine, 300)
+    machine.contended = True
+    machine.steps_at = {1: 0, 2: 0}
+    while policy.threads == 2:
+        _run(policy, machine, 1)
+        assert machine.steps_at[1] + machine.steps_at[2] <= 40, "still two threads 40 steps into the contention"
+    assert machine.steps_at[2] == 1 + policy.probe_steps  # the slow step and the fresh ones the probe is judged on
+    assert machine.steps_at[1] == policy.probe_steps
+
+
+def test_one_thread_with_an_idle_meter_seldom_probes_two_while_contended() -> None:
+    """Each 2-thread probe step beside a CPU-bound process costs about two 1-thread steps here (40 vs 19 ms);
+    where the idle meter watches for the contention's end, periodic probes start max_probe_interval apart."""
+    machine = _Machine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, idle_meter=machine.idle_meter)
+    _run(policy, machine, 300)
+    machine.contended = True
+    _run(policy, machine, 10)
+    assert policy.threads == 1
+    machine.steps_at = {1: 0, 2: 0}
+    _run(policy, machine, 500)
+    assert machine.steps_at[2] == 0  # without the meter: probes after 32, 64, 128 and 256 steps (12 steps)
+    machine.contended = False
+    _run(policy, machine, 20)
+    assert policy.threads == 2  # the idle trigger, not the periodic probe, brings 2 threads back
+
+
 def test_idle_probes_that_keep_losing_back_off() -> None:
     machine = _Machine()
     idle = {"s": 0.0}

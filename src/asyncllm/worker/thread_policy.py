@@ -7,15 +7,22 @@ measured on a 2-core machine, a 2-thread step becomes about 4x slower while a 1-
 
 Policy: steps are compared only with steps of the same size (scheduled tokens and rows), since a step's time
 depends on its size. The worker runs at the largest count. Every `probe_interval` steps (doubling after each
-probe that confirms the current count, up to `max_probe_interval`), and at once when a step takes more than
-`slowdown` x the fastest recent step of its size, it runs `probe_steps` steps at the other count; the count
-whose median step time for that size is lower by `hysteresis` wins. Quiet, the cost is the rare probe step.
+probe that confirms the current count, up to `max_probe_interval`), it runs `probe_steps` steps at the other count;
+the count whose median step time for that size is lower by `hysteresis` wins, judged on the probe's steps against
+the last `probe_steps` steps at the current count (fresh against fresh). When a step takes more than `slowdown` x
+the fastest recent step of its size, the probe comes after `probe_steps` more steps, so that the current count is
+judged on steps that all ran in the new conditions (judged against older, quiet steps, a 2-thread count would
+win its first probes while contended). Quiet, the cost is the rare probe step.
 
 Coming back: at one thread, the end of the contention does not make steps slower, and a periodic probe can be
 512 steps away (tens of seconds at 32 streams), so the worker also watches the machine's idle CPU time while its
 one-thread steps run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idle_cpus_to_probe` CPUs sat idle
 on average over `idle_window_steps` steps, it probes at once (the gap between such probes doubles while they
-confirm one thread). Contended, the other core is busy and this never fires.
+confirm one thread). Contended, the other core is busy and this never fires. With that meter working, the
+periodic probe of all threads from one thread comes every `max_probe_interval` steps from the start: beside a
+CPU-bound process each 2-thread probe step costs 2-4 one-thread steps, and at 32 steps apart the probes took
+10-25% of a contended minute; the idle trigger already answers the contention ending, and the rare periodic
+probe still catches a competitor that would yield its core (a niced one) without leaving a CPU idle.
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ class AdaptiveThreads:
         self._times: dict[int, dict[StepKey, deque[float]]] = {max_threads: {}, 1: {}}
         self.num_switches = 0
         self._idle_meter = idle_meter
+        self._idle_known = idle_meter is not None and idle_meter() is not None  # the meter reads on this machine
         self.idle_window_steps, self.idle_cpus_to_probe = idle_window_steps, idle_cpus_to_probe
         self._idle_s = self._step_s = 0.0  # idle CPU-seconds and wall seconds of this window's one-thread steps
         self._idle_steps = 0
@@ -166,7 +174,9 @@ class AdaptiveThreads:
                 self._decide(key)
             return
         self._until_probe -= 1
-        if self._until_probe <= 0 or seconds > self.slowdown * fastest:
+        if seconds > self.slowdown * fastest:  # probe once `probe_steps` more steps ran in the new conditions
+            self._until_probe = min(self._until_probe, self.probe_steps)
+        if self._until_probe <= 0:
             self._start_probe()
 
     def _start_probe(self) -> None:
@@ -176,12 +186,14 @@ class AdaptiveThreads:
 
     def _decide(self, key: StepKey) -> None:
         ours, theirs = self._times[self.threads].get(key), self._times[self._other].get(key)
-        if ours and theirs and statistics.median(theirs) < (1 - self.hysteresis) * statistics.median(ours):
+        recent = list(ours)[-self.probe_steps :] if ours else []  # the current count's steps just before the probe
+        if recent and theirs and statistics.median(theirs) < (1 - self.hysteresis) * statistics.median(recent):
             self.threads = self._other
             self._times[self.threads] = {key: deque(theirs, maxlen=8)}
             self._times[self._other] = {}
             self.num_switches += 1
-            self._interval = self.base_interval
+            one_thread_watched = self.threads < self.max_threads and self._idle_known
+            self._interval = self.max_interval if one_thread_watched else self.base_interval
             self._idle_gap = self.idle_window_steps
         else:
             self._interval = min(2 * self._interval, self.max_interval)
