@@ -118,6 +118,23 @@ def test_one_thread_with_an_idle_meter_seldom_probes_two_while_contended() -> No
     assert policy.threads == 2  # the idle trigger, not the periodic probe, brings 2 threads back
 
 
+def test_a_slow_one_thread_step_starts_no_probe() -> None:
+    """Beside a CPU-bound process a one-thread step is now and then descheduled for a time slice; two threads would
+    only be slower, so such a blip must not start a 2-thread probe."""
+    machine = _Machine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    _run(policy, machine, 300)
+    machine.contended = True
+    _run(policy, machine, 10)
+    assert policy.threads == 1
+    machine.steps_at = {1: 0, 2: 0}
+    for _ in range(10):  # 20 steps: fewer than the first periodic probe (32)
+        policy.run((32, 32), lambda: setattr(machine, "now", machine.now + 0.100))  # a 5x slower one-thread step
+        _run(policy, machine, 1)
+    assert policy.current == 1
+    assert machine.steps_at[2] == 0
+
+
 def test_idle_probes_that_keep_losing_back_off() -> None:
     machine = _Machine()
     idle = {"s": 0.0}

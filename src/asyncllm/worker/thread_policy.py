@@ -9,10 +9,13 @@ Policy: steps are compared only with steps of the same size (scheduled tokens an
 depends on its size. The worker runs at the largest count. Every `probe_interval` steps (doubling after each
 probe that confirms the current count, up to `max_probe_interval`), it runs `probe_steps` steps at the other count;
 the count whose median step time for that size is lower by `hysteresis` wins, judged on the probe's steps against
-the last `probe_steps` steps at the current count (fresh against fresh). When a step takes more than `slowdown` x
-the fastest recent step of its size, the probe comes after `probe_steps` more steps, so that the current count is
-judged on steps that all ran in the new conditions (judged against older, quiet steps, a 2-thread count would
-win its first probes while contended). Quiet, the cost is the rare probe step.
+the last `probe_steps` steps at the current count (fresh against fresh). When a step at the largest count takes
+more than `slowdown` x the fastest recent step of its size, the probe comes after `probe_steps` more steps, so that
+the current count is judged on steps that all ran in the new conditions (judged against older, quiet steps, a
+2-thread count would win its first probes while contended). A slow step at one thread starts no probe: more load
+never makes more threads faster, and beside a CPU-bound process one-thread steps are often descheduled for a time
+slice (a blip that started a 3-step 2-thread probe in 2 of 4 contended 64-step runs). Quiet, the cost is the rare
+probe step.
 
 Coming back: at one thread, the end of the contention does not make steps slower, and a periodic probe can be
 512 steps away (tens of seconds at 32 streams), so the worker also watches the machine's idle CPU time while its
@@ -72,7 +75,8 @@ class AdaptiveThreads:
         probe_interval: steps between two probes at first (doubles while probes confirm the choice).
         max_probe_interval: the longest gap between probes, in steps.
         probe_steps: steps run at the other count per probe.
-        slowdown: a step slower than this factor x the fastest recent step of its size triggers a probe.
+        slowdown: a step at `max_threads` slower than this factor x the fastest recent step of its size triggers a
+            probe.
         hysteresis: the other count must be this much faster (fraction) to be chosen.
         set_threads: sets the thread count (torch.set_num_threads; replaceable in tests).
         clock: seconds (time.perf_counter).
@@ -174,7 +178,7 @@ class AdaptiveThreads:
                 self._decide(key)
             return
         self._until_probe -= 1
-        if seconds > self.slowdown * fastest:  # probe once `probe_steps` more steps ran in the new conditions
+        if threads == self.max_threads and seconds > self.slowdown * fastest:  # probe `probe_steps` steps later
             self._until_probe = min(self._until_probe, self.probe_steps)
         if self._until_probe <= 0:
             self._start_probe()
