@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import build_attention_metadata
@@ -86,3 +87,22 @@ def test_only_decodes_of_one_length_run_without_a_mask() -> None:
     assert build_attention_metadata([1, 1], [6, 6], tables, BLOCK_SIZE).groups[0].masks_keys is False
     assert build_attention_metadata([1, 1], [6, 5], tables, BLOCK_SIZE).groups[0].masks_keys is True
     assert build_attention_metadata([2], [2], tables[:1], BLOCK_SIZE).groups[0].masks_keys is True  # causal
+
+
+def test_the_float_mask_is_the_boolean_one_and_gives_the_same_attention() -> None:
+    """Attention passes SDPA the step's mask as floats, built once per step: SDPA's own conversion of a boolean
+    mask gives these values, so every output equals the boolean mask's bit for bit."""
+    meta = build_attention_metadata([3, 1], [5, 7], [[0, 1], [2, 3]], BLOCK_SIZE)
+    for group in meta.groups:
+        want = torch.where(group.attn_mask, 0.0, float("-inf"))
+        assert group.attn_bias.dtype == torch.float32
+        assert torch.equal(group.attn_bias, want)
+        assert group.attn_bias is group.attn_bias  # made once, shared by every layer
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(4, 1, 3, 20, generator=gen) > 0.4
+    mask[..., 0] = True
+    q, k, v = torch.randn(4, 3, 3, 64, generator=gen), *torch.randn(2, 4, 3, 20, 64, generator=gen)
+    bias = torch.where(mask, 0.0, float("-inf"))
+    assert torch.equal(
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask), F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    )

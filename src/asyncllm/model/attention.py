@@ -4,8 +4,9 @@ The cache of one layer is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` 
 1 = V). A token's slot is `block_id * block_size + offset`. For each `AttentionGroup` (decodes, prefills),
 the keys/values of every sequence are gathered through its block table into
 `[num_seqs, max_seq_len, num_kv_heads, head_dim]` and one batched `scaled_dot_product_attention` call runs
-with the group's boolean mask (causal with the cached-prefix offset, plus padding). No Python loop over
-sequences or tokens.
+with the group's mask (causal with the cached-prefix offset, plus padding), passed in the float form SDPA would
+convert a boolean mask to, built once per step (`AttentionGroup.attn_bias`). No Python loop over sequences or
+tokens.
 
 Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 grouped-query attention (Ainslie et al., 2023).
@@ -127,7 +128,7 @@ def _decode_attention(
         key, value = gather_kv(kv_cache, group)
     num_kv_heads = key.shape[1]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    mask = group.attn_mask if group.masks_keys else None
+    mask = group.attn_bias if group.masks_keys else None
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads * head_dim)
 
@@ -148,7 +149,7 @@ def _group_attention(
     q = padded_query[group.query_index]  # [num_seqs, max_query_len, num_heads, head_dim]
     q = q.view(num_seqs, max_query_len, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, per_kv * max_query_len, head_dim)
-    mask = group.attn_mask  # [num_seqs, 1, max_query_len, max_seq_len]
+    mask = group.attn_bias  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
     if per_kv > 1:
         mask = mask.unsqueeze(2).expand(-1, -1, per_kv, -1, -1).reshape(num_seqs, 1, per_kv * max_query_len, -1)
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)

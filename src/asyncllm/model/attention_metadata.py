@@ -9,6 +9,7 @@ padding. No Python loop over sequences runs inside the model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,12 @@ class AttentionGroup:
     @property
     def max_seq_len(self) -> int:
         return int(self.attn_mask.shape[-1])
+
+    @functools.cached_property
+    def attn_bias(self) -> torch.Tensor:
+        """`attn_mask` in the float form SDPA turns a boolean mask into (0.0 where True, -inf where False), made once
+        per step instead of once per layer: the same values, so the same attention output."""
+        return torch.zeros(self.attn_mask.shape).masked_fill_(self.attn_mask.logical_not(), float("-inf"))
 
 
 @dataclass
