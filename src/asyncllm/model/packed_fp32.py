@@ -30,9 +30,7 @@ import torch
 from asyncllm.model.row_kernels import RowKernels, load_kernels
 
 MIN_MKL_ROWS = 2  # 1 row: MKL's sgemv on the plain weight is faster than the packed GEMM
-MIN_PACKED_ROWS = (
-    4  # oneDNN: 1-3 rows: the plain weight is as fast or faster at 2 threads (benchmarks/linear_kernels.py)
-)
+MIN_PACKED_ROWS = 4  # oneDNN: 1-3 rows run the plain weight (as fast or faster at 2 threads)
 MAX_PACKED_ROWS = 64  # beyond, MKL's sgemm is as fast (compute-bound) and needs no padding
 
 

@@ -23,9 +23,10 @@ one-thread steps run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idl
 on average over `idle_window_steps` steps, it probes at once (the gap between such probes doubles while they
 confirm one thread). Contended, the other core is busy and this never fires. With that meter working, the
 periodic probe of all threads from one thread comes every `max_probe_interval` steps from the start: beside a
-CPU-bound process each 2-thread probe step costs 2-4 one-thread steps, and at 32 steps apart the probes took
-10-25% of a contended minute; the idle trigger already answers the contention ending, and the rare periodic
-probe still catches a competitor that would yield its core (a niced one) without leaving a CPU idle.
+CPU-bound process each 2-thread probe step costs 2-4 one-thread steps, so 3 probe steps every 32 steps would cost
+about 10-25% of the contended steps (arithmetic, not a measurement; the A/B in docs/benchmarks.md measured the
+change); the idle trigger already answers the contention ending, and the rare periodic probe still catches a
+competitor that would yield its core (a niced one) without leaving a CPU idle.
 """
 
 from __future__ import annotations
