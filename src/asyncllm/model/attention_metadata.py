@@ -52,8 +52,9 @@ class AttentionGroup:
 
     @functools.cached_property
     def attn_bias(self) -> torch.Tensor:
-        """`attn_mask` in the float form SDPA turns a boolean mask into (0.0 where True, -inf where False), made once
-        per step instead of once per layer: the same values, so the same attention output."""
+        """`attn_mask` in the float form SDPA turns a boolean mask into: `[num_seqs, 1, max_query_len, max_seq_len]`
+        float32, 0.0 where True and -inf where False. Made once per step (on first use) instead of once per layer:
+        the same values, so the same attention output."""
         return torch.zeros(self.attn_mask.shape).masked_fill_(self.attn_mask.logical_not(), float("-inf"))
 
 
