@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import pytest
 import torch
@@ -56,8 +57,10 @@ def test_packed_fp32_linear_equals_the_plain_product(rows: int, fp32_kernel: str
 
 
 @pytest.mark.parametrize(("pack_threads", "run_threads"), [(1, 2), (2, 1)])
-def test_mkl_pack_serves_any_thread_count(pack_threads: int, run_threads: int) -> None:
-    """The thread policy (`worker/thread_policy.py`) switches threads after the weights were packed."""
+@pytest.mark.parametrize("chunk_threads", [1, 2, 3])
+def test_mkl_pack_serves_any_thread_count(pack_threads: int, run_threads: int, chunk_threads: int) -> None:
+    """The thread policy (`worker/thread_policy.py`) switches torch's threads after the weights were packed; the
+    chunks run on torch's threads (torch at >= chunk_threads), on the pool (fewer) or on the caller (1)."""
     kernels = mkl_packed_kernels()
     assert kernels is not None
     gen = torch.Generator().manual_seed(3)
@@ -65,24 +68,76 @@ def test_mkl_pack_serves_any_thread_count(pack_threads: int, run_threads: int) -
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(pack_threads)
-        packed = kernels.sgemm_pack(w)
+        packed = kernels.sgemm_pack(w, 144)  # 7 chunks of 144 columns, then one of 136
         torch.set_num_threads(run_threads)
-        torch.testing.assert_close(kernels.sgemm_packed(x, packed, 1000), x @ w, rtol=1e-5, atol=1e-4)
+        alone = kernels.sgemm_packed(x, packed, 1000, 1)
+        torch.testing.assert_close(alone, x @ w, rtol=1e-5, atol=1e-4)
+        for _ in range(20):  # the pool's helpers are reused product after product
+            assert torch.equal(kernels.sgemm_packed(x, packed, 1000, chunk_threads), alone)  # one MKL thread per chunk
     finally:
         torch.set_num_threads(threads)
+
+
+def test_mkl_products_on_two_python_threads_at_once() -> None:
+    """Two engines in one process may multiply at once (the GIL is released): one takes the pool, the other runs
+    its chunks itself; both get their own right values."""
+    kernels = mkl_packed_kernels()
+    assert kernels is not None
+    gen = torch.Generator().manual_seed(4)
+    weights = [torch.randn(256, 900, generator=gen) for _ in range(2)]
+    packs = [kernels.sgemm_pack(w, 64) for w in weights]
+    inputs = [torch.randn(24, 256, generator=gen) for _ in range(2)]
+    threads = torch.get_num_threads()
+    errors: list[float] = []
+
+    def multiply(i: int) -> None:
+        for _ in range(200):
+            out = kernels.sgemm_packed(inputs[i], packs[i], 900, 2)
+            errors.append(float((out - inputs[i] @ weights[i]).abs().max()))
+
+    try:
+        torch.set_num_threads(1)  # the pool path
+        workers = [threading.Thread(target=multiply, args=(i,)) for i in range(2)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert len(errors) == 400
+    assert max(errors) < 1e-3
+
+
+def test_mkl_chunks_and_gemm_threads() -> None:
+    assert [packed_fp32.chunk_columns(n) for n in (1, 48, 576, 960, 3072, 49152)] == [16, 16, 144, 240, 768, 4096]
+    try:
+        packed_fp32.set_gemm_threads(3)
+        assert packed_fp32.gemm_threads() == 3
+        packed_fp32.set_gemm_threads(None)
+        assert packed_fp32.gemm_threads() == torch.get_num_threads()
+        with pytest.raises(ValueError, match="at least 1 thread"):
+            packed_fp32.set_gemm_threads(0)
+    finally:
+        packed_fp32.set_gemm_threads(None)
 
 
 def test_mkl_pack_refuses_a_product_of_another_shape() -> None:
     kernels = mkl_packed_kernels()
     assert kernels is not None
-    packed = kernels.sgemm_pack(torch.randn(64, 48))
+    packed = kernels.sgemm_pack(torch.randn(64, 48), 16)
     with pytest.raises(RuntimeError, match=r"holds a \[64, 48\] weight, not \[63, 48\]"):
-        kernels.sgemm_packed(torch.randn(3, 63), packed, 48)
+        kernels.sgemm_packed(torch.randn(3, 63), packed, 48, 2)
     with pytest.raises(RuntimeError, match=r"not \[64, 47\]"):
-        kernels.sgemm_packed(torch.randn(3, 64), packed, 47)
+        kernels.sgemm_packed(torch.randn(3, 64), packed, 47, 2)
     with pytest.raises(RuntimeError, match="made by sgemm_pack"):
-        kernels.sgemm_packed(torch.randn(3, 64), torch.zeros(10, dtype=torch.uint8), 48)
-    assert kernels.sgemm_packed(torch.randn(0, 64), packed, 48).shape == (0, 48)
+        kernels.sgemm_packed(torch.randn(3, 64), torch.zeros(10, dtype=torch.uint8), 48, 2)
+    with pytest.raises(RuntimeError, match="made by sgemm_pack"):
+        kernels.sgemm_packed(torch.randn(3, 64), packed[:200].clone(), 48, 2)  # cut short
+    with pytest.raises(RuntimeError, match="num_threads"):
+        kernels.sgemm_packed(torch.randn(3, 64), packed, 48, 0)
+    with pytest.raises(RuntimeError, match="chunk_cols"):
+        kernels.sgemm_pack(torch.randn(64, 48), 0)
+    assert kernels.sgemm_packed(torch.randn(0, 64), packed, 48, 2).shape == (0, 48)
 
 
 def test_a_copied_mkl_weight_is_packed_again() -> None:

@@ -222,7 +222,7 @@ def test_kernels_are_built_under_the_asyncllm_cache(tmp_path, monkeypatch: pytes
 def test_a_failed_build_falls_back_to_the_torch_ops(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
     broken = tmp_path / "row_kernels.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(row_kernels, "SOURCE", broken)
+    monkeypatch.setattr(row_kernels, "SOURCES", (broken,))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     load_kernels.cache_clear()
     try:

@@ -3,10 +3,12 @@
 `torch.mm` (MKL's sgemm) on a plain `[in, out]` weight is fastest for a single row (a matrix-vector product that
 streams the weight once). For more rows the weight is packed once at load time into a kernel's own layout:
 - MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`, Intel oneMKL Developer Reference), called through
-  the fused row-kernel module (`model/row_kernels.py`) from the MKL torch links. One pack serves every row count
-  (no per-shape kernels, no padding). Measured on this model's 30 layers plus LM head, 2 threads
-  (`benchmarks/linear_kernels.py`): 32 rows 43-46 ms vs oneDNN's 48-52 and `x @ W`'s 53-57; 64 rows 60-67 vs
-  74-83 and 70-74; 2 rows 21 vs 24-25 and 25-26.
+  the fused row-kernel module (`model/row_kernels.py`, `csrc/packed_gemm.cpp`) from the MKL torch links. One pack
+  serves every row count (no per-shape kernels, no padding). The weight is packed in column chunks
+  (`chunk_columns`) that a product hands out on demand to `gemm_threads()` threads, one MKL thread each, so a
+  thread the OS deschedules (beside another busy process) does not hold the others up. Measured on this model's
+  30 layers plus LM head, 2 threads (`benchmarks/linear_kernels.py`): 32 rows 43-46 ms vs oneDNN's 48-52 and
+  `x @ W`'s 53-57; 64 rows 60-67 vs 74-83 and 70-74; 2 rows 21 vs 24-25 and 25-26.
 - Where that is missing (no compiler, torch without MKL, `ASYNCLLM_FUSED_KERNELS=0`) or fails its start-up check:
   oneDNN's inner product on a weight reordered into its blocked layout (`torch.ops.mkldnn._linear_pointwise`,
   the kernel torch's x86 inference path uses for frozen float32 linears), for 4-64 rows (padded to a few row
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,9 @@ import torch
 from asyncllm.model.row_kernels import RowKernels, load_kernels
 
 MIN_MKL_ROWS = 2  # 1 row: MKL's sgemv on the plain weight is faster than the packed GEMM
+CHUNKS_PER_WEIGHT = 4  # column chunks of an MKL-packed weight, at least: enough to even out two threads' shares
+MAX_CHUNK_COLUMNS = 4096  # wider weights (an LM head) get more chunks, so no chunk is a long wait
+_gemm_threads: int | None = None  # threads of an MKL-packed product (`set_gemm_threads`); None: torch's count
 MIN_PACKED_ROWS = 4  # oneDNN: 1-3 rows run the plain weight (as fast or faster at 2 threads)
 MAX_PACKED_ROWS = 64  # beyond, MKL's sgemm is as fast (compute-bound) and needs no padding
 
@@ -56,6 +62,33 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if missing == 0 else torch.cat([x, x.new_zeros(missing, x.shape[1])])
 
 
+def chunk_columns(out_features: int) -> int:
+    """Columns per chunk of an MKL-packed `[in, out_features]` weight: out_features / CHUNKS_PER_WEIGHT rounded up
+    to a multiple of 16 (whole AVX-512 vectors), at most MAX_CHUNK_COLUMNS."""
+    per_chunk = -(-out_features // CHUNKS_PER_WEIGHT)
+    return min(MAX_CHUNK_COLUMNS, -(-per_chunk // 16) * 16)
+
+
+def set_gemm_threads(num_threads: int | None) -> None:
+    """Threads that MKL-packed products run on from now on in this process (None: torch's thread count at each
+    product). The worker sets its quiet thread count here: a product keeps both threads when the thread policy
+    runs the rest of a step on one (`worker/thread_policy.py`), since its chunks do not wait for a descheduled
+    thread.
+
+    Raises:
+        ValueError: num_threads < 1.
+    """
+    global _gemm_threads
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"set_gemm_threads needs at least 1 thread, not {num_threads}")
+    _gemm_threads = num_threads
+
+
+def gemm_threads() -> int:
+    """Threads an MKL-packed product runs on now (`set_gemm_threads`)."""
+    return _gemm_threads if _gemm_threads is not None else torch.get_num_threads()
+
+
 @dataclass
 class PackedFp32Weight:
     """A float32 linear weight in both layouts.
@@ -80,7 +113,7 @@ class PackedFp32Weight:
         weight = copy.deepcopy(self.weight, memo)
         if self.mkl is None:
             return PackedFp32Weight(weight, copy.deepcopy(self.packed, memo))
-        return PackedFp32Weight(weight, self.mkl.sgemm_pack(weight), self.mkl)
+        return PackedFp32Weight(weight, self.mkl.sgemm_pack(weight, chunk_columns(weight.shape[1])), self.mkl)
 
 
 @functools.cache
@@ -98,7 +131,8 @@ def onednn_fp32_available() -> bool:
 @functools.cache
 def mkl_packed_kernels() -> RowKernels | None:
     """The row-kernel module if its MKL packed GEMM links here and agrees with `x @ W` (within float32 rounding) on
-    products of 1-300 rows packed once, at one thread and at torch's thread count; else None. Never raises."""
+    products of 1-300 rows packed once, on one, two and torch's count of threads (for the chunks) with torch at one
+    thread and at its count; else None. Never raises."""
     kernels = load_kernels()
     if kernels is None or not kernels.has_packed_sgemm():
         return None
@@ -106,12 +140,12 @@ def mkl_packed_kernels() -> RowKernels | None:
     w = torch.randn(200, 328, generator=generator)
     threads = torch.get_num_threads()
     try:
-        packed = kernels.sgemm_pack(w)
+        packed = kernels.sgemm_pack(w, 48)  # 7 chunks, the last narrower
         for num_threads in sorted({1, threads}):
             torch.set_num_threads(num_threads)
-            for rows in (1, 2, 5, 17, 64, 300):
+            for rows, chunk_threads in itertools.product((1, 2, 5, 17, 64, 300), sorted({1, 2, threads})):
                 x = torch.randn(rows, 200, generator=generator)
-                if not torch.allclose(kernels.sgemm_packed(x, packed, 328), x @ w, rtol=1e-5, atol=1e-4):
+                if not torch.allclose(kernels.sgemm_packed(x, packed, 328, chunk_threads), x @ w, rtol=1e-5, atol=1e-4):
                     return None
     finally:
         torch.set_num_threads(threads)
@@ -135,7 +169,7 @@ def pack_fp32(weight: torch.Tensor) -> PackedFp32Weight:
     plain = weight.detach().contiguous()
     kernels = mkl_packed_kernels()
     if kernels is not None:
-        return PackedFp32Weight(plain, kernels.sgemm_pack(plain), kernels)
+        return PackedFp32Weight(plain, kernels.sgemm_pack(plain, chunk_columns(plain.shape[1])), kernels)
     return PackedFp32Weight(plain, torch.ops.mkldnn._reorder_linear_weight(plain.t().contiguous(), None))
 
 
@@ -145,7 +179,7 @@ def packed_linear(x: torch.Tensor, weight: PackedFp32Weight) -> torch.Tensor:
     if weight.mkl is not None:
         if rows < MIN_MKL_ROWS:
             return x @ weight.weight
-        return weight.mkl.sgemm_packed(x.contiguous(), weight.packed, weight.weight.shape[1])
+        return weight.mkl.sgemm_packed(x.contiguous(), weight.packed, weight.weight.shape[1], gemm_threads())
     if not MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS:
         return x @ weight.weight
     return _packed_mm(pad_rows(x, bucket_rows(rows)), weight.packed)[:rows]

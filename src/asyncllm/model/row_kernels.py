@@ -17,8 +17,9 @@ in one call per row what took 2-12 torch ops:
 - K/V copies (both paths): `store_kv_cache_` (this step's keys and values into the paged cache at their slots:
   `attention.write_kv_cache`'s permute, stack and indexed write) and `store_kv_rows_` (the new token into the
   decode K/V mirror: two indexed writes). Indexed writes cost 5-20 us each in a step; these are plain copies.
-- float32 products with a weight packed once by MKL (`sgemm_pack`, `sgemm_packed`: the CBLAS packed-GEMM routines
-  of the MKL torch links, where it exports them). Not row kernels and not bit-exact with other GEMMs:
+- float32 products with a weight packed once by MKL in column chunks (`sgemm_pack`, `sgemm_packed`, in
+  `csrc/packed_gemm.cpp`: the CBLAS packed-GEMM routines of the MKL torch links, where it exports them, with the
+  chunks handed out on demand to threads). Not row kernels and not bit-exact with other GEMMs:
   `model/packed_fp32.py` checks them and decides whether to use them.
 
 Every row kernel gives the eager ops' values bit for bit (RMSNorm adds its squares in the order of ATen's sum kernel,
@@ -50,6 +51,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("packed_gemm.cpp"))  # compiled together; with packed_gemm.h, in the cache key
+HEADERS = (SOURCE.with_name("packed_gemm.h"),)
 ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
 STALE_LOCK_S = 600.0  # seconds; a build takes about 20
 MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to this many columns
@@ -127,15 +130,16 @@ class RowKernels(Protocol):
         """Whether the MKL packed-GEMM routines below are linked (torch's MKL exports them)."""
         ...
 
-    def sgemm_pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """`[in, out]` float32 contiguous -> MKL's packed copy (opaque uint8; must not be copied or moved: pack the
-        copy's weight again). Raises RuntimeError without MKL."""
+    def sgemm_pack(self, weight: torch.Tensor, chunk_cols: int) -> torch.Tensor:
+        """`[in, out]` float32 contiguous -> MKL's packed copy in `chunk_cols`-wide column chunks (opaque uint8; must
+        not be copied or moved: pack the copy's weight again). Raises RuntimeError without MKL."""
         ...
 
-    def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, num_threads: int) -> torch.Tensor:
         """`x @ W`: `[rows, in]` float32 contiguous times a packed `[in, out_features]` weight -> `[rows, out_features]`
-        (MKL's kernel, float32 arithmetic in its own summation order). Raises RuntimeError on a buffer of another
-        shape."""
+        (MKL's kernel, float32 arithmetic in its own summation order), its column chunks handed out on demand to
+        `num_threads` threads (`csrc/packed_gemm.cpp`); the GIL is released meanwhile. Raises RuntimeError on a
+        buffer of another shape."""
         ...
 
 
@@ -148,7 +152,7 @@ def _cpu_tag() -> str:
                 cpu += line
     except OSError:
         pass
-    return hashlib.sha256((cpu + SOURCE.read_text()).encode()).hexdigest()[:12]
+    return hashlib.sha256((cpu + "".join(p.read_text() for p in (*SOURCES, *HEADERS))).encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -168,8 +172,8 @@ def load_kernels() -> RowKernels | None:
         remove_stale_lock(directory)
         module = load(
             name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            sources=[str(path) for path in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],  # OpenMP: torch's libgomp
             build_directory=str(directory),
             verbose=False,
         )

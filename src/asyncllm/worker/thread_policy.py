@@ -17,16 +17,19 @@ never makes more threads faster, and beside a CPU-bound process one-thread steps
 slice (a blip that started a 3-step 2-thread probe in 2 of 4 contended 64-step runs). Quiet, the cost is the rare
 probe step.
 
-Coming back: at one thread, the end of the contention does not make steps slower, and a periodic probe can be
-512 steps away (tens of seconds at 32 streams), so the worker also watches the machine's idle CPU time while its
-one-thread steps run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idle_cpus_to_probe` CPUs sat idle
-on average over `idle_window_steps` steps, it probes at once (the gap between such probes doubles while they
-confirm one thread). Contended, the other core is busy and this never fires. With that meter working, the
-periodic probe of all threads from one thread comes every `max_probe_interval` steps from the start: beside a
-CPU-bound process each 2-thread probe step costs 2-4 one-thread steps, so 3 probe steps every 32 steps would cost
-about 10-25% of the contended steps (arithmetic, not a measurement; the A/B in docs/benchmarks.md measured the
-change); the idle trigger already answers the contention ending, and the rare periodic probe still catches a
-competitor that would yield its core (a niced one) without leaving a CPU idle.
+Coming back: at one thread, the end of the contention does not make steps slower, and a periodic probe can be 512
+steps away (tens of seconds at 32 streams), so the worker also watches the machine's idle CPU time while its one-
+thread steps run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idle_cpus_to_probe` CPUs sat idle on
+average over `idle_window_steps` steps, it probes at once (the gap between such probes doubles while they confirm
+one thread). Contended, the other core is busy and this rarely fires. The trigger is low (0.2 CPUs) and so is the
+hysteresis (5%) because fp32 packed products keep all threads when torch runs on one (`model/packed_fp32.py`):
+quiet, a one-thread step then leaves only ~0.3 CPUs idle and is only ~12% slower than an all-thread one (measured:
+fp32, 32 streams; contended one-thread steps showed a median of 0.0 idle CPUs, 0.12 at the 90th percentile). With
+that meter working, the periodic probe of all threads from one thread comes every `max_probe_interval` steps from
+the start: beside a CPU-bound process each 2-thread probe step costs 2-4 one-thread steps, so 3 probe steps every 32
+steps would cost about 10-25% of the contended steps (arithmetic, not a measurement; the A/B in docs/benchmarks.md
+measured the change); the idle trigger already answers the contention ending, and the rare periodic probe still
+catches a competitor that would yield its core (a niced one) without leaving a CPU idle.
 """
 
 from __future__ import annotations
@@ -96,12 +99,12 @@ class AdaptiveThreads:
         max_probe_interval: int = 512,
         probe_steps: int = 3,
         slowdown: float = 1.6,
-        hysteresis: float = 0.1,
+        hysteresis: float = 0.05,
         set_threads: Callable[[int], None] = torch.set_num_threads,
         clock: Callable[[], float] = time.perf_counter,
         idle_meter: Callable[[], float | None] | None = None,
         idle_window_steps: int = 8,
-        idle_cpus_to_probe: float = 0.5,
+        idle_cpus_to_probe: float = 0.2,
     ) -> None:
         if max_threads < 2 or probe_interval < 1 or probe_steps < 1:
             raise ValueError("AdaptiveThreads needs max_threads >= 2 and positive probe sizes")

@@ -20,6 +20,7 @@ from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.loader import load_model
+from asyncllm.model.packed_fp32 import set_gemm_threads
 from asyncllm.worker.kv_cache_sizing import allocate_zeroed, available_memory_bytes, default_num_kv_blocks
 from asyncllm.worker.model_runner import CausalLM, ModelRunner
 from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
@@ -53,6 +54,7 @@ class Worker:
             torch.set_num_threads(num_threads)
         # num_threads=None on one rank: adapt between torch's default count and 1 by measured step time.
         adapt = num_threads is None and torch.get_num_threads() > 1
+        set_gemm_threads(torch.get_num_threads())  # packed products keep them when the policy drops to one
         self.thread_policy = AdaptiveThreads(torch.get_num_threads(), idle_meter=SystemIdleMeter()) if adapt else None
         if self.tp_size > 1:
             if distributed_init_method is None:

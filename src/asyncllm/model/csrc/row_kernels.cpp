@@ -9,9 +9,7 @@
 // Built with -ffp-contract=off (no fused multiply-adds). Rows are independent: a row's result never depends on its
 // batch.
 //
-// Also here: float32 products with a weight packed once into MKL's internal layout (`sgemm_pack`, `sgemm_packed`),
-// through the CBLAS packed-GEMM routines of the MKL that torch links. They are not row kernels and not bit-exact
-// with other GEMMs; model/packed_fp32.py checks them against `x @ W` within float32 rounding before using them.
+// The float32 products with an MKL-packed weight live in packed_gemm.cpp; this module exports them.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
 #define CPU_CAPABILITY AVX512
@@ -29,16 +27,7 @@
 #include <optional>
 #include <vector>
 
-// MKL's packed GEMM (Intel oneMKL Developer Reference: cblas_?gemm_pack_get_size, cblas_?gemm_pack,
-// cblas_?gemm_compute; LP64 integers). Declared weak: where torch links no MKL they stay null and
-// `has_packed_sgemm()` is false, instead of the whole extension failing to load.
-extern "C" {
-__attribute__((weak)) size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k);
-__attribute__((weak)) void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha,
-                                            const float* src, int ld, float* dest);
-__attribute__((weak)) void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a,
-                                               int lda, const float* b, int ldb, float beta, float* c, int ldc);
-}
+#include "packed_gemm.h"
 
 namespace {
 
@@ -420,59 +409,6 @@ void store_kv_rows_(at::Tensor& key_dst, at::Tensor& value_dst, const at::Tensor
   for (int64_t r = 0; r < rows; ++r) row_ids[r] = r;
   copy_kv_rows(key, value, key_dst.data_ptr<float>(), value_dst.data_ptr<float>(), row_ids.data(),
                capacity * row_numel, pp, row_numel);
-}
-
-// ---- float32 products with an MKL-packed weight ----
-constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151, kBMatrix = 162;  // MKL's CBLAS enum values
-constexpr int kPackRowsHint = 128;  // the `m` given to the pack routines; products of any row count may use the pack
-
-bool has_packed_sgemm() {
-  return cblas_sgemm_pack_get_size != nullptr && cblas_sgemm_pack != nullptr && cblas_sgemm_compute != nullptr;
-}
-
-// A pack buffer starts with a 64-byte header holding the weight's [in, out] sides (int64), so a product with the
-// wrong input width is an error instead of garbage; MKL's packed data follows, still 64-byte aligned.
-constexpr int64_t kPackHeader = 64;
-
-int64_t packed_bytes(int64_t in_features, int64_t out_features) {
-  return kPackHeader +
-         static_cast<int64_t>(cblas_sgemm_pack_get_size(kBMatrix, kPackRowsHint, out_features, in_features));
-}
-
-// weight [in, out] float32 contiguous -> an opaque uint8 buffer for `sgemm_packed`. The buffer must stay where it
-// is: MKL's packed data depends on its address's alignment, so a copy is not a valid pack (pack again instead).
-at::Tensor sgemm_pack(const at::Tensor& weight) {
-  TORCH_CHECK(has_packed_sgemm(), "this torch build has no MKL packed GEMM");
-  check_rows(weight, "weight");
-  const int64_t k = weight.size(0), n = weight.size(1);
-  TORCH_CHECK(k > 0 && n > 0 && k < INT32_MAX && n < INT32_MAX, "weight must be non-empty with sides < 2^31");
-  at::Tensor packed = at::empty({packed_bytes(k, n)}, weight.options().dtype(at::kByte));
-  int64_t* header = reinterpret_cast<int64_t*>(packed.data_ptr<uint8_t>());
-  header[0] = k;
-  header[1] = n;
-  cblas_sgemm_pack(kRowMajor, kBMatrix, kNoTrans, kPackRowsHint, n, k, 1.0f, weight.data_ptr<float>(), n,
-                   reinterpret_cast<float*>(packed.data_ptr<uint8_t>() + kPackHeader));
-  return packed;
-}
-
-// x [rows, in] float32 contiguous times the packed [in, out] weight -> [rows, out] float32 (MKL's threads: torch's).
-at::Tensor sgemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(has_packed_sgemm(), "this torch build has no MKL packed GEMM");
-  check_rows(x, "x");
-  const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.numel() > kPackHeader,
-              "packed must be a buffer made by sgemm_pack");
-  const int64_t* header = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>());
-  TORCH_CHECK(header[0] == k && header[1] == out_features && packed.numel() == packed_bytes(k, out_features),
-              "packed holds a [", header[0], ", ", header[1], "] weight, not [", k, ", ", out_features, "]");
-  TORCH_CHECK(rows < INT32_MAX, "x must have fewer than 2^31 rows");
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return out;
-  cblas_sgemm_compute(kRowMajor, kNoTrans, kPacked, rows, out_features, k, x.data_ptr<float>(), k,
-                      reinterpret_cast<const float*>(packed.data_ptr<uint8_t>() + kPackHeader), k, 0.0f,
-                      out.data_ptr<float>(), out_features);
-  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
