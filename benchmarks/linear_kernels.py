@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from throughput import machine_info  # benchmarks/ is on sys.path when run as a script
 
-from asyncllm.model.packed_fp32 import PackedFp32Weight, mkl_packed_kernels
+from asyncllm.model.packed_fp32 import PackedFp32Weight, chunk_columns, mkl_packed_kernels
 from asyncllm.model.quant import Int8Weight, linear, quantize_int8
 
 HIDDEN, LAYERS, VOCAB = 576, 30, 49152
@@ -50,7 +50,9 @@ def build_weights() -> dict[str, list[Any]]:
     }
     mkl = mkl_packed_kernels()
     if mkl is not None:  # where it does not load, asyncllm packs for oneDNN
-        weights["fp32 MKL packed GEMM"] = [PackedFp32Weight(w, mkl.sgemm_pack(w), mkl) for w in plain]
+        weights["fp32 MKL packed GEMM"] = [
+            PackedFp32Weight(w, mkl.sgemm_pack(w, chunk_columns(w.shape[1])), mkl) for w in plain
+        ]
     return weights
 
 
