@@ -260,14 +260,16 @@ async def test_an_output_wakes_only_its_own_stream(llm: AsyncLLM, monkeypatch: p
     waits = 0
     real_wait = notifier.wait
 
-    async def counting_wait(key: object) -> None:
+    async def counting_wait(key: object, *, for_turn: bool = False) -> None:
         nonlocal waits
         waits += 1
-        await real_wait(key)
+        await real_wait(key, for_turn=for_turn)
 
     monkeypatch.setattr(notifier, "wait", counting_wait)
     streams = [llm.generate(f"prompt {i}", greedy(8, RequestOutputKind.DELTA)) for i in range(100)]
     results = await asyncio.gather(*(collect(s) for s in streams))
     yielded = sum(len(outputs) for outputs in results)
     assert all(sum(len(o.outputs[0].token_ids) for o in outputs) == 8 for outputs in results)
-    assert waits <= 2 * yielded, (waits, yielded)
+    # A free turn wakes one waiting stream, not all of them (waking all made this 1.0-3.5x per output, at random:
+    # a test bound of 2x failed about one run in ten); measured 0.99-1.03x
+    assert waits <= 1.25 * yielded, (waits, yielded)
