@@ -3,8 +3,7 @@
 There is no background task (so the frontend works on asyncio and trio alike): a stream that waits for its next
 output takes the *turn* when nobody holds it, reads one batch of `EngineCoreOutputs` from the client and hands it
 to the `OutputProcessor`, which fills every request's collector; the other waiting streams sleep on the notifier
-until their collector has an output (only that stream wakes) or the turn is free (the longest-waiting one wakes to
-take it; a stream that leaves while the turn is free wakes the next). The role is that of
+until their collector has an output (only that stream wakes) or the turn is free (all wake). The role is that of
 vLLM v1's `output_handler` task in `AsyncLLM` (`vllm/v1/engine/async_llm.py`).
 """
 
@@ -77,27 +76,23 @@ class OutputHandler:
             EngineDeadError: the engine died or was shut down (the engine's own reason when it is known).
             EngineGenerateError: the request failed in the engine (from the collector).
         """
-        try:
-            while (output := collector.get_nowait()) is None:
-                if self.errored or self.shut_down:  # an untracked stream of a dead engine would otherwise spin here
-                    self._client.check_health()  # the engine's own death reason, or "shut down"
-                    self.ensure_running()
-                if self._handling:
-                    await self.notifier.wait(collector, for_turn=True)
-                    continue
-                # Holding the turn, this task waits on the engine's socket; anything put into its own collector
-                # meanwhile (an abort's final output, a close, an error) ends that wait, as the engine may send
-                # nothing more. Only the wait is cut short: processing a received batch is shielded.
-                with anyio.CancelScope() as wait_scope:
-                    collector.wake_reader = wait_scope.cancel
-                    try:
-                        await self._handle_engine_outputs()
-                    finally:
-                        collector.wake_reader = None
-            return output
-        finally:
-            if not self._handling:  # leaving (an output, an error, a cancellation) with the turn free: pass it on
-                self.notifier.notify_turn()
+        while (output := collector.get_nowait()) is None:
+            if self.errored or self.shut_down:  # an untracked stream of a dead engine would otherwise spin here
+                self._client.check_health()  # the engine's own death reason, or "shut down"
+                self.ensure_running()
+            if self._handling:
+                await self.notifier.wait(collector)
+                continue
+            # Holding the turn, this task waits on the engine's socket; anything put into its own collector
+            # meanwhile (an abort's final output, a close, an error) ends that wait, as the engine may send
+            # nothing more. Only the wait is cut short: processing a received batch is shielded.
+            with anyio.CancelScope() as wait_scope:
+                collector.wake_reader = wait_scope.cancel
+                try:
+                    await self._handle_engine_outputs()
+                finally:
+                    collector.wake_reader = None
+        return output
 
     def abort_in_engine(self, request_ids: list[str]) -> None:
         """Send an abort for `request_ids` unless the engine is gone (then nothing runs for them anyway)."""
@@ -124,7 +119,7 @@ class OutputHandler:
                     await anyio.lowlevel.checkpoint()  # let other tasks run between engine steps
         finally:
             self._handling = False
-            self.notifier.notify_turn()  # the turn is free: the longest-waiting stream takes it
+            self.notifier.notify_all()  # the turn is free: whoever still waits takes it or finds its output
 
     def _stop_on_error(self, error: BaseException) -> None:
         if not self.shut_down:

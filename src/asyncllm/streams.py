@@ -23,61 +23,48 @@ from asyncllm.utils.loops import call_soon_in_loop
 
 
 class Notifier:
-    """Wakes tasks waiting for a change: one waiter by its key (its own output arrived), the longest-waiting task
-    that would take the output-handling turn (the turn is free), or all of them (an abort, the engine's end).
+    """Wakes tasks waiting for a change: one waiter by its key (its own output arrived), or all of them (the
+    output-handling turn is free, an abort).
 
     Waking only the task whose output arrived keeps a step's cost proportional to the outputs it made, not to the
-    number of open streams (waking every stream per step costs a task switch per stream); so does handing a free
-    turn to one waiter instead of waking all of them to race for it. Used on the event loop's thread only; works
-    on asyncio and trio.
+    number of open streams (waking every stream per step costs a task switch per stream). Used on the event
+    loop's thread only; works on asyncio and trio.
     """
 
     def __init__(self) -> None:
         self._waiters: dict[object, anyio.Event] = {}  # key -> the event its task waits on, oldest first
-        self._turn_waiters: dict[object, anyio.Event] = {}  # the subset that would take a free turn, oldest first
 
     @property
     def has_waiters(self) -> bool:
         """True while some task waits."""
         return bool(self._waiters)
 
-    async def wait(self, key: object, *, for_turn: bool = False) -> None:
-        """Wait until `notify(key)` or `notify_all()` (one task per key), or with `for_turn`, also `notify_turn()`."""
+    async def wait(self, key: object) -> None:
+        """Wait until `notify(key)` or `notify_all()` (one task per key)."""
         event = self._waiters.get(key)
         if event is None:
             event = self._waiters[key] = anyio.Event()
-        if for_turn:
-            self._turn_waiters[key] = event
         try:
             await event.wait()
         finally:
             if self._waiters.get(key) is event:
                 del self._waiters[key]
-            if self._turn_waiters.get(key) is event:
-                del self._turn_waiters[key]
 
     def notify(self, key: object) -> None:
         """Wake the task waiting under `key`, if any."""
-        self._turn_waiters.pop(key, None)
         event = self._waiters.pop(key, None)
         if event is not None:
             event.set()
 
-    def notify_turn(self) -> None:
-        """Wake the longest-waiting task that waits `for_turn`, if any."""
-        key = next(iter(self._turn_waiters), None)
-        if key is not None:
-            self.notify(key)
-
     def notify_all(self) -> None:
         """Wake every current waiter."""
-        waiters, self._waiters, self._turn_waiters = self._waiters, {}, {}
+        waiters, self._waiters = self._waiters, {}
         for event in waiters.values():
             event.set()
 
     def reset(self) -> None:
         """Forget waiters of an event loop that ended."""
-        self._waiters, self._turn_waiters = {}, {}
+        self._waiters = {}
 
 
 class RequestOutputCollector:

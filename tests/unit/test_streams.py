@@ -324,27 +324,3 @@ async def test_notifier_wakes_one_waiter_by_key_or_all() -> None:
     await asyncio.gather(*tasks)
     assert sorted(woken[1:]) == ["a", "b", "d"]
     assert not notifier.has_waiters
-
-
-async def test_notify_turn_wakes_only_the_oldest_turn_waiter() -> None:
-    notifier = Notifier()
-    woken: list[str] = []
-
-    async def wait(name: str, for_turn: bool) -> None:
-        await notifier.wait(name, for_turn=for_turn)
-        woken.append(name)
-
-    tasks = [asyncio.create_task(wait(name, turn)) for name, turn in (("plain", False), ("a", True), ("b", True))]
-    await asyncio.sleep(0)
-    notifier.notify_turn()
-    await asyncio.sleep(0)
-    assert woken == ["a"]  # not the plain waiter (it would not take the turn), not both turn waiters
-    notifier.notify("b")  # its own output: it leaves the turn waiters too
-    await asyncio.sleep(0)
-    notifier.notify_turn()  # nobody left who takes turns: nothing happens
-    await asyncio.sleep(0)
-    assert woken == ["a", "b"]
-    notifier.notify_all()
-    await asyncio.gather(*tasks)
-    assert woken == ["a", "b", "plain"]
-    assert not notifier.has_waiters
