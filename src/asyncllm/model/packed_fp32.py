@@ -8,7 +8,8 @@ streams the weight once). For more rows the weight is packed once at load time i
   (`chunk_columns`) that a product hands out on demand to `gemm_threads()` threads, one MKL thread each, so a
   thread the OS deschedules (beside another busy process) does not hold the others up. Measured on this model's
   30 layers plus LM head, 2 threads (`benchmarks/linear_kernels.py`): 32 rows 43-46 ms vs oneDNN's 48-52 and
-  `x @ W`'s 53-57; 64 rows 60-67 vs 74-83 and 70-74; 2 rows 21 vs 24-25 and 25-26.
+  `x @ W`'s 53-57; 64 rows 60-67 vs 74-83 and 70-74; 2 rows 21 vs 24-25 and 25-26 (whole weights; 4 chunks per
+  weight cost ~4%: 44.6 vs 43.0 ms at 32 rows, and beside a busy process gain 6-10% over one thread).
 - Where that is missing (no compiler, torch without MKL, `ASYNCLLM_FUSED_KERNELS=0`) or fails its start-up check:
   oneDNN's inner product on a weight reordered into its blocked layout (`torch.ops.mkldnn._linear_pointwise`,
   the kernel torch's x86 inference path uses for frozen float32 linears), for 4-64 rows (padded to a few row
