@@ -82,14 +82,17 @@ def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any],
                 f"Each number is the median of {t['rounds']['count']} rounds; in every round each stream count ran on",
                 "asyncllm fp32, asyncllm int8 and HF back to back (all three loaded for the whole run).",
             ]
+        lines += [f"\nKernels that ran (asyncllm {name}): {line}" for name, line in t.get("linear_kernels", {}).items()]
         lines += throughput_tables(t)
     lines += [
         "",
         "## Linear-layer kernels (`benchmarks/linear_kernels.py`)",
         "",
         "The model's 30 layers of fused linear weights plus the LM head, random values, torch's default threads;",
-        "tokens/s = rows / time of one pass (best of 5). Chooses the kernels `model/quant.py` and",
-        "`model/packed_fp32.py` run.",
+        'tokens/s = rows / time of one pass (best of 5). Each kernel forced, and "chosen": the kernels',
+        "`model/kernel_choice.py` picked on this host per row class:",
+        "",
+        *[f"- {kind}: {line}" for kind, line in k.get("chosen", {}).items()],
         "",
         *kernel_table(k),
         "",

@@ -150,24 +150,27 @@ async def measure_round(
 
 async def measure(
     path: str, streams: list[int], max_tokens: int, modes: list[str], rounds: int, with_hf: bool
-) -> dict[str, dict[str, dict[int, list[float]]]]:
-    """Every round of every mode; {engine: {mode: {streams: [tok/s of each round]}}} for fp32, int8 and hf."""
+) -> tuple[dict[str, dict[str, dict[int, list[float]]]], dict[str, str]]:
+    """Every round of every mode, {engine: {mode: {streams: [tok/s of each round]}}} for fp32, int8 and hf, and
+    the linear kernels each asyncllm engine runs ({"fp32": log line, "int8": log line})."""
     hf = load_transformers(path) if with_hf else None
     if hf is not None:
         run_transformers(*hf, make_prompts(2), 4)  # warm-up
     samples: dict[str, dict[str, dict[int, list[float]]]] = {}
+    kernels: dict[str, str] = {}
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for name, quantization in (("fp32", None), ("int8", "int8")):
             args = EngineArgs(model=path, quantization=quantization, max_num_seqs=max(streams))
             engines[name] = await stack.enter_async_context(AsyncLLM.create(args))
+            kernels[name] = (await engines[name].collective_rpc("linear_kernels"))[0]
             await run_asyncllm(engines[name], make_prompts(2), 8)  # warm-up
         for _ in range(rounds):
             for mode in modes:
                 for name, by_streams in (await measure_round(engines, hf, streams, max_tokens, mode)).items():
                     for n, value in by_streams.items():
                         samples.setdefault(name, {}).setdefault(mode, {}).setdefault(n, []).append(value)
-    return samples
+    return samples, kernels
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -175,6 +178,8 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\nmachine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}")
     print(f"load average before {result['load_before']}, after {result['load_after']}")
     print(f"{result['max_tokens']} new tokens per stream, greedy; tok/s = generated tokens per second, all streams")
+    for name, kernels in result.get("linear_kernels", {}).items():
+        print(f"asyncllm {name} kernels: {kernels}")
     for mode in result["modes"]:
         print(f"\n[{mode}]")
         print(f"{'streams':>8} {'HF fp32':>9} {'ours fp32':>10} {'ratio':>6} {'ours int8':>10} {'ratio':>6}")
@@ -218,7 +223,9 @@ def main() -> None:
         "asyncllm": {},
         "transformers": {},
     }
-    samples = asyncio.run(measure(path, args.streams, max_tokens, result["modes"], args.rounds, not args.skip_hf))
+    samples, result["linear_kernels"] = asyncio.run(
+        measure(path, args.streams, max_tokens, result["modes"], args.rounds, not args.skip_hf)
+    )
     result["rounds"] = {"count": args.rounds, "samples": samples}
     medians = {name: {m: {n: statistics.median(v) for n, v in by_n.items()} for m, by_n in by_mode.items()}
                for name, by_mode in samples.items()}  # fmt: skip

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.engine_config import (
+    LINEAR_KERNEL_ENV,
     CacheConfig,
     DataParallelBackend,
     EngineConfig,
@@ -27,6 +28,7 @@ from asyncllm.engine_config import (
     SchedulingPolicy,
     SpeculativeConfig,
     executor_backend_name,
+    parse_linear_kernels,
 )
 from asyncllm.errors import ConfigError
 
@@ -74,6 +76,10 @@ class EngineArgs:
         quantization: None (float32, default) or "int8": every linear layer and the LM head run with int8
             weights (per output channel) and int8 per-row dynamic activations; from float or GGUF checkpoints
             (GGUF is dequantized, then requantized). See README "Speed" and docs/benchmarks.md.
+        linear_kernels: force the kernel of a kind of linear product, e.g. {"int8": "int_mm"} or "int8=int_mm"
+            (int8: "onednn", "int_mm"; fp32: "matmul", "mkl_packed", "onednn"). None (default): each
+            is chosen by timing the candidates on the host at first start (cached; docs/kernels.md). The
+            environment variable `ASYNCLLM_LINEAR_KERNELS` does the same; this argument wins.
         distributed_executor_backend: "uni" (model in the engine process, default), "mp" (one worker process
             per rank), "ray" (one Ray actor per rank; `asyncllm[ray]`), an `Executor` subclass or
             "package.module:Class". See docs/executors.md.
@@ -125,6 +131,7 @@ class EngineArgs:
     engine_process: bool = True
     load_format: LoadFormat = "auto"
     quantization: Quantization | None = None
+    linear_kernels: dict[str, str] | str | None = None
     distributed_executor_backend: str | type = "uni"
     tensor_parallel_size: int = 1
     ray_address: str | None = None
@@ -185,6 +192,8 @@ class EngineArgs:
             raise ConfigError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
         if self.quantization not in (None, "int8"):
             raise ConfigError(f"EngineArgs.quantization={self.quantization!r}: must be None or 'int8'")
+        parse_linear_kernels(self.linear_kernels)
+        parse_linear_kernels(os.environ.get(LINEAR_KERNEL_ENV), source=LINEAR_KERNEL_ENV)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"EngineArgs.scheduling_policy={self.scheduling_policy!r}: must be 'fcfs' or 'priority'")
         if not isinstance(self.ray_placement_timeout_s, (int, float)) or not self.ray_placement_timeout_s > 0:
@@ -249,6 +258,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             quantization=self.quantization,
+            linear_kernels=parse_linear_kernels(self.linear_kernels) or None,
         )
         cache = CacheConfig(
             block_size=self.block_size,

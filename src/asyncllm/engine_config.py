@@ -19,6 +19,41 @@ Quantization = Literal["int8"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DataParallelBackend = Literal["mp", "ray"]
 
+# The kernels each kind of linear product can run on (`model/kernel_choice.py`; docs/kernels.md), in the order
+# they are preferred on a tie.
+LINEAR_KERNEL_NAMES: dict[str, tuple[str, ...]] = {
+    "int8": ("onednn", "int_mm"),
+    "fp32": ("matmul", "mkl_packed", "onednn"),
+}
+LINEAR_KERNEL_ENV = "ASYNCLLM_LINEAR_KERNELS"
+
+
+def parse_linear_kernels(
+    value: str | dict[str, str] | None, source: str = "EngineArgs.linear_kernels"
+) -> dict[str, str]:
+    """A forced kernel per kind of linear product, from a dict (`{"int8": "int_mm"}`) or its text form
+    (`"int8=int_mm,fp32=matmul"`, as `ASYNCLLM_LINEAR_KERNELS` takes it); None or "" -> {}.
+
+    Raises:
+        ConfigError: a malformed value, or a kind or kernel not in `LINEAR_KERNEL_NAMES` (named with `source`).
+    """
+    if not value:
+        return {}
+    if isinstance(value, str):
+        pairs = [item.partition("=") for item in value.split(",") if item.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise ConfigError(f"{source}={value!r}: expected 'kind=kernel' pairs, e.g. 'int8=int_mm,fp32=matmul'")
+        value = {kind.strip(): name.strip() for kind, _, name in pairs}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}={value!r}: must be a dict such as {{'int8': 'int_mm'}} or its text form")
+    for kind, name in value.items():
+        if kind not in LINEAR_KERNEL_NAMES:
+            raise ConfigError(f"{source}: unknown kind {kind!r}; kinds: {', '.join(LINEAR_KERNEL_NAMES)}")
+        if name not in LINEAR_KERNEL_NAMES[kind]:
+            known = ", ".join(LINEAR_KERNEL_NAMES[kind])
+            raise ConfigError(f"{source}: unknown {kind} kernel {name!r}; {kind} kernels: {known}")
+    return dict(value)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -31,6 +66,8 @@ class ModelConfig:
         max_model_len: tokens per sequence (prompt + output) at most; None = the model's context length.
         seed: global seed (dummy weights, unseeded sampling).
         quantization: None (float32 weights) or "int8" (int8 linear weights and LM head, see `model/quant.py`).
+        linear_kernels: a forced kernel per kind of linear product ({"int8": "int_mm"}); kinds left out are chosen
+            by measurement on the host (`model/kernel_choice.py`), or forced by `ASYNCLLM_LINEAR_KERNELS`.
     """
 
     model: str
@@ -39,6 +76,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     quantization: Quantization | None = None
+    linear_kernels: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

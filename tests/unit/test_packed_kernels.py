@@ -13,17 +13,17 @@ import torch
 
 from asyncllm.config import ModelConfig
 from asyncllm.model import packed_fp32
+from asyncllm.model.kernel_choice import KernelChooser
 from asyncllm.model.loader import load_model
 from asyncllm.model.packed_fp32 import (
-    MIN_MKL_ROWS,
-    MIN_PACKED_ROWS,
+    FP32_PRODUCT,
     PackedFp32Weight,
     bucket_rows,
     mkl_packed_kernels,
     onednn_fp32_available,
     pack_fp32,
 )
-from asyncllm.model.quant import Int8Weight, linear, onednn_int8_available, quantize_int8, quantize_rows
+from asyncllm.model.quant import INT8_PRODUCT, Int8Weight, linear, onednn_int8_available, quantize_int8, quantize_rows
 from tests.unit.test_quant import TINY_LLAMA, _logits
 
 pytestmark = pytest.mark.skipif(
@@ -31,26 +31,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["mkl", "onednn"])
-def fp32_kernel(request, monkeypatch) -> str:  # type: ignore[no-untyped-def]
-    """Each fp32 packing in turn: MKL's packed GEMM (this CI's torch has it), then oneDNN as where it is missing."""
-    if request.param == "mkl":
-        assert mkl_packed_kernels() is not None, "the MKL packed GEMM failed to load or its check"
-    else:
-        monkeypatch.setattr(packed_fp32, "mkl_packed_kernels", lambda: None)
-    return str(request.param)
+@pytest.fixture(params=[candidate.name for candidate in FP32_PRODUCT.candidates])
+def fp32_chooser(request, tmp_path) -> KernelChooser[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """A chooser that runs every product on one fp32 kernel, each in turn (this CI's torch has all three)."""
+    if request.param == "mkl_packed":
+        assert mkl_packed_kernels() is not None, "the MKL packed GEMM failed to build or its check"
+    return KernelChooser(FP32_PRODUCT, forced=request.param, cache_dir=tmp_path)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 33, 300])
-def test_packed_fp32_linear_equals_the_plain_product(rows: int, fp32_kernel: str) -> None:
+def test_packed_fp32_linear_equals_the_plain_product(rows: int, fp32_chooser: KernelChooser[torch.Tensor]) -> None:
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 96, generator=gen), torch.randn(96, 200, generator=gen)
-    weight = pack_fp32(w)
-    assert (weight.mkl is not None) == (fp32_kernel == "mkl")
+    weight = pack_fp32(w, fp32_chooser)
+    assert weight.choice.kernel_for(rows) == fp32_chooser.forced
     out = linear(x, weight)
-    plain_rows = rows < MIN_MKL_ROWS if fp32_kernel == "mkl" else not MIN_PACKED_ROWS <= rows <= 64
-    if plain_rows:
-        assert torch.equal(out, x @ w)  # these rows run the plain weight
+    if fp32_chooser.forced == "matmul":
+        assert torch.equal(out, x @ w)
+        assert weight.operands["matmul"] is weight.weight  # no second copy
     else:
         torch.testing.assert_close(out, x @ w, rtol=1e-5, atol=1e-4)
         assert out.abs().max() > 1.0  # a real product, not zeros
@@ -140,12 +138,12 @@ def test_mkl_pack_refuses_a_product_of_another_shape() -> None:
     assert kernels.sgemm_packed(torch.randn(0, 64), packed, 48, 2).shape == (0, 48)
 
 
-def test_a_copied_mkl_weight_is_packed_again() -> None:
+def test_a_copied_mkl_weight_is_packed_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """MKL's packed data must not move: a deep copy (tests copy a shared model) packs its own."""
-    weight = pack_fp32(torch.randn(96, 200, generator=torch.Generator().manual_seed(5)))
-    assert weight.mkl is not None
+    chooser = KernelChooser(FP32_PRODUCT, forced="mkl_packed", cache_dir=tmp_path)
+    weight = pack_fp32(torch.randn(96, 200, generator=torch.Generator().manual_seed(5)), chooser)
     copied = copy.deepcopy(weight)
-    assert copied.packed.data_ptr() != weight.packed.data_ptr()
+    assert copied.operands["mkl_packed"][0].data_ptr() != weight.operands["mkl_packed"][0].data_ptr()
     x = torch.randn(7, 96)
     assert torch.equal(linear(x, copied), linear(x, weight))
 
@@ -157,26 +155,35 @@ def test_pack_fp32_refuses_what_it_cannot_pack() -> None:
         pack_fp32(torch.zeros(4))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 40])
-def test_onednn_int8_equals_int_mm(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 7, 40, 70])
+def test_every_int8_kernel_gives_the_same_values(rows: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Exact int32 sums scaled in the same order on every int8 kernel: the kernel a row class runs never changes
+    a value (so batch composition cannot either)."""
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 128, generator=gen) * 3, torch.randn(128, 72, generator=gen)
-    packed = quantize_int8(w)
-    assert packed.packed is not None
     qx, x_scale = quantize_rows(x)
-    reference = torch._int_mm(qx, packed.qweight).float() * x_scale * packed.scale
-    torch.testing.assert_close(linear(x, packed), reference, rtol=1e-6, atol=1e-5)
-    plain = linear(x, Int8Weight(packed.qweight, packed.scale))  # the fallback path without oneDNN
-    torch.testing.assert_close(plain, reference, rtol=1e-6, atol=1e-5)
-    assert torch.equal(plain, linear(x, packed))  # exact int32 sums, scaled in the same order on both paths
+    plain = quantize_int8(w, KernelChooser(INT8_PRODUCT, forced="int_mm", cache_dir=tmp_path))
+    reference = (qx.double() @ plain.qweight.double()).float() * plain.scale * x_scale
+    assert torch.equal(linear(x, plain), reference)
+    for candidate in INT8_PRODUCT.candidates:
+        chooser = KernelChooser(INT8_PRODUCT, forced=candidate.name, cache_dir=tmp_path)
+        weight = quantize_int8(w, chooser)
+        assert weight.choice is not None
+        assert weight.choice.kernel_for(rows) == candidate.name
+        assert torch.equal(linear(x, weight), reference), candidate.name
+    assert torch.equal(linear(x, Int8Weight(plain.qweight, plain.scale)), reference)  # no choice: torch._int_mm
 
 
-def test_packed_model_gives_the_plain_models_logits(tmp_path, fp32_kernel: str) -> None:  # type: ignore[no-untyped-def]
+def test_packed_model_gives_the_plain_models_logits(tmp_path, fp32_chooser) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     config = ModelConfig("tiny", str(tmp_path), load_format="dummy")
-    plain, packed = load_model(config), load_model(config, pack_weights=True)
+    plain = load_model(config)
+    packed = load_model(
+        ModelConfig("tiny", str(tmp_path), load_format="dummy", linear_kernels={"fp32": fp32_chooser.forced}),
+        pack_weights=True,
+    )
     assert isinstance(packed.lm_head, PackedFp32Weight)
-    assert (packed.lm_head.mkl is not None) == (fp32_kernel == "mkl")
+    assert set(packed.lm_head.choice.kernels) == {fp32_chooser.forced}
     assert all(isinstance(layer.gate_up_proj, PackedFp32Weight) for layer in packed.layers)
     chunks = [[[5, 9, 200, 31], [7, 1]], [[3], [8]]]  # a prefill step with two sequences, then two decode rows
     reference = _logits(plain, chunks)

@@ -29,6 +29,7 @@ from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, ge
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
+from asyncllm.model.kernel_choice import KernelChooser
 from asyncllm.model.llama_weights import LINEAR_WEIGHTS, LayerWeights
 from asyncllm.model.packed_fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.quant import (
@@ -281,22 +282,23 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head
 
     @torch.no_grad()
-    def pack_fp32(self) -> None:
-        """Keep every linear weight and the LM head in both float32 layouts (`model/packed_fp32.py`): faster
-        steps of two or more rows, at the cost of a second copy of those weights."""
+    def pack_fp32(self, chooser: KernelChooser[torch.Tensor] | None = None) -> None:
+        """Prepare every linear weight and the LM head for the float32 kernels `chooser` picks for their shapes
+        (`model/packed_fp32.py`; default: measured on this host): a packed kernel keeps a second copy."""
         for layer in self.layers:
-            cast(LlamaDecoderLayer, layer).pack_fp32()
+            cast(LlamaDecoderLayer, layer).pack_fp32(chooser)
         head = self._fp32_head()
         del self.lm_head
-        self.lm_head = pack_fp32(head)
+        self.lm_head = pack_fp32(head, chooser)
 
     @torch.inference_mode()
-    def quantize_int8(self, calibration_ids: list[int]) -> None:
+    def quantize_int8(self, calibration_ids: list[int], chooser: KernelChooser[Int8Weight] | None = None) -> None:
         """Store every linear weight and the LM head as int8 per output channel (`model/quant.py`), after
         SmoothQuant smoothing calibrated on one forward pass over `calibration_ids` (a few hundred tokens of
-        ordinary text). At TP=N every rank runs this together (the pass all-reduces) and quantizes its shard.
-        Embeddings stay float32: a tied model keeps a float32 `[vocab, hidden]` copy of the embedding table,
-        read only at the rows of the step's tokens.
+        ordinary text), prepared for the int8 kernels `chooser` picks (default: measured on this host). At TP=N
+        every rank runs this together (the pass all-reduces) and quantizes its shard. Embeddings stay float32: a
+        tied model keeps a float32 `[vocab, hidden]` copy of the embedding table, read only at the rows of the
+        step's tokens.
 
         Raises:
             ValueError: `calibration_ids` is empty or longer than the model's context.
@@ -314,9 +316,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm.div_(s)
         head.mul_(s[:, None])
         for layer in self.layers:
-            cast(LlamaDecoderLayer, layer).quantize_int8()
+            cast(LlamaDecoderLayer, layer).quantize_int8(chooser)
         del self.lm_head
-        self.lm_head = quantize_int8(head)
+        self.lm_head = quantize_int8(head, chooser)
 
     def _calibration_pass(self, token_ids: list[int], block_size: int = 16) -> None:
         """One prefill of `token_ids` in a scratch KV cache, then the LM head on every row."""

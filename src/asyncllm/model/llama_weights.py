@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.kernel_choice import KernelChooser
 from asyncllm.model.packed_fp32 import pack_fp32
-from asyncllm.model.quant import Weight, quantize_int8, smoothing_scale
+from asyncllm.model.quant import Int8Weight, Weight, quantize_int8, smoothing_scale
 
 LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -62,14 +63,15 @@ class LayerWeights:
             self.qkv_bias[v_cols].div_(s_kv)
         o.mul_(s_kv.view(num_kv, 1, d).expand(num_kv, self.q_size // self.kv_size, d).reshape(-1, 1))
 
-    def quantize_int8(self) -> None:
-        """Replace the four fused fp32 weights by int8 ones (this rank's shard, per output channel); forward then
-        runs the fused int8 kernels (`model/row_kernels.py`) where they build and no LoRA adapter is in the step."""
-        self._replace_weights(quantize_int8)
+    def quantize_int8(self, chooser: KernelChooser[Int8Weight] | None = None) -> None:
+        """Replace the four fused fp32 weights by int8 ones (this rank's shard, per output channel) prepared for the
+        kernels `chooser` picks; forward then runs the fused int8 kernels (`model/row_kernels.py`) where they build
+        and no LoRA adapter is in the step."""
+        self._replace_weights(lambda weight: quantize_int8(weight, chooser))
 
-    def pack_fp32(self) -> None:
-        """Keep the four fused fp32 weights in both layouts (`model/packed_fp32.py`)."""
-        self._replace_weights(pack_fp32)
+    def pack_fp32(self, chooser: KernelChooser[torch.Tensor] | None = None) -> None:
+        """Prepare the four fused fp32 weights for the kernels `chooser` picks (`model/packed_fp32.py`)."""
+        self._replace_weights(lambda weight: pack_fp32(weight, chooser))
 
     def _replace_weights(self, convert: Callable[[torch.Tensor], Weight]) -> None:
         for name in LINEAR_WEIGHTS:

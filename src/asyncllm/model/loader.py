@@ -9,6 +9,7 @@ layout, and `_unpermute` undoes it (the inverse of `permute` in llama.cpp's conv
 from __future__ import annotations
 
 import json
+import logging
 import math
 import pathlib
 import re
@@ -22,9 +23,12 @@ from torch import nn
 from asyncllm.config import ModelConfig
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.gguf_metadata import GGUFTensorInfo, read_gguf_header
-from asyncllm.model.packed_fp32 import fp32_packing_available
+from asyncllm.model.packed_fp32 import fp32_chooser
+from asyncllm.model.quant import int8_chooser
 from asyncllm.model.registry import HF_MODEL_TYPES, get_model_class
 from asyncllm.model.rope import read_hf_rope
+
+logger = logging.getLogger(__name__)
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _GGUF_LAYER_NAMES = {
@@ -172,14 +176,17 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
     `load_format="auto"` loads the checkpoint (GGUF dequantized to float32, or safetensors);
     `"dummy"` fills random weights of the right shapes from `model_config.seed` (no file I/O beyond metadata).
     With `quantization="int8"` the loaded float32 weights (this TP rank's shard) are then requantized; without,
-    with `pack_weights` (what the worker asks for) they are also kept packed for MKL's packed GEMM or oneDNN where
-    this build has one (`model/packed_fp32.py`): faster, but the weights are no longer `nn.Parameter`s to edit.
+    with `pack_weights` (what the worker asks for) they are prepared for the float32 kernels chosen on this host
+    (`model/packed_fp32.py`): faster, but the weights are no longer `nn.Parameter`s to edit. Which kernel runs each
+    product (`model/kernel_choice.py`; forced by `model_config.linear_kernels`) is logged in one line per kind.
 
     Returns:
-        The model in eval mode, float32, with attribute `arch: ModelArchConfig`.
+        The model in eval mode, float32, with attributes `arch: ModelArchConfig` and `linear_kernels: str` (the
+        log line saying which kernel runs each product; "" when the weights are neither packed nor quantized).
     Raises:
         ValueError: unsupported architecture or file layout.
         KeyError: a checkpoint tensor the model does not know.
+        ConfigError: a forced linear kernel is not available here or gives wrong results.
     """
     path = pathlib.Path(model_config.model_path)
     arch = read_arch_config(path)
@@ -191,10 +198,19 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
         _fill_dummy(model, model_config.seed)
     else:
         model.load_weights(weights)  # type: ignore[operator]
+    forced = model_config.linear_kernels or {}
+    kernels = ""
     if model_config.quantization == "int8":
-        model.quantize_int8(_calibration_ids(model_config, arch))  # type: ignore[operator]
-    elif pack_weights and fp32_packing_available():
-        model.pack_fp32()  # type: ignore[operator]
+        int8 = int8_chooser(forced.get("int8"))
+        model.quantize_int8(_calibration_ids(model_config, arch), int8)  # type: ignore[operator]
+        kernels = int8.describe()
+    elif pack_weights:
+        fp32 = fp32_chooser(forced.get("fp32"))
+        model.pack_fp32(fp32)  # type: ignore[operator]
+        kernels = fp32.describe()
+    if kernels:
+        logger.info("%s", kernels)
+    model.linear_kernels = kernels  # type: ignore[assignment]
     return model.eval()
 
 

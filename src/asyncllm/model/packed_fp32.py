@@ -1,25 +1,20 @@
-"""float32 linear weights kept twice: plain for single-row steps, packed once for a faster kernel for the others.
+"""float32 linear weights with a kernel per row count: `x @ W`, MKL's packed GEMM or oneDNN's reordered weights.
 
-`torch.mm` (MKL's sgemm) on a plain `[in, out]` weight is fastest for a single row (a matrix-vector product that
-streams the weight once). For more rows the weight is packed once at load time into a kernel's own layout:
-- MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`, Intel oneMKL Developer Reference), called through
-  the fused row-kernel module (`model/row_kernels.py`, `csrc/packed_gemm.cpp`) from the MKL torch links. One pack
-  serves every row count (no per-shape kernels, no padding). The weight is packed in column chunks
-  (`chunk_columns`) that a product hands out on demand to `gemm_threads()` threads, one MKL thread each, so a
-  thread the OS deschedules (beside another busy process) does not hold the others up. Measured on this model's
-  30 layers plus LM head, 2 threads (`benchmarks/linear_kernels.py`): 32 rows 43-46 ms vs oneDNN's 48-52 and
-  `x @ W`'s 53-57; 64 rows 60-67 vs 74-83 and 70-74; 2 rows 21 vs 24-25 and 25-26 (whole weights; 4 chunks per
-  weight cost ~4%: 44.6 vs 43.0 ms at 32 rows, and beside a busy process gain 6-10% over one thread).
-- Where that is missing (no compiler, torch without MKL, `ASYNCLLM_FUSED_KERNELS=0`) or fails its start-up check:
-  oneDNN's inner product on a weight reordered into its blocked layout (`torch.ops.mkldnn._linear_pointwise`,
-  the kernel torch's x86 inference path uses for frozen float32 linears), for 4-64 rows (padded to a few row
-  counts); `x @ W` for the rest.
-Every kernel computes in float32 (no reduced-precision math unless the user lowers torch's float32 matmul
-precision); they sum in different orders, so a row's last bits depend on which one ran, as they already do on the
-attention padding of its batch.
-
-The price is memory: the linear weights and the LM head are stored a second time (about 540 MB more for the
-default 135M-parameter model). int8 weights (`model/quant.py`) are packed for oneDNN instead.
+The candidates (`FP32_PRODUCT`, chosen per weight shape and row class by `model/kernel_choice.py`):
+- `matmul`: `x @ W` on the plain `[in, out]` weight (MKL's sgemm; for one row a matrix-vector product that streams
+  the weight once).
+- `mkl_packed`: MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`, Intel oneMKL Developer Reference),
+  called through the fused row-kernel module (`model/row_kernels.py`, `csrc/packed_gemm.cpp`) from the MKL torch
+  links. One pack serves every row count. The weight is packed in column chunks (`chunk_columns`) that a product
+  hands out on demand to `gemm_threads()` threads, one MKL thread each, so a thread the OS deschedules (beside
+  another busy process) does not hold the others up.
+- `onednn`: oneDNN's inner product on a weight reordered into its blocked layout
+  (`torch.ops.mkldnn._linear_pointwise`, the kernel torch's x86 inference path uses for frozen float32 linears),
+  rows padded to a few counts (`bucket_rows`).
+Every kernel computes in float32; they sum in different orders, so a row's last bits depend on which one ran, as
+they already do on the attention padding of its batch. A packed kernel keeps a second copy of the weight (about
+540 MB for the default model); a weight whose every row class runs `matmul` keeps only the plain one.
+Measurements: docs/benchmarks.md ("linear kernels").
 """
 
 from __future__ import annotations
@@ -27,18 +22,24 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from asyncllm.model.kernel_choice import (
+    Candidate,
+    KernelChoice,
+    KernelChooser,
+    ProductKind,
+    forced_kernels_from_env,
+    prepare_operands,
+)
 from asyncllm.model.row_kernels import RowKernels, load_kernels
 
-MIN_MKL_ROWS = 2  # 1 row: MKL's sgemv on the plain weight is faster than the packed GEMM
 CHUNKS_PER_WEIGHT = 4  # column chunks of an MKL-packed weight, at least: enough to even out two threads' shares
 MAX_CHUNK_COLUMNS = 4096  # wider weights (an LM head) get more chunks, so no chunk is a long wait
 _gemm_threads: int | None = None  # threads of an MKL-packed product (`set_gemm_threads`); None: torch's count
-MIN_PACKED_ROWS = 4  # oneDNN: 1-3 rows run the plain weight (as fast or faster at 2 threads)
-MAX_PACKED_ROWS = 64  # beyond, MKL's sgemm is as fast (compute-bound) and needs no padding
 
 
 def bucket_rows(rows: int) -> int:
@@ -92,41 +93,34 @@ def gemm_threads() -> int:
 
 @dataclass
 class PackedFp32Weight:
-    """A float32 linear weight in both layouts.
+    """A float32 linear weight with the kernel of each row class chosen for its shape.
 
     Fields:
-        weight: [in_features, out_features] float32, contiguous (single-row steps, tied embedding lookups).
-        packed: the same values packed for `mkl`'s packed GEMM (opaque uint8) or, when `mkl` is None, reordered for
-            oneDNN (`torch.ops.mkldnn._reorder_linear_weight`; opaque).
-        mkl: the kernel module that packed `packed` with MKL, or None.
+        weight: [in_features, out_features] float32, contiguous (`matmul`, tied embedding lookups).
+        choice: the kernel of each row class (`model/kernel_choice.py`).
+        operands: the weight prepared for each kernel of `choice` (name -> operand; MKL's or oneDNN's packed copy).
     """
 
     weight: torch.Tensor
-    packed: torch.Tensor
-    mkl: RowKernels | None = None
+    choice: KernelChoice
+    operands: dict[str, Any] = field(default_factory=dict)
 
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
 
     def __deepcopy__(self, memo: dict[int, object]) -> PackedFp32Weight:
-        """A copy packed afresh: MKL's packed data must not move to another address."""
+        """A copy prepared afresh: MKL's packed data must not move to another address."""
         weight = copy.deepcopy(self.weight, memo)
-        if self.mkl is None:
-            return PackedFp32Weight(weight, copy.deepcopy(self.packed, memo))
-        return PackedFp32Weight(weight, self.mkl.sgemm_pack(weight, chunk_columns(weight.shape[1])), self.mkl)
+        operands = prepare_operands(FP32_PRODUCT, weight, self.operands)
+        return PackedFp32Weight(weight, self.choice, operands)
 
 
 @functools.cache
 def onednn_fp32_available() -> bool:
-    """Whether this torch build has oneDNN's float32 linear with reordered weights, and it agrees with `x @ W`
-    on a small random product (within float32 rounding) on this CPU."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return False
-    generator = torch.Generator().manual_seed(0)
-    x, w = torch.randn(4, 96, generator=generator), torch.randn(96, 40, generator=generator)
-    out = _packed_mm(x, torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None))
-    return bool(torch.allclose(out, x @ w, rtol=1e-5, atol=1e-4))
+    """Whether this torch build has oneDNN's float32 linear with reordered weights (whether it is right and fast
+    here is for the kernel chooser to measure)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 @functools.cache
@@ -153,14 +147,81 @@ def mkl_packed_kernels() -> RowKernels | None:
     return kernels
 
 
-def fp32_packing_available() -> bool:
-    """Whether `pack_fp32` has a faster kernel to pack for here (MKL's packed GEMM or oneDNN's)."""
-    return mkl_packed_kernels() is not None or onednn_fp32_available()
+def _mkl_pack(weight: torch.Tensor) -> tuple[torch.Tensor, int, RowKernels]:
+    kernels = mkl_packed_kernels()
+    if kernels is None:
+        raise RuntimeError("MKL's packed GEMM is not available here")
+    return kernels.sgemm_pack(weight, chunk_columns(weight.shape[1])), weight.shape[1], kernels
 
 
-def pack_fp32(weight: torch.Tensor) -> PackedFp32Weight:
-    """Both layouts of an `[in, out]` float32 weight: packed for MKL's packed GEMM where it passed its check
-    (`mkl_packed_kernels`), else for oneDNN.
+def _run_mkl(x: torch.Tensor, operand: tuple[torch.Tensor, int, RowKernels]) -> torch.Tensor:
+    packed, out_features, kernels = operand
+    return kernels.sgemm_packed(x.contiguous(), packed, out_features, gemm_threads())
+
+
+def _onednn_reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.t().contiguous(), None)
+
+
+def _run_onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0]
+    out = torch.ops.mkldnn._linear_pointwise(pad_rows(x, bucket_rows(rows)), packed, None, "none", [], "")
+    return out if out.shape[0] == rows else out[:rows]
+
+
+def _run_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x @ weight
+
+
+def _float64_product(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ weight[:, columns].double()).float()
+
+
+def _within_float32_rounding(out: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Equal up to float32 summation error (reduced-precision math, e.g. bfloat16 or TF32, is not)."""
+    return out.shape == reference.shape and torch.allclose(
+        out, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max())
+    )
+
+
+def _random_fp32(rows: int, columns: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(rows, columns, generator=generator)
+
+
+FP32_PRODUCT = ProductKind[torch.Tensor](
+    name="fp32",
+    candidates=(
+        Candidate("matmul", lambda: True, lambda weight: weight, _run_matmul),
+        Candidate("mkl_packed", lambda: mkl_packed_kernels() is not None, _mkl_pack, _run_mkl),
+        Candidate("onednn", onednn_fp32_available, _onednn_reorder, _run_onednn),
+    ),
+    make_weight=_random_fp32,
+    make_input=_random_fp32,
+    reference=_float64_product,
+    agrees=_within_float32_rounding,
+    out_features=lambda weight: weight.shape[1],
+)
+_FP32_RUN = {candidate.name: candidate.run for candidate in FP32_PRODUCT.candidates}
+
+
+def fp32_chooser(forced: str | None = None) -> KernelChooser[torch.Tensor]:
+    """This process's chooser of float32 kernels (`model/kernel_choice.py`) running `forced`, else the kernel
+    `ASYNCLLM_LINEAR_KERNELS` forces, else the measured ones (one chooser per forced kernel, kept for the process).
+
+    Raises:
+        ConfigError: the forced kernel is not available here, or the environment variable is malformed.
+    """
+    return _fp32_chooser(forced or forced_kernels_from_env().get("fp32"))
+
+
+@functools.cache
+def _fp32_chooser(forced: str | None) -> KernelChooser[torch.Tensor]:
+    return KernelChooser(FP32_PRODUCT, forced)
+
+
+def pack_fp32(weight: torch.Tensor, chooser: KernelChooser[torch.Tensor] | None = None) -> PackedFp32Weight:
+    """An `[in, out]` float32 weight prepared for the kernels `chooser` picks for its shape (default:
+    `fp32_chooser()`, measured on this host).
 
     Raises:
         ValueError: `weight` is not a 2-D float32 tensor.
@@ -168,23 +229,12 @@ def pack_fp32(weight: torch.Tensor) -> PackedFp32Weight:
     if weight.dtype != torch.float32 or weight.dim() != 2:
         raise ValueError(f"pack_fp32 takes a 2-D float32 [in, out] weight, not {weight.dtype} {tuple(weight.shape)}")
     plain = weight.detach().contiguous()
-    kernels = mkl_packed_kernels()
-    if kernels is not None:
-        return PackedFp32Weight(plain, kernels.sgemm_pack(plain, chunk_columns(plain.shape[1])), kernels)
-    return PackedFp32Weight(plain, torch.ops.mkldnn._reorder_linear_weight(plain.t().contiguous(), None))
+    chooser = chooser or fp32_chooser()
+    choice = chooser.choose(*plain.shape)
+    return PackedFp32Weight(plain, choice, chooser.prepare(plain, choice))
 
 
 def packed_linear(x: torch.Tensor, weight: PackedFp32Weight) -> torch.Tensor:
-    """`x @ W` for `[rows, in]` float32 `x` -> `[rows, out]` float32, with the faster kernel for `rows`."""
-    rows = x.shape[0]
-    if weight.mkl is not None:
-        if rows < MIN_MKL_ROWS:
-            return x @ weight.weight
-        return weight.mkl.sgemm_packed(x.contiguous(), weight.packed, weight.weight.shape[1], gemm_threads())
-    if not MIN_PACKED_ROWS <= rows <= MAX_PACKED_ROWS:
-        return x @ weight.weight
-    return _packed_mm(pad_rows(x, bucket_rows(rows)), weight.packed)[:rows]
-
-
-def _packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    """`x @ W` for `[rows, in]` float32 `x` -> `[rows, out]` float32, on the kernel chosen for `rows`."""
+    name = weight.choice.kernel_for(x.shape[0])
+    return _FP32_RUN[name](x, weight.operands[name])

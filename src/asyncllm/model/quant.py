@@ -27,13 +27,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from asyncllm.model.kernel_choice import Candidate, KernelChoice, KernelChooser, ProductKind, forced_kernels_from_env
 from asyncllm.model.packed_fp32 import PackedFp32Weight, bucket_rows, packed_linear, pad_rows
 
-SMOOTHING_ALPHA = 0.7  # SmoothQuant migration strength; 0.7 measured best here (docs/benchmarks.md)
+SMOOTHING_ALPHA = 0.7  # SmoothQuant migration strength (docs/benchmarks.md)
 _input_absmax: dict[int, torch.Tensor] | None = None  # set while `record_input_absmax` is active
 
 
@@ -44,15 +46,14 @@ class Int8Weight:
     Fields:
         qweight: [in_features, out_features] int8, contiguous; `w ~= qweight * scale`.
         scale: [out_features] float32.
-        packed: the same weight reordered for oneDNN's int8 kernel (`prepack_int8`), or None where this torch
-            build has no such kernel (then `linear` multiplies `qweight` with `torch._int_mm`).
-        zero_points: [out_features] int64 zeros (the weight is symmetric), passed with `packed`.
+        choice: the kernel of each row class (`model/kernel_choice.py`), or None: `torch._int_mm` for every row count.
+        operands: the weight prepared for each kernel of `choice` (name -> operand; oneDNN's prepacked copy).
     """
 
     qweight: torch.Tensor
     scale: torch.Tensor
-    packed: torch.Tensor | None = None
-    zero_points: torch.Tensor | None = None
+    choice: KernelChoice | None = None
+    operands: dict[str, Any] = field(default_factory=dict)
 
     @property
     def shape(self) -> torch.Size:
@@ -64,10 +65,12 @@ class Int8Weight:
 
 
 Weight = torch.Tensor | Int8Weight | PackedFp32Weight
+OneDNNInt8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (packed weight, [out] scales, [out] zero points)
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """Symmetric per-output-channel int8 quantization of an `[in, out]` float weight.
+def quantize_int8(weight: torch.Tensor, chooser: KernelChooser[Int8Weight] | None = None) -> Int8Weight:
+    """Symmetric per-output-channel int8 quantization of an `[in, out]` float weight, prepared for the kernels
+    `chooser` picks for its shape (default: `int8_chooser()`, measured on this host).
 
     A column of zeros gets scale 1 (its values stay 0).
     """
@@ -75,40 +78,100 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     absmax = w.abs().amax(dim=0)
     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
     qweight = torch.round(w / scale).clamp_(-127, 127).to(torch.int8).contiguous()
-    return prepack_int8(Int8Weight(qweight, scale.contiguous()))
+    plain = Int8Weight(qweight, scale.contiguous())
+    chooser = chooser or int8_chooser()
+    choice = chooser.choose(*qweight.shape)
+    return Int8Weight(plain.qweight, plain.scale, choice, chooser.prepare(plain, choice))
 
 
 @functools.cache
 def onednn_int8_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked int8 linear (`torch.ops.onednn.qlinear_pointwise`) and
-    it computes exactly here. The check multiplies extreme values (+-127) both ways and compares with
-    `torch._int_mm`: on CPUs without VNNI an int8 kernel may sum pairs of products in saturating int16, which
-    would be a silently wrong result, so any difference keeps `torch._int_mm`."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
-        return False
-    x = torch.full((3, 256), 127, dtype=torch.int8)
-    x[1] = -127
-    x[2, ::2] = -127
-    w = torch.full((256, 4), 127, dtype=torch.int8)
-    w[:, 1] = -127
-    w[::2, 2] = -127
-    w[::3, 3] = 0
-    scale = torch.ones(4)
-    packed = torch.ops.onednn.qlinear_prepack(w.t().contiguous(), None)
-    zeros = torch.zeros(4, dtype=torch.int64)
-    out = torch.ops.onednn.qlinear_pointwise(
-        x, 1.0, 0, packed, scale, zeros, None, 1.0, 0, torch.float32, "none", [], ""
-    )
-    return bool(torch.equal(out, torch._int_mm(x, w).float()))
+    """Whether this torch build has oneDNN's prepacked int8 linear (`torch.ops.onednn.qlinear_pointwise`).
+    Whether it is exact and fast on this CPU is for the kernel chooser to measure."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
-def prepack_int8(weight: Int8Weight) -> Int8Weight:
-    """`weight` with `packed` and `zero_points` set for oneDNN's int8 kernel, when this build has it."""
-    if not onednn_int8_available():
-        return weight
+def _prepack_onednn(weight: Int8Weight) -> OneDNNInt8:
+    """(oneDNN's packed copy, [out] float32 scales, [out] int64 zero points) of a symmetric int8 weight."""
     packed = torch.ops.onednn.qlinear_prepack(weight.qweight.t().contiguous(), None)
-    zero_points = torch.zeros(weight.scale.shape[0], dtype=torch.int64)
-    return Int8Weight(weight.qweight, weight.scale, packed, zero_points)
+    return packed, weight.scale, torch.zeros(weight.scale.shape[0], dtype=torch.int64)
+
+
+def _run_onednn(
+    qx: torch.Tensor, operand: tuple[torch.Tensor, torch.Tensor, torch.Tensor], zero_point: int
+) -> torch.Tensor:
+    """oneDNN's int8 product, the weight scale applied in-kernel (activation scale 1); rows padded to a few sizes
+    (`bucket_rows`)."""
+    packed, scale, zero_points = operand
+    rows = qx.shape[0]
+    out = torch.ops.onednn.qlinear_pointwise(
+        pad_rows(qx, bucket_rows(rows)), 1.0, zero_point, packed, scale, zero_points, None, 1.0, 0,
+        torch.float32, "none", [], "",
+    )  # fmt: skip
+    return out if out.shape[0] == rows else out[:rows]
+
+
+def _run_onednn_s8(qx: torch.Tensor, operand: OneDNNInt8) -> torch.Tensor:
+    return _run_onednn(qx, operand, 0)
+
+
+def _run_int_mm(qx: torch.Tensor, operand: Int8Weight) -> torch.Tensor:
+    acc = torch._int_mm(qx, operand.qweight)  # int32 [rows, out]
+    return acc.float().mul_(operand.scale)  # (a mixed int32 * float32 mul is slower)
+
+
+def _random_int8_weight(in_features: int, out_features: int, generator: torch.Generator) -> Int8Weight:
+    """Random int8 values and random scales, with a column of +127 and one of -127, one entry of each 126 / -126:
+    against an all-127 input row their sums are odd and large, so a kernel that saturates pair sums or rounds
+    sums through float32 shows (oneDNN on uint8 activations `x + 128` with zero point 128 does: docs/kernels.md)."""
+    qweight = torch.randint(-127, 128, (in_features, out_features), generator=generator, dtype=torch.int8)
+    qweight[:, 0], qweight[:, -1] = 127, -127
+    qweight[0, 0], qweight[0, -1] = 126, -126
+    scale = torch.rand(out_features, generator=generator) * 0.01 + 1e-4
+    return Int8Weight(qweight, scale)
+
+
+def _random_int8_input(rows: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    qx = torch.randint(-127, 128, (rows, in_features), generator=generator, dtype=torch.int8)
+    qx[0] = 127
+    qx[-1, ::2] = -127  # (on one row: alternating +-127)
+    return qx
+
+
+def _exact_int8_product(qx: torch.Tensor, weight: Int8Weight, columns: torch.Tensor) -> torch.Tensor:
+    """float32(exact integer sums) * scale on `columns`, as every int8 kernel computes it (float64 sums of int8
+    products are exact)."""
+    return (qx.double() @ weight.qweight[:, columns].double()).float().mul_(weight.scale[columns])
+
+
+INT8_PRODUCT = ProductKind[Int8Weight](
+    name="int8",
+    candidates=(
+        Candidate("onednn", onednn_int8_available, _prepack_onednn, _run_onednn_s8),
+        Candidate("int_mm", lambda: hasattr(torch, "_int_mm"), lambda weight: weight, _run_int_mm),
+    ),
+    make_weight=_random_int8_weight,
+    make_input=_random_int8_input,
+    reference=_exact_int8_product,
+    agrees=torch.equal,
+    out_features=lambda weight: weight.qweight.shape[1],
+)
+_INT8_RUN = {candidate.name: candidate.run for candidate in INT8_PRODUCT.candidates}
+
+
+def int8_chooser(forced: str | None = None) -> KernelChooser[Int8Weight]:
+    """This process's chooser of int8 kernels (`model/kernel_choice.py`) running `forced`, else the kernel
+    `ASYNCLLM_LINEAR_KERNELS` forces, else the measured ones (one chooser per forced kernel, kept for the process).
+
+    Raises:
+        ConfigError: the forced kernel is not available here, or the environment variable is malformed.
+    """
+    return _int8_chooser(forced or forced_kernels_from_env().get("int8"))
+
+
+@functools.cache
+def _int8_chooser(forced: str | None) -> KernelChooser[Int8Weight]:
+    return KernelChooser(INT8_PRODUCT, forced)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,17 +228,12 @@ def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
 
 def int8_matmul(qx: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
     """`qx @ qweight * scale`: an int8 `[rows, in]` input times an int8 weight, summed exactly in int32 and
-    scaled by the weight's per-column scale (not by any activation scale).
+    scaled by the weight's per-column scale (not by any activation scale), on the kernel chosen for `rows`.
 
     Returns:
         [rows, out] float32.
     """
-    if weight.packed is not None:  # int32 accumulation scaled by the weight scale in-kernel; x scale is 1 here
-        rows = qx.shape[0]
-        out = torch.ops.onednn.qlinear_pointwise(
-            pad_rows(qx, bucket_rows(rows)), 1.0, 0, weight.packed, weight.scale, weight.zero_points, None, 1.0, 0,
-            torch.float32, "none", [], "",
-        )  # fmt: skip
-        return out if out.shape[0] == rows else out[:rows]
-    acc = torch._int_mm(qx, weight.qweight)  # int32 [rows, out]
-    return acc.float().mul_(weight.scale)  # (a mixed int32 * float32 mul is 15% slower at 32 rows)
+    if weight.choice is None:
+        return _run_int_mm(qx, weight)
+    name = weight.choice.kernel_for(qx.shape[0])
+    return _INT8_RUN[name](qx, weight.operands[name])

@@ -73,6 +73,11 @@ class Worker:
             self.model, config.cache.block_size, self.arch.vocab_size, seed=config.model.seed, lora_manager=lora_manager
         )
 
+    def linear_kernels(self) -> str:
+        """Which kernel runs each linear product of this rank's model, per row class, and why (measured, cached or
+        forced; `model/kernel_choice.py`), as logged at load; for `collective_rpc("linear_kernels")`."""
+        return str(getattr(self.model, "linear_kernels", ""))
+
     @property
     def num_local_kv_heads(self) -> int:
         """KV heads this rank holds: num_key_value_heads / tensor_parallel_size."""

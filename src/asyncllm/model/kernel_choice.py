@@ -1,0 +1,473 @@
+"""Which kernel runs each linear product on this host, chosen by measurement.
+
+A linear product (`[rows, in] @ [in, out]`) has several implementations, the candidates of its kind: for int8
+weights oneDNN's prepacked kernel and `torch._int_mm` (`model/quant.py`); for float32
+weights `x @ W`, MKL's packed GEMM and oneDNN's reordered weights (`model/packed_fp32.py`). Which one is fastest
+depends on the CPU, its ISA, the libraries and the row count, and an exact kernel can still be the wrong choice: on
+CPUs with AVX-512 VNNI but no AMX (AMD EPYC) oneDNN runs its reference kernel for int8 activations, 100x slower than
+float32 (docs/kernels.md). So, for each weight shape, the first time it is asked for on a host, `KernelChooser`:
+
+1. runs every available candidate on a random weight of that shape at each timed row count, against an exact
+   reference (float64 sums); a candidate that disagrees is never used in this process (a warning says so);
+2. times the candidates that agree, interleaved, at one row count per row class (`ROW_CLASSES`), best of several
+   calls; a candidate `SLOW_FACTOR` times slower than the best is not timed again in this process;
+3. picks per row class the fastest; within `TIE_MARGIN` of it, the candidate earlier in the kind's order wins.
+
+Choices are kept in a JSON file beside the built kernels (`$XDG_CACHE_HOME/asyncllm/kernels/`), one file per host
+fingerprint (CPU model and flags, torch, oneDNN and MKL versions, torch threads, the kind's available candidates), so
+later starts on the same host measure nothing and a different CPU or library measures again. A choice measured
+while other processes kept the CPUs busy (timings then say little) is measured again at a start that finds the
+machine quiet. A user forces one
+kernel per kind with `EngineArgs(linear_kernels={"int8": "int_mm"})` or `ASYNCLLM_LINEAR_KERNELS="int8=int_mm"`
+(the engine argument wins); a forced kernel that is missing here or disagrees with the reference is a `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+import platform
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from asyncllm.engine_config import LINEAR_KERNEL_ENV, parse_linear_kernels
+from asyncllm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ROW_CLASSES = ((1, 1), (2, 16), (17, 64), (65, None))  # (first, last) rows of each class; None: no limit
+TIMED_ROWS = (1, 8, 32, 128)  # the row count each class is timed at
+SLOW_FACTOR = 10.0  # a candidate this much slower than the best is not timed again (a reference kernel)
+SLOW_MIN_S = 0.002  # ... and at least this much slower in seconds, so timer noise on tiny products drops nothing
+TIE_MARGIN = 0.03  # within 3% of the fastest, the earlier candidate of the kind's order wins
+TIME_BUDGET_S = 0.03  # seconds of calls per candidate and row count, at least `MIN_CALLS` calls
+MIN_CALLS, MAX_CALLS = 3, 25
+BUSY_CPUS = 0.3  # other processes' average CPU use during a measurement above which it is measured again later
+BUSY_PROBE_S = 0.2  # seconds of looking at the machine's load before a busy measurement is used again
+CACHE_VERSION = 1  # bump when the measuring or the candidates change meaning
+
+W = TypeVar("W")
+
+
+def row_class(rows: int) -> int:
+    """The index in `ROW_CLASSES` of a product of `rows` rows (>= 1)."""
+    return 0 if rows <= 1 else 1 if rows <= 16 else 2 if rows <= 64 else 3
+
+
+@dataclass(frozen=True)
+class Candidate(Generic[W]):
+    """One implementation of a kind of product.
+
+    Fields:
+        name: its name in `EngineArgs.linear_kernels`, the cache and the log.
+        available: whether this build and CPU have it (cheap after the first call; never raises).
+        prepare: the kind's plain weight -> this kernel's operand (packed once per weight at load).
+        run: (`[rows, in]` input, operand) -> `[rows, out]` float32.
+    """
+
+    name: str
+    available: Callable[[], bool]
+    prepare: Callable[[W], Any]
+    run: Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ProductKind(Generic[W]):
+    """A kind of product (int8 or float32 weights) with its candidates and an exact reference.
+
+    Fields:
+        name: "int8" or "fp32".
+        candidates: in order of preference on ties.
+        make_weight: (in_features, out_features, generator) -> a random plain weight of that shape.
+        make_input: (rows, in_features, generator) -> a random `[rows, in]` input of the kind.
+        reference: (input, plain weight, [k] int64 output columns) -> `[rows, k]` float32 of those columns,
+            computed with exact (float64) sums.
+        agrees: (output, reference) -> whether a candidate's output is right (exactly, or within float32 rounding).
+        out_features: a plain weight's output columns.
+    """
+
+    name: str
+    candidates: tuple[Candidate[W], ...]
+    make_weight: Callable[[int, int, torch.Generator], W]
+    make_input: Callable[[int, int, torch.Generator], torch.Tensor]
+    reference: Callable[[torch.Tensor, W, torch.Tensor], torch.Tensor]
+    agrees: Callable[[torch.Tensor, torch.Tensor], bool]
+    out_features: Callable[[W], int]
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel of each row class for one weight shape.
+
+    Fields:
+        kind: "int8" or "fp32".
+        shape: (in_features, out_features).
+        kernels: a candidate name per row class (`ROW_CLASSES`).
+        how: "measured", "cached" (measured by an earlier start on this host) or "forced" (and by what).
+        times_ms: per row class, the best time of each candidate timed, in milliseconds (empty when forced).
+        busy_cpus: the CPUs other processes kept busy while it was measured (0.0 when unknown or forced).
+    """
+
+    kind: str
+    shape: tuple[int, int]
+    kernels: tuple[str, ...]
+    how: str
+    times_ms: tuple[dict[str, float], ...] = ()
+    busy_cpus: float = 0.0
+
+    def kernel_for(self, rows: int) -> str:
+        """The candidate name that runs a product of `rows` rows."""
+        return self.kernels[row_class(rows)]
+
+    def describe(self) -> str:
+        """`576x960: 1 onednn (0.05 ms; int_mm 0.07), 2-16 ...` for the start-up log."""
+        parts = []
+        for index, ((first, last), name) in enumerate(zip(ROW_CLASSES, self.kernels, strict=True)):
+            rows = str(first) if first == last else f"{first}-{last}" if last else f"{first}+"
+            times = self.times_ms[index] if self.times_ms else {}
+            others = ", ".join(f"{n} {t:.3g}" for n, t in sorted(times.items(), key=lambda kv: kv[1]) if n != name)
+            timing = f" ({times[name]:.3g} ms{'; ' + others if others else ''})" if name in times else ""
+            parts.append(f"{rows} {name}{timing}")
+        return f"{self.shape[0]}x{self.shape[1]}: " + ", ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kernels": list(self.kernels), "times_ms": list(self.times_ms), "busy_cpus": self.busy_cpus}
+
+
+class KernelChooser(Generic[W]):
+    """Chooses, caches and reports the kernel of each row class for the weight shapes of one kind of product.
+
+    Args:
+        kind: the product kind and its candidates.
+        forced: a candidate name to run every product of this kind, or None to measure.
+        cache_dir: where the choices file lives; None: `kernel_cache_dir()`. The file is skipped (measured every
+            start) where the directory cannot be written.
+        fingerprint: the host description the cache is keyed by; None: `host_fingerprint()`.
+        other_load: measures the CPUs other processes keep busy from its creation on (`OtherCpuLoad`). A shape
+            measured while they used more than `BUSY_CPUS` is cached as such, and measured again at a later start
+            when the machine is quiet then (a `BUSY_PROBE_S` look at its load, once per process).
+    Raises:
+        ConfigError: `forced` names a candidate this kind does not have or that is not available here.
+    """
+
+    def __init__(
+        self,
+        kind: ProductKind[W],
+        forced: str | None = None,
+        cache_dir: pathlib.Path | None = None,
+        fingerprint: Mapping[str, str] | None = None,
+        other_load: Callable[[], OtherCpuLoad] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.other_load = other_load or OtherCpuLoad
+        self.available = tuple(c for c in kind.candidates if c.available())
+        if not self.available:
+            raise ConfigError(f"no {kind.name} linear kernel is available in this torch build")
+        self.forced = forced
+        if self.forced is not None and self.forced not in {c.name for c in self.available}:
+            known = ", ".join(c.name for c in kind.candidates)
+            raise ConfigError(
+                f"linear kernel {kind.name}={self.forced!r} is not available on this host (kernels of {kind.name}: "
+                f"{known}; available here: {', '.join(c.name for c in self.available)})"
+            )
+        key = {**(fingerprint or host_fingerprint()), "kind": kind.name}
+        key["candidates"] = ",".join(c.name for c in self.available)
+        self.cache = ChoiceCache(cache_dir or kernel_cache_dir(), key)
+        self.choices: dict[tuple[int, int], KernelChoice] = {}
+        self._busy_now: bool | None = None  # the machine's load at a look before using a busy measurement
+        self._dropped: set[str] = set()  # wrong or pathologically slow here: never run again in this process
+
+    def choose(self, in_features: int, out_features: int) -> KernelChoice:
+        """The kernel of each row class for an `[in_features, out_features]` weight (measured once per host).
+
+        Raises:
+            ConfigError: the forced kernel disagrees with the exact reference on this shape.
+        """
+        shape = (in_features, out_features)
+        if shape not in self.choices:
+            if self.forced is not None:
+                self.choices[shape] = self._forced(shape, self.forced)
+            else:
+                self.choices[shape] = self._cached(shape) or self._measure(shape)
+        return self.choices[shape]
+
+    def prepare(self, weight: W, choice: KernelChoice) -> dict[str, Any]:
+        """The operand of each kernel `choice` runs, prepared from the plain `weight` (name -> operand)."""
+        return prepare_operands(self.kind, weight, choice.kernels)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, Candidate[W]]:
+        return {c.name: c for c in self.available}
+
+    def describe(self) -> str:
+        """One log line: which kernel runs each product of this kind, per row class, and why."""
+        if not self.choices:
+            return f"{self.kind.name} linear kernels: no product chosen yet"
+        hows = ", ".join(sorted({c.how.split(",")[0].split(" beside")[0] for c in self.choices.values()}))
+        busy = max(c.busy_cpus for c in self.choices.values())
+        if busy > BUSY_CPUS:
+            hows += f"; beside up to {busy:.1f} busy CPUs"
+        shapes = "; ".join(c.describe() for c in self.choices.values())
+        return f"{self.kind.name} linear kernels ({hows}; {self.cache.path}): {shapes}"
+
+    def _forced(self, shape: tuple[int, int], name: str) -> KernelChoice:
+        if self._disagreeing(shape, self._by_name[name]):
+            raise ConfigError(
+                f"the forced linear kernel {self.kind.name}={name!r} gives wrong results for a "
+                f"{shape[0]}x{shape[1]} weight here (see the warning above); choose another or none"
+            )
+        return KernelChoice(self.kind.name, shape, (name,) * len(ROW_CLASSES), "forced")
+
+    def _cached(self, shape: tuple[int, int]) -> KernelChoice | None:
+        """The cached choice, unless it names a kernel missing here or was measured beside busy processes while the
+        machine is quiet now (then it is measured again)."""
+        choice = self.cache.get(self.kind.name, shape)
+        if choice is None or any(name not in self._by_name for name in choice.kernels):
+            return None
+        if choice.busy_cpus > BUSY_CPUS and not self._machine_busy():
+            return None
+        return choice
+
+    def _machine_busy(self) -> bool:
+        if self._busy_now is None:
+            load = self.other_load()
+            time.sleep(BUSY_PROBE_S)
+            self._busy_now = (load.cpus() or 0.0) > BUSY_CPUS
+        return self._busy_now
+
+    def _measure(self, shape: tuple[int, int]) -> KernelChoice:
+        """Check, time and pick per row class; store the choice in the cache."""
+        other_load = self.other_load()
+        generator = torch.Generator().manual_seed(0)
+        weight = self.kind.make_weight(*shape, generator)
+        candidates = [c for c in self.available if c.name not in self._dropped]
+        operands = prepare_operands(self.kind, weight, [c.name for c in candidates])
+        kernels, times = [], []
+        for rows in TIMED_ROWS:
+            x = self.kind.make_input(rows, shape[0], generator)
+            best = self._time_row_class(x, weight, [c for c in candidates if c.name not in self._dropped], operands)
+            times.append(best)
+            kernels.append(self._pick(best))
+        busy_cpus = other_load.cpus() or 0.0
+        how = f"measured beside {busy_cpus:.1f} busy CPUs" if busy_cpus > BUSY_CPUS else "measured"
+        choice = KernelChoice(self.kind.name, shape, tuple(kernels), how, tuple(times), round(busy_cpus, 2))
+        self.cache.put(choice)
+        return choice
+
+    def _time_row_class(
+        self, x: torch.Tensor, weight: W, candidates: list[Candidate[W]], operands: dict[str, Any]
+    ) -> dict[str, float]:
+        """Best time in ms of each candidate that agrees with the reference on `x`; drops the ones that disagree
+        or are `SLOW_FACTOR` times slower than the fastest."""
+        agreeing = [c for c in candidates if self._agrees(c, x, weight, operands[c.name])]  # also the warm-up
+        if not agreeing:
+            raise ConfigError(f"every {self.kind.name} linear kernel disagrees with the exact reference here")
+        best = {c.name: math.inf for c in agreeing}
+        for call in range(MAX_CALLS):  # interleaved, so a slow spell of the machine falls on every candidate alike
+            for c in agreeing:
+                best[c.name] = min(best[c.name], _time_call(c.run, x, operands[c.name]))
+            if call + 1 >= MIN_CALLS and (call + 1) * sum(best.values()) >= TIME_BUDGET_S:
+                break
+        fastest = min(best.values())
+        for name, seconds in best.items():
+            if seconds > SLOW_FACTOR * fastest and seconds - fastest > SLOW_MIN_S:
+                logger.warning(
+                    "%s linear kernel %r is %.0fx slower than the fastest here (%.1f vs %.3f ms, %d rows of %dx%d); "
+                    "not used", self.kind.name, name, seconds / fastest, seconds * 1e3, fastest * 1e3, x.shape[0],
+                    x.shape[1], self.kind.out_features(weight),
+                )  # fmt: skip
+                self._dropped.add(name)
+        return {name: seconds * 1e3 for name, seconds in best.items() if name not in self._dropped}
+
+    def _agrees(self, candidate: Candidate[W], x: torch.Tensor, weight: W, operand: Any) -> bool:
+        """Whether `candidate` gives the reference's values on `x` (on `check_columns` of the output); one that
+        does not is dropped for this process, with a warning."""
+        out = candidate.run(x, operand)
+        columns = check_columns(out.shape[1])
+        if self.kind.agrees(out[:, columns], self.kind.reference(x, weight, columns)):
+            return True
+        logger.warning(
+            "%s linear kernel %r disagrees with the exact reference (%d rows of %dx%d); it will not be used",
+            self.kind.name, candidate.name, x.shape[0], x.shape[1], out.shape[1],
+        )  # fmt: skip
+        self._dropped.add(candidate.name)
+        return False
+
+    def _pick(self, times_ms: dict[str, float]) -> str:
+        fastest = min(times_ms.values())
+        order = [c.name for c in self.kind.candidates if c.name in times_ms]
+        return next(name for name in order if times_ms[name] <= fastest * (1 + TIE_MARGIN))
+
+    def _disagreeing(self, shape: tuple[int, int], candidate: Candidate[W]) -> bool:
+        """Whether `candidate` disagrees with the reference at any timed row count on a random weight of `shape`."""
+        generator = torch.Generator().manual_seed(0)
+        weight = self.kind.make_weight(*shape, generator)
+        operand = candidate.prepare(weight)
+        inputs = (self.kind.make_input(rows, shape[0], generator) for rows in TIMED_ROWS)
+        return not all(self._agrees(candidate, x, weight, operand) for x in inputs)
+
+
+def check_columns(out_features: int) -> torch.Tensor:
+    """The output columns a kernel is checked on: the first and last 64 and every k-th between (about 256 more),
+    so a product's every column chunk is seen while the float64 reference stays cheap. [num_checked] int64."""
+    stride = max(1, out_features // 256)
+    picked = {*range(min(64, out_features)), *range(max(0, out_features - 64), out_features)}
+    picked.update(range(0, out_features, stride))
+    return torch.tensor(sorted(picked), dtype=torch.int64)
+
+
+def prepare_operands(kind: ProductKind[W], weight: W, names: Iterable[str]) -> dict[str, Any]:
+    """The operand of each named candidate of `kind`, prepared from the plain `weight`; candidates with the same
+    `prepare` share one operand (`x @ W` and the plain weight kept beside a packed one are the same tensor)."""
+    by_name = {c.name: c for c in kind.candidates}
+    prepared: dict[Callable[[W], Any], Any] = {}
+    operands = {}
+    for name in dict.fromkeys(names):
+        prepare = by_name[name].prepare
+        if prepare not in prepared:
+            prepared[prepare] = prepare(weight)
+        operands[name] = prepared[prepare]
+    return operands
+
+
+def _time_call(run: Callable[[torch.Tensor, Any], torch.Tensor], x: torch.Tensor, operand: Any) -> float:
+    start = time.perf_counter()
+    run(x, operand)
+    return time.perf_counter() - start
+
+
+class OtherCpuLoad:
+    """From its creation to `cpus()`, the CPUs that processes other than this one kept busy on average: the
+    machine's busy time (Linux `/proc/stat`, proc(5): the first `cpu` line, all but idle and iowait, in
+    `sysconf(SC_CLK_TCK)` ticks) minus this process's CPU time, over the wall time between."""
+
+    def __init__(self, path: str = "/proc/stat") -> None:
+        self.path = path
+        self.start = (time.perf_counter(), time.process_time(), self._machine_busy_s())
+
+    def cpus(self) -> float | None:
+        """Average busy CPUs of other processes since creation; None where `/proc/stat` cannot be read."""
+        wall, own, busy = self.start
+        now_busy = self._machine_busy_s()
+        if busy is None or now_busy is None:
+            return None
+        elapsed = max(time.perf_counter() - wall, 1e-3)
+        return max(0.0, (now_busy - busy) - (time.process_time() - own)) / elapsed
+
+    def _machine_busy_s(self) -> float | None:
+        try:
+            with open(self.path, "rb") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+            tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, AttributeError, ZeroDivisionError):
+            return None
+        if len(fields) < 5:
+            return None
+        return (sum(fields[:8]) - fields[3] - fields[4]) * tick_s  # user .. steal, less idle and iowait
+
+
+class ChoiceCache:
+    """The choices measured on one host, in `<directory>/linear-kernels-<digest of key>.json`.
+
+    The file holds the key (for a person reading it) and one entry per kind and shape. Reads that fail (missing,
+    unreadable, another key) find nothing; writes merge with what another process wrote meanwhile and replace the
+    file atomically; a write that fails is logged once and the choice lives in this process only.
+    """
+
+    def __init__(self, directory: pathlib.Path, key: Mapping[str, str]) -> None:
+        self.key = dict(key)
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = directory / f"linear-kernels-{digest}.json"
+
+    def get(self, kind: str, shape: tuple[int, int]) -> KernelChoice | None:
+        """The cached choice of `kind` for `shape`, or None."""
+        entry = self._read().get(f"{kind} {shape[0]}x{shape[1]}")
+        if not isinstance(entry, dict):
+            return None
+        try:
+            kernels = tuple(str(name) for name in entry["kernels"])
+            times = tuple({str(k): float(v) for k, v in t.items()} for t in entry["times_ms"])
+            busy_cpus = float(entry["busy_cpus"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        if len(kernels) != len(ROW_CLASSES):
+            return None
+        how = f"cached, measured beside {busy_cpus:.1f} busy CPUs" if busy_cpus > BUSY_CPUS else "cached"
+        return KernelChoice(kind, shape, kernels, how, times, busy_cpus)
+
+    def put(self, choice: KernelChoice) -> None:
+        """Add `choice` to the file (merged with its current contents)."""
+        choices = self._read()
+        choices[f"{choice.kind} {choice.shape[0]}x{choice.shape[1]}"] = choice.to_json()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+                json.dump({"version": CACHE_VERSION, "key": self.key, "choices": choices}, f, indent=1)
+            os.replace(f.name, self.path)
+        except OSError as exc:
+            logger.warning(
+                "could not cache linear kernel choices in %s (%s); they are measured each start", self.path, exc
+            )
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or data.get("key") != self.key:
+            return {}
+        choices = data.get("choices")
+        return choices if isinstance(choices, dict) else {}
+
+
+def kernel_cache_dir() -> pathlib.Path:
+    """`$XDG_CACHE_HOME/asyncllm/kernels` (default `~/.cache/asyncllm/kernels`), where the row kernels build too."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    return pathlib.Path(base) / "asyncllm" / "kernels"
+
+
+@functools.cache
+def host_fingerprint() -> dict[str, str]:
+    """What makes a kernel's speed differ between hosts: CPU model and ISA flags (Linux `/proc/cpuinfo`), torch,
+    oneDNN and MKL versions (from `torch.__config__.show()`), and torch's thread count when first called."""
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == (platform.processor() or platform.machine()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    config = torch.__config__.show()
+    onednn = re.search(r"MKL-DNN (v[\d.]+)", config)
+    mkl = re.search(r"Math Kernel Library Version ([\w.-]+)", config)
+    return {
+        "cpu": model,
+        "machine": platform.machine(),
+        "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "torch": torch.__version__,
+        "onednn": onednn[1] if onednn else "none",
+        "mkl": mkl[1] if mkl else "none",
+        "threads": str(torch.get_num_threads()),
+    }
+
+
+def forced_kernels_from_env() -> dict[str, str]:
+    """`ASYNCLLM_LINEAR_KERNELS` ("int8=int_mm,fp32=matmul") as {kind: kernel}; {} when unset.
+
+    Raises:
+        ConfigError: a malformed value, an unknown kind or kernel name.
+    """
+    return parse_linear_kernels(os.environ.get(LINEAR_KERNEL_ENV), source=LINEAR_KERNEL_ENV)

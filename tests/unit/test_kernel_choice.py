@@ -1,0 +1,263 @@
+"""The kernel chooser (`model/kernel_choice.py`): it never picks a wrong or a pathologically slow kernel, honours and
+logs a forced one, caches per host fingerprint, and does not cache what it measured on a busy machine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from asyncllm.config import EngineArgs, ModelConfig
+from asyncllm.engine_config import LINEAR_KERNEL_NAMES, parse_linear_kernels
+from asyncllm.errors import ConfigError
+from asyncllm.model.kernel_choice import (
+    ROW_CLASSES,
+    Candidate,
+    KernelChooser,
+    OtherCpuLoad,
+    ProductKind,
+    check_columns,
+    host_fingerprint,
+    row_class,
+)
+from asyncllm.model.loader import load_model
+from asyncllm.model.packed_fp32 import FP32_PRODUCT
+from asyncllm.model.quant import INT8_PRODUCT, Int8Weight
+from tests.unit.test_quant import TINY_LLAMA
+
+HOST = {"cpu": "Test CPU 9000", "cpu_flags": "abc", "torch": "2.13.0", "onednn": "v3.12.0", "threads": "2"}
+
+
+class QuietLoad:
+    """An `OtherCpuLoad` that reports a quiet machine (the test suite may run beside other work)."""
+
+    def cpus(self) -> float:
+        return 0.0
+
+
+class BusyLoad:
+    def cpus(self) -> float:
+        return 1.5
+
+
+def _kind(calls: dict[str, int], slow_s: float = 0.02) -> ProductKind[torch.Tensor]:
+    """A kind with a right, a deliberately slow (sleeps `slow_s` per call) and a deliberately wrong candidate."""
+
+    def counted(name: str, run: Any) -> Any:
+        def wrapper(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            calls[name] = calls.get(name, 0) + 1
+            return run(x, w)
+
+        return wrapper
+
+    def slow(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        time.sleep(slow_s)
+        return x @ w
+
+    return ProductKind(
+        name="fp32",
+        candidates=(
+            Candidate("slow", lambda: True, lambda w: w, counted("slow", slow)),
+            Candidate("wrong", lambda: True, lambda w: w, counted("wrong", lambda x, w: x @ w + 1e-2)),
+            Candidate("right", lambda: True, lambda w: w, counted("right", lambda x, w: x @ w)),
+            Candidate("missing", lambda: False, lambda w: w, counted("missing", lambda x, w: x @ w)),
+        ),
+        make_weight=lambda i, o, g: torch.randn(i, o, generator=g),
+        make_input=lambda r, i, g: torch.randn(r, i, generator=g),
+        reference=lambda x, w, columns: (x.double() @ w[:, columns].double()).float(),
+        agrees=FP32_PRODUCT.agrees,
+        out_features=lambda w: w.shape[1],
+    )
+
+
+def _chooser(tmp_path, calls: dict[str, int], host: dict[str, str] = HOST, **kwargs: Any) -> KernelChooser:  # type: ignore[no-untyped-def]
+    kwargs.setdefault("other_load", QuietLoad)
+    return KernelChooser(_kind(calls), cache_dir=tmp_path, fingerprint=host, **kwargs)
+
+
+def test_the_chooser_picks_neither_the_slow_nor_the_wrong_kernel(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    calls: dict[str, int] = {}
+    chooser = _chooser(tmp_path, calls)
+    assert [c.name for c in chooser.available] == ["slow", "wrong", "right"]
+    with caplog.at_level(logging.WARNING, logger="asyncllm.model.kernel_choice"):
+        choice = chooser.choose(64, 48)
+    assert choice.kernels == ("right",) * len(ROW_CLASSES)
+    assert choice.how == "measured"
+    assert "'wrong' disagrees with the exact reference" in caplog.text
+    assert "'slow' is" in caplog.text
+    assert "slower than the fastest" in caplog.text
+    assert calls["wrong"] == 1  # checked once, dropped for the rest of the process
+    slow_calls = calls["slow"]
+    chooser.choose(32, 16)  # another shape: the dropped kernels are not run again
+    assert calls["slow"] == slow_calls
+    assert calls["wrong"] == 1
+    assert "missing" not in calls
+    assert set(choice.times_ms[0]) == {"right"}
+    assert "64x48: 1 right (" in chooser.describe()
+
+
+def test_a_kernel_only_a_little_slower_is_timed_but_not_chosen(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    calls: dict[str, int] = {}
+    kind = _kind(calls, slow_s=0.0005)
+    chooser = KernelChooser(kind, cache_dir=tmp_path, fingerprint=HOST, other_load=QuietLoad)
+    choice = chooser.choose(16, 8)
+    assert choice.kernels == ("right",) * len(ROW_CLASSES)
+    assert all(times["slow"] > times["right"] for times in choice.times_ms)  # timed at every row class
+
+
+def test_a_forced_kernel_is_honoured_without_measuring(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    calls: dict[str, int] = {}
+    chooser = _chooser(tmp_path, calls, forced="slow")
+    choice = chooser.choose(64, 48)
+    assert choice.kernels == ("slow",) * len(ROW_CLASSES)
+    assert choice.how == "forced"
+    assert "right" not in calls  # nothing else was run
+    assert "(forced;" in chooser.describe()
+    with pytest.raises(ConfigError, match="'wrong' gives wrong results for a 64x48 weight"):
+        _chooser(tmp_path, {}, forced="wrong").choose(64, 48)
+    with pytest.raises(ConfigError, match="'missing' is not available on this host"):
+        _chooser(tmp_path, {}, forced="missing")
+
+
+def test_the_cache_is_keyed_by_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    calls: dict[str, int] = {}
+    first = _chooser(tmp_path, calls).choose(64, 48)
+    measured_calls = calls["right"]
+    again = _chooser(tmp_path, calls).choose(64, 48)  # a later start on the same host
+    assert again.how == "cached"
+    assert again.kernels == first.kernels
+    assert calls["right"] == measured_calls  # nothing was run
+    for changed in ({"cpu": "Other CPU"}, {"cpu_flags": "abd"}, {"torch": "2.14.0"}, {"onednn": "v3.13.0"}):
+        before = calls["right"]
+        choice = _chooser(tmp_path, calls, host={**HOST, **changed}).choose(64, 48)
+        assert choice.how == "measured", changed
+        assert calls["right"] > before
+    files = sorted(tmp_path.glob("linear-kernels-*.json"))
+    assert len(files) == 5
+    stored = json.loads(files[0].read_text())
+    assert stored["key"]["candidates"] == "slow,wrong,right"  # the available ones, not "missing"
+    assert list(stored["choices"]) == ["fp32 64x48"]
+
+
+def test_a_measurement_on_a_busy_machine_is_measured_again_when_quiet(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    calls: dict[str, int] = {}
+    busy = _chooser(tmp_path, calls, other_load=BusyLoad).choose(64, 48)
+    assert busy.how == "measured beside 1.5 busy CPUs"
+    assert busy.kernels == ("right",) * len(ROW_CLASSES)
+    again_busy = _chooser(tmp_path, calls, other_load=BusyLoad).choose(64, 48)  # still busy: not measured again
+    assert again_busy.how == "cached, measured beside 1.5 busy CPUs"
+    assert _chooser(tmp_path, calls).choose(64, 48).how == "measured"  # quiet now: measured again
+    assert _chooser(tmp_path, calls, other_load=BusyLoad).choose(64, 48).how == "cached"  # a quiet measurement
+
+
+def test_other_cpu_load_reads_proc_stat(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 1000 10 0 0 0 0 0\n")
+    start = time.perf_counter()
+    load = OtherCpuLoad(str(stat))
+    time.sleep(0.2)
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    busy = f"{100 + round(2 / tick)} {round(0.5 / tick)}"  # 2.5 CPU-seconds more of user and nice time
+    stat.write_text(f"cpu  {busy} 50 9000 10 0 0 0 0 0\n")
+    cpus = load.cpus()
+    elapsed = time.perf_counter() - start
+    assert cpus is not None
+    assert (2.5 - 0.2) / elapsed <= cpus <= 2.5 / 0.2  # less this process's own CPU time (it slept)
+    assert OtherCpuLoad(str(tmp_path / "missing")).cpus() is None
+
+
+def test_row_classes_and_checked_columns() -> None:
+    assert [row_class(r) for r in (1, 2, 16, 17, 64, 65, 4096)] == [0, 1, 1, 2, 2, 3, 3]
+    columns = check_columns(49152)
+    assert columns[0] == 0
+    assert columns[-1] == 49151
+    assert 300 < len(columns) < 450
+    assert torch.equal(check_columns(40), torch.arange(40))
+
+
+@pytest.mark.parametrize("kind", [INT8_PRODUCT, FP32_PRODUCT], ids=["int8", "fp32"])
+def test_every_real_kernel_agrees_with_the_reference(kind: ProductKind[Any], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each available kernel of this build, forced, passes its own check on a model-like shape (K = 576)."""
+    names = [c.name for c in kind.candidates if c.available()]
+    assert "int_mm" in names or "matmul" in names
+    for name in names:
+        chooser = KernelChooser(kind, forced=name, cache_dir=tmp_path)
+        assert chooser.choose(576, 200).kernels == (name,) * len(ROW_CLASSES)
+
+
+def test_forced_kernels_are_validated_at_the_door(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    assert parse_linear_kernels("int8=int_mm, fp32=matmul") == {"int8": "int_mm", "fp32": "matmul"}
+    assert parse_linear_kernels(None) == {}
+    assert parse_linear_kernels("") == {}
+    assert set(LINEAR_KERNEL_NAMES["int8"]) == {c.name for c in INT8_PRODUCT.candidates}
+    assert set(LINEAR_KERNEL_NAMES["fp32"]) == {c.name for c in FP32_PRODUCT.candidates}
+    with pytest.raises(ConfigError, match="unknown int8 kernel 'fast'"):
+        EngineArgs(linear_kernels={"int8": "fast"}).validate()
+    with pytest.raises(ConfigError, match="unknown kind 'int4'"):
+        EngineArgs(linear_kernels="int4=x").validate()
+    with pytest.raises(ConfigError, match="expected 'kind=kernel' pairs"):
+        EngineArgs(linear_kernels="int_mm").validate()
+    monkeypatch.setenv("ASYNCLLM_LINEAR_KERNELS", "int8=nope")
+    with pytest.raises(ConfigError, match="ASYNCLLM_LINEAR_KERNELS: unknown int8 kernel 'nope'"):
+        EngineArgs().validate()
+
+
+def test_a_forced_kernel_runs_the_model_and_is_logged(tmp_path, caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The engine argument wins over the environment; the start-up log names the kernel of every product."""
+    monkeypatch.setenv("ASYNCLLM_LINEAR_KERNELS", "int8=onednn")
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    config = ModelConfig("tiny", str(tmp_path), load_format="dummy", quantization="int8")
+    forced = ModelConfig(**{**config.__dict__, "linear_kernels": {"int8": "int_mm"}})
+    with caplog.at_level(logging.INFO, logger="asyncllm.model.loader"):
+        model = load_model(forced)
+    head = model.lm_head
+    assert isinstance(head, Int8Weight)
+    assert head.choice is not None
+    assert head.choice.kernels == ("int_mm",) * len(ROW_CLASSES)
+    assert list(head.operands) == ["int_mm"]
+    assert "int8 linear kernels (forced;" in caplog.text
+    assert f"64x{TINY_LLAMA['vocab_size']}: 1 int_mm, 2-16 int_mm, 17-64 int_mm, 65+ int_mm" in caplog.text
+    from_env = load_model(config).lm_head
+    assert from_env.choice is not None
+    assert from_env.choice.kernels == ("onednn",) * len(ROW_CLASSES)
+
+
+def test_host_fingerprint_names_the_libraries() -> None:
+    fingerprint = host_fingerprint()
+    assert fingerprint["torch"] == torch.__version__
+    assert fingerprint["onednn"].startswith("v")
+    assert fingerprint["cpu"]
+
+
+PROBE = """
+import logging, pathlib, sys, torch
+logging.basicConfig(level=logging.WARNING)
+from asyncllm.model.kernel_choice import KernelChooser
+from asyncllm.model.quant import INT8_PRODUCT
+torch.set_num_threads(1)
+print("CHOICE", KernelChooser(INT8_PRODUCT, cache_dir=pathlib.Path(sys.argv[1])).choose(576, 960).kernels)
+"""
+
+
+def test_oneDNNs_reference_kernel_is_rejected_where_it_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """oneDNN runs its reference int8 kernel (`ref_int8`) on CPUs with AVX-512 VNNI but no AMX, such as AMD EPYC:
+    capping oneDNN's ISA there (`ONEDNN_MAX_CPU_ISA`) reproduces it on any AVX-512 host. The chooser must not
+    pick it (here 50-200x slower than `torch._int_mm`; docs/kernels.md)."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "ONEDNN_VERBOSE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    if "ref_int8" not in done.stdout:
+        pytest.skip("oneDNN does not run its reference int8 kernel on this CPU even with the ISA capped (no AVX-512)")
+    choice = next(line for line in done.stdout.splitlines() if line.startswith("CHOICE"))
+    assert "'onednn'" not in choice, choice
+    assert "'onednn' is" in done.stderr
+    assert "slower than the fastest" in done.stderr
