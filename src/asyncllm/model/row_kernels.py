@@ -28,11 +28,12 @@ outputs do not depend on whether the kernels are in use. `self_check` compares t
 `tests/unit/test_row_kernels.py` on more shapes.
 
 The kernels are compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja, which asyncllm
-installs from PyPI into the interpreter's scripts directory, put on the build's PATH here; about 20 s once per
-machine, cached in `$XDG_CACHE_HOME/asyncllm/kernels/`, default `~/.cache/asyncllm/kernels/`), for this CPU's
+installs from PyPI into the interpreter's scripts directory, put first on the build's PATH here; about 20 s once
+per machine, cached in `$XDG_CACHE_HOME/asyncllm/kernels/`, default `~/.cache/asyncllm/kernels/`), for this CPU's
 vector width (`-march=native`; the cache name includes the CPU's flags, so a shared home directory never loads
-another CPU's build). Loaded, they log which run (INFO). Where the build or the start-up self-check fails,
-`load_kernels` returns None, logs a WARNING once saying why and what it costs, and the model uses the eager ops.
+another CPU's build, and the paths of the sources and of torch, so checkouts and venvs never rebuild each
+other's). Loaded, they log which run (INFO). Where the build or the start-up self-check fails, `load_kernels`
+returns None, logs a WARNING once saying why and what it costs, and the model uses the eager ops.
 `ASYNCLLM_FUSED_KERNELS=0` turns them off.
 """
 
@@ -151,7 +152,8 @@ class RowKernels(Protocol):
 
 
 def _cpu_tag() -> str:
-    """A short digest of this CPU's model and feature flags (Linux `/proc/cpuinfo`) and of the source."""
+    """A short digest of this CPU's model and feature flags (Linux `/proc/cpuinfo`), of the source, and of the
+    source's and torch's paths and torch's version."""
     cpu = platform.machine() + platform.processor()
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -159,6 +161,9 @@ def _cpu_tag() -> str:
                 cpu += line
     except OSError:
         pass
+    # and where the sources and torch are: their paths are in build.ninja, so two checkouts or venvs sharing one
+    # build directory would rebuild each other's build at every load (40-70 s each on a busy 2-core machine)
+    cpu += str(SOURCE.resolve()) + torch.__file__ + torch.__version__
     return hashlib.sha256((cpu + "".join(p.read_text() for p in (*SOURCES, *HEADERS))).encode()).hexdigest()[:12]
 
 
@@ -177,8 +182,10 @@ def load_kernels() -> RowKernels | None:
         name = f"asyncllm_row_kernels_{_cpu_tag()}"
         directory = build_directory(name)
         remove_stale_lock(directory)
-        saved_path = os.environ.get("PATH", "")  # `.venv/bin/python` runs without .venv/bin, pip's ninja, on PATH
-        os.environ["PATH"] = os.pathsep.join(filter(None, (saved_path, sysconfig.get_path("scripts"))))
+        # pip's ninja first (`.venv/bin/python` runs without .venv/bin on PATH): always the same ninja, as another
+        # one's `.ninja_log` format makes ninja rebuild everything
+        saved_path = os.environ.get("PATH", "")
+        os.environ["PATH"] = os.pathsep.join(filter(None, (sysconfig.get_path("scripts"), saved_path)))
         try:
             module = load(
                 name=name,
