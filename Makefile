@@ -9,7 +9,7 @@ test:           ## the whole test suite (real model on CPU; a few minutes)
 	@scripts/setup.sh dev
 	@.venv/bin/python -m pytest -q --durations=30
 
-test-fast:      ## unit tests only: no real model weights, no engine on the real model (well under a minute)
+test-fast:      ## unit tests not marked slow: no model weights, no engine process, no kernel build at start (under a minute)
 	@scripts/setup.sh dev
 	@.venv/bin/python -m pytest -q tests/unit -m "not slow"
 
