@@ -7,7 +7,7 @@ single hold (most likely `tokenizers` building the 49k-token BPE model in one Ru
 120-140 ms of CPU in all) stalled the loop 82-98 ms on a quiet 2-core machine. On a shared machine the OS alone
 keeps a thread off a core for a while, and a hold of the same CPU work lasts longer, so the bound is set
 against a control measured in the same test: the same ticker in a process of its own (no GIL shared with this
-one), ticking through the same start-up, records the machine's stalls, and spins 1 ms after each tick to measure
+one), ticking through the same start-up, records the machine's stalls, and spins 50 ms every 0.5 s to measure
 the share of a core a busy thread gets meanwhile. The loop's longest stall may exceed the control's longest by
 `GIL_BUDGET_S` of CPU time at that share; the loop must keep ticking through the start-up. The test prints the
 numbers (`-rP` or `-s` shows them).
@@ -31,7 +31,8 @@ from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 
 pytestmark = pytest.mark.mp
 TICK_S = 0.01
-SPIN_S = 0.001  # the control's busy spin after each tick (10% of a core): the CPU share of a busy thread
+SPIN_S = 0.05  # the control's busy spin, every SPIN_EVERY_S (10% of a core): the CPU share of a busy thread
+SPIN_EVERY_S = 0.5  # (spins of a few ms would measure a just-woken thread, which the scheduler favours)
 GIL_BUDGET_S = 0.15  # CPU seconds: the loop's longest stall beyond the control's (measured 82-98 ms when quiet)
 CONTROL_TICKER = f"""
 import asyncio, json, sys, time
@@ -42,15 +43,18 @@ async def main():
     loop.add_reader(sys.stdin.fileno(), closed.set)  # readable at EOF: the test closed our stdin
     stalls, spin_wall, spin_cpu = [], 0.0, 0.0
     print("ticking", flush=True)
-    last = time.monotonic()
+    last = spun = time.monotonic()
     while not closed.is_set():
         await asyncio.sleep({TICK_S})
-        now, cpu = time.monotonic(), time.thread_time()
+        now = time.monotonic()
         stalls.append(now - last - {TICK_S})
-        while time.monotonic() - now < {SPIN_S}:
-            pass
+        if now - spun >= {SPIN_EVERY_S}:
+            cpu = time.thread_time()
+            while time.monotonic() - now < {SPIN_S}:
+                pass
+            spun = time.monotonic()
+            spin_wall, spin_cpu = spin_wall + spun - now, spin_cpu + time.thread_time() - cpu
         last = time.monotonic()
-        spin_wall, spin_cpu = spin_wall + last - now, spin_cpu + time.thread_time() - cpu
     print(json.dumps({{"stalls": stalls, "share": spin_cpu / spin_wall}}), flush=True)
 
 asyncio.run(main())
