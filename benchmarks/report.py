@@ -30,8 +30,13 @@ def run(script: str, *args: str) -> dict[str, Any]:
 def throughput_tables(t: dict[str, Any]) -> list[str]:
     lines = []
     for mode in t["modes"]:
-        lines += [f"\n**{mode}** ({t['max_tokens']} new tokens per stream, greedy, total generated tokens/s)\n"]
-        lines += ["| streams | HF fp32 | asyncllm fp32 | ratio | asyncllm int8 | ratio |", "|---|---|---|---|---|---|"]
+        prompts = "the 11-15-token prompts of `throughput.make_prompts`"
+        workload = f"{prompts}, {t['max_tokens']} new tokens per stream, greedy, EOS ignored"
+        lines += [f"\n**{mode}** ({workload}; total generated tokens/s; int8 is compared with HF fp32)\n"]
+        lines += [
+            "| streams | HF fp32 | asyncllm fp32 | vs HF fp32 | asyncllm int8 | int8 vs HF fp32 |",
+            "|---|---|---|---|---|---|",
+        ]
         for n in t["streams"]:
             hf = t["transformers"].get(mode, {}).get(str(n))
             cells = [str(n), f"{hf:.1f}" if hf else "-"]

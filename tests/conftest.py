@@ -1,5 +1,8 @@
 """Shared fixtures: the real default model, resolved once per session (downloaded into the user cache), and the
-reference models built from it, loaded once per session and shared by every module that compares with them."""
+reference models built from it, loaded once per session and shared by every module that compares with them.
+
+Nothing is loaded or built at session start: the fixtures load on first use, and the fused kernels are built
+before the first `mp` test; a test that starts an engine process without the `mp` marker fails."""
 
 from __future__ import annotations
 
@@ -43,9 +46,45 @@ def hf_reference(model_path: str) -> tuple[Any, Any]:
     return tok, ref.eval()
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the fused int8 kernels (`model/row_kernels.py`, ~20 s once per machine) in the pytest process before any
-    test starts an engine, so no engine process that a test stops mid-start can hold the build lock."""
-    from asyncllm.model.row_kernels import load_kernels
+_CHILDREN = {"started": 0}  # engine and worker processes asyncllm started in this pytest process
+_CHILDREN_BEFORE = pytest.StashKey[int]()
 
-    load_kernels()
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Count the engine and `mp` worker processes asyncllm starts (every one is a `ChildProcess`), so a test that
+    starts one without the `mp` marker fails (`pytest_runtest_teardown`): `-m "not mp"` then truly starts none."""
+    from asyncllm.utils.process import ChildProcess
+
+    started = ChildProcess.__init__
+
+    def counted(self: ChildProcess, *args: Any, **kwargs: Any) -> None:
+        _CHILDREN["started"] += 1
+        started(self, *args, **kwargs)
+
+    ChildProcess.__init__ = counted  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a test that starts engine processes (`mp`): build the fused kernels (`model/row_kernels.py`, ~20 s
+    once per machine) in the pytest process, so no engine process that a test stops mid-start holds the build
+    lock. Only there: a session of unit tests (`make test-fast`) builds nothing at its start."""
+    item.stash[_CHILDREN_BEFORE] = _CHILDREN["started"]
+    if item.get_closest_marker("mp") is not None:
+        from asyncllm.model.row_kernels import load_kernels
+
+        load_kernels()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """After the test's fixtures are torn down: fail a test that started an engine or worker process (counting its
+    setup, where module fixtures start engines) without the `mp` marker."""
+    result = yield
+    started = _CHILDREN["started"] - item.stash.get(_CHILDREN_BEFORE, _CHILDREN["started"])
+    if started and item.get_closest_marker("mp") is None:
+        pytest.fail(
+            f"{item.nodeid} started {started} engine/worker process(es) but is not marked `mp` (pyproject markers); "
+            'mark it, or its process parameter: pytest.param("process", marks=pytest.mark.mp)'
+        )
+    return result

@@ -23,7 +23,7 @@ from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.messages.engine import SchedulerStats
 
-MODES = ["thread", "process"]
+MODES = ["thread", pytest.param("process", marks=pytest.mark.mp)]  # a process engine: `mp` (pyproject)
 BACKENDS = ["asyncio", "trio"]
 FAKE_CONFIG = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())
 HELPERS = "tests.integration.engine_helpers"

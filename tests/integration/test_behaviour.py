@@ -24,7 +24,7 @@ from asyncllm import (
     RequestOutputKind,
     StreamBusyError,
 )
-from tests.integration.conftest import collect, fake_llm, greedy, run, wait_until_idle
+from tests.integration.conftest import MODES, collect, fake_llm, greedy, run, wait_until_idle
 from tests.integration.engine_helpers import FAKE_TOKENS
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -141,7 +141,7 @@ def test_a_second_task_iterating_one_stream_gets_a_clear_error_at_once(llm: Asyn
 # ---- scripted cores: the boundary alone --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", MODES)
 def test_engine_death_raises_engine_dead_in_every_stream_within_5s(tokenizer, mode: str, backend: str) -> None:
     llm = fake_llm(tokenizer, mode, "make_failing_core")
 
@@ -160,7 +160,7 @@ def test_engine_death_raises_engine_dead_in_every_stream_within_5s(tokenizer, mo
     run(backend, body)
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", MODES)
 def test_shutdown_with_open_streams_ends_them_with_engine_dead(tokenizer, mode: str, backend: str) -> None:
     llm = fake_llm(tokenizer, mode, "make_long_core")
 
@@ -177,7 +177,7 @@ def test_shutdown_with_open_streams_ends_them_with_engine_dead(tokenizer, mode: 
     run(backend, body)
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", MODES)
 def test_many_streams_under_load_lose_no_wake_up(tokenizer, mode: str, backend: str) -> None:
     """64 concurrent streams of 200 tokens: every token of every stream arrives (an edge-triggered fd read
     without re-checking zmq.EVENTS would strand a message and hang here)."""
@@ -231,6 +231,7 @@ def test_two_live_loops_in_two_threads_the_second_gets_a_clear_error_at_once(tok
     run(backend, llm.shutdown)
 
 
+@pytest.mark.mp
 def test_sigkilled_engine_process_raises_engine_dead_within_5s(tokenizer, backend: str) -> None:
     llm = fake_llm(tokenizer, "process", "make_long_core")
 
@@ -249,7 +250,7 @@ def test_sigkilled_engine_process_raises_engine_dead_within_5s(tokenizer, backen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", MODES)
 def test_an_executor_class_as_backend_runs_in_the_engine_in_both_modes(model_path: str, mode: str) -> None:
     from tests.integration.custom_executor import TaggedExecutor
 

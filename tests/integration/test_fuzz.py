@@ -136,6 +136,16 @@ def test_random_and_mutated_frames_on_the_socket_never_stop_the_engine(llm: Asyn
             if message and bytes(message[0]) == EngineCoreRequestType.SHUTDOWN.value:
                 continue  # a well-formed SHUTDOWN is the client's own command, not hostile input
             client._input.send_multipart([client._engine_identity, *message])
+
+    async def served_after_the_frames() -> None:
+        """The engine reads its socket in order: a request sent after the frames completes only once the engine
+        has read them and run the step after them (a bad request that killed an engine in its next step did
+        so in the step it was scheduled in, beside this one). Checking `errored` right after sending checked
+        before the engine had seen them."""
+        final = await llm.generate("Hello", greedy(2, ignore_eos=True)).collect()
+        assert len(final.outputs[0].token_ids) == 2
+
+    anyio.run(served_after_the_frames)  # an engine the frames killed raises EngineDeadError here
     assert not llm.errored
 
 

@@ -1,19 +1,27 @@
 """`quantization="int8"` on the real SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized then requantized).
 
-Logit error against the float32 model on the parity corpus (3 chat prompts, every prompt position), measured on
-this file: max |diff| / max |fp32 logit| per position is 0.056-0.074 at the last prompt position, 0.107-0.110
-on average and 0.21-0.22 at worst; the top-1 token agrees at 95-97% of positions. Following fp32's greedy
-answers (24 tokens each), int8 picks another token only where fp32's own top-2 gap is <= 0.42 logits (fp32's
-first answer token to the France question wins by 0.08, so int8's free-running answer there starts "L'..."). The
-bounds below leave a margin of ~1.5x and would catch a broken quantizer (scales on the wrong axis, a smoothing
-factor applied once instead of twice: errors > 1). int8 is then checked against its own runs: batched equals
-alone (with chunked prefill), TP=3 equals TP=1 where the greedy choice is clear.
+Logit error against the float32 model, every prompt position, max |diff| / max |fp32 logit| per position, on
+three corpora (measured on this file, 2 cores; `-rP` prints them):
+- the parity corpus (3 chat prompts; two of them share their topic and words with the SmoothQuant calibration
+  text in `model/loader.py`): 0.058-0.069 at the last prompt position, 0.106-0.114 on average, 0.226 at worst;
+  the top-1 token agrees at 92-95% of positions.
+- held-out chats (5 prompts on topics the calibration text does not touch): 0.042-0.073 last, 0.104-0.111 mean,
+  0.226 worst (all chat prompts share the template's 24-token system prefix, where the worst position is);
+  top-1 89-95%.
+- held-out prose (3 plain-text paragraphs: a recipe, a lease clause, a football match; no chat template):
+  0.067-0.112 last, 0.098-0.123 mean, 0.175-0.384 worst; top-1 82-93%. Quantization is visibly worse away from
+  the calibration's chat format: the bounds are per corpus.
+Following fp32's greedy answers (24 tokens each), int8 picks another token only where fp32's own top-2 gap is
+<= 0.42 logits (fp32's first answer token to the France question wins by 0.08, so int8's free-running answer
+there starts "L'..."). The bounds leave a margin of ~1.5x and would catch a broken quantizer (scales on the
+wrong axis, a smoothing factor applied once instead of twice: errors > 1). int8 is then checked against its own
+runs: batched equals alone (with chunked prefill), TP=3 equals TP=1 where the greedy choice is clear.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -26,12 +34,42 @@ from asyncllm.model.tokenizer import Tokenizer
 from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids
 from tests.integration.test_engine_core import _assert_all_free, _requests, _run
 from tests.integration.test_model_parity import CHATS, _Runner
+from tests.kernels import require_kernels
 from tests.reference import clear_prefix_len, dense_greedy, greedy_margins, next_token_logits
 
-LAST_POSITION_BOUND = 0.12  # relative logit error at the last prompt position (measured <= 0.074)
-MEAN_BOUND = 0.16  # mean over positions (measured <= 0.110)
-MAX_BOUND = 0.33  # worst position (measured 0.225)
-MIN_TOP1_AGREEMENT = 0.88  # measured 0.946-0.975
+HELD_OUT_CHATS = [  # topics and words the calibration text (model/loader.py CALIBRATION_MESSAGES) does not have
+    "How do bees make honey?",
+    "Give me three tips for sleeping better.",
+    "What does a librarian do all day?",
+    "Describe how to boil an egg.",
+    "Why do cats purr?",
+]
+HELD_OUT_PROSE = [  # plain text, no chat template: another format than the calibration's chat
+    "The recipe calls for two cups of flour, a pinch of salt and a spoonful of honey. Knead the dough until it is "
+    "smooth, cover it with a cloth, and let it rest in a warm corner of the kitchen for an hour before baking.",
+    "Under the agreement, the tenant shall keep the premises in good repair and shall not sublet any part of them "
+    "without the prior written consent of the landlord, which shall not be unreasonably withheld.",
+    "The goalkeeper dived to his left, but the ball curled into the top corner. The crowd fell silent for a "
+    "moment, then the away fans behind the goal began to sing as their players ran towards them.",
+]
+
+
+class Bounds(NamedTuple):
+    """Relative logit error bounds of one corpus (measured values in the module doc; margin ~1.5x)."""
+
+    last: float  # at the last prompt position
+    mean: float  # mean over positions
+    max: float  # worst position
+    min_top1: float  # fraction of positions whose top-1 token agrees
+
+
+# name -> (prompts, chat template?, bounds); worst measured last / mean / max / top-1: parity 0.069 / 0.114 /
+# 0.226 / 0.919; held-out chats 0.073 / 0.111 / 0.226 / 0.892; held-out prose 0.112 / 0.123 / 0.384 / 0.818
+CORPORA = {
+    "parity": (CHATS, True, Bounds(last=0.12, mean=0.16, max=0.33, min_top1=0.88)),
+    "held_out_chats": (HELD_OUT_CHATS, True, Bounds(last=0.12, mean=0.16, max=0.33, min_top1=0.85)),
+    "held_out_prose": (HELD_OUT_PROSE, False, Bounds(last=0.17, mean=0.18, max=0.55, min_top1=0.72)),
+}
 CLEAR_MARGIN = 1.0  # logits; int8 flips fp32's greedy choice only below 0.42 (measured)
 TP_MARGIN = 0.5  # logits: TP shards quantize partial rows of o_proj/down_proj inputs with their own scales
 
@@ -43,17 +81,23 @@ def models(model_path: str, reference_model: Any) -> tuple[Any, Any]:
     return fp32, int8
 
 
-def test_int8_logit_error_against_fp32_on_the_parity_corpus(model_path: str, models: tuple[Any, Any]) -> None:
+@pytest.mark.parametrize("corpus", list(CORPORA))
+def test_int8_logit_error_against_fp32(model_path: str, models: tuple[Any, Any], corpus: str) -> None:
     tokenizer = Tokenizer.load(model_path)
     fp32, int8 = models
-    for chat in CHATS:
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": chat}]))
+    prompts, chat_template, bounds = CORPORA[corpus]
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat_template else prompt
+        ids = tokenizer.encode(text)
         ref, got = next_token_logits(fp32, ids), next_token_logits(int8, ids)
         relative = (ref - got).abs().amax(-1) / ref.abs().amax(-1)
-        assert relative[-1] <= LAST_POSITION_BOUND, (chat, relative[-1])
-        assert relative.mean() <= MEAN_BOUND, (chat, relative.mean())
-        assert relative.max() <= MAX_BOUND, (chat, relative.max())
-        assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= MIN_TOP1_AGREEMENT, chat
+        top1 = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+        measured = f"last {relative[-1]:.3f}, mean {relative.mean():.3f}, max {relative.max():.3f}, top-1 {top1:.3f}"
+        print(f"{corpus}: {prompt[:40]!r} ({len(ids)} tokens): {measured}")
+        assert relative[-1] <= bounds.last, (prompt, measured)
+        assert relative.mean() <= bounds.mean, (prompt, measured)
+        assert relative.max() <= bounds.max, (prompt, measured)
+        assert top1 >= bounds.min_top1, (prompt, measured)
 
 
 def test_fused_kernels_give_the_eager_logits_bit_for_bit(model_path: str, models: tuple[Any, Any]) -> None:
@@ -61,10 +105,10 @@ def test_fused_kernels_give_the_eager_logits_bit_for_bit(model_path: str, models
     logits over a chat prompt, fp32 and int8, are the same with the eager ops."""
     tokenizer = Tokenizer.load(model_path)
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}]))
+    require_kernels()  # fails under CI where they do not build, skips elsewhere (tests/kernels.py)
     for model in models:
         kernels = model.fused_kernels
-        if kernels is None:
-            pytest.skip("the fused row kernels are not built on this machine (see test_row_kernels.py)")
+        assert kernels is not None
         fused = next_token_logits(model, ids)
         modules = (model, *model.layers)
         try:

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from asyncllm import AsyncLLM, EngineArgs, RepetitionDetectionParams, RequestOutput, SamplingParams
-from tests.integration.conftest import wait_until_idle
+from tests.integration.conftest import MODES, wait_until_idle
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ async def _chat_all(llm: AsyncLLM, params: SamplingParams) -> list[RequestOutput
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", MODES)
 def test_greedy_outputs_equal_without_speculation(
     reference: AsyncLLM, mode: str, request: pytest.FixtureRequest
 ) -> None:
@@ -312,6 +312,7 @@ def test_repetition_detection_stops_a_loop_and_never_cuts_a_normal_answer(specul
     anyio.run(body)
 
 
+@pytest.mark.mp
 def test_tensor_parallel_mp_workers_verify_the_same_drafts(reference: AsyncLLM, model_path: str) -> None:
     """TP=3 over `mp` worker processes: every rank gets the drafts in the SchedulerOutput; greedy ids unchanged."""
     args = EngineArgs(

@@ -125,6 +125,49 @@ async def test_auto_tool_choice_streamed_equals_non_streamed(base_url: str) -> N
         json.loads(arguments)
 
 
+# The Hermes call format the "auto" prompt asks for (`tool_calling.tools_system_prompt`), as a regex admitting
+# exactly one valid call of either offered tool: which tool and which arguments stay the model's choice.
+HERMES_CALL = "|".join(
+    rf'<tool_call>\n\{{"name": "{name}", "arguments": \{{"{argument}": "{value}"\}}\}}\n</tool_call>'
+    for name, argument, value in [
+        ("calculator", "expression", "[0-9+*/() .-]{1,24}"),
+        ("clock", "timezone", "(UTC|Europe/Paris|Asia/Tokyo)"),
+    ]
+)
+
+
+@pytest.mark.timeout(600)
+async def test_auto_tool_choice_parses_the_models_own_call(base_url: str) -> None:
+    """ "auto" with a constrained first turn, so a call is certain: the model writes its answer in the Hermes
+    format (a regex over both tools; the model picks the tool and its arguments), and the server's "auto" path
+    must parse it into a `tool_calls` message, streamed and not alike, with no call text left in the content."""
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "temperature": 0,
+        "max_tokens": 64,
+        "extra_body": {"structured_outputs": {"regex": HERMES_CALL}},
+    }
+    async with client(base_url) as oai:
+        full = await oai.chat.completions.create(**kwargs)
+        async with oai.chat.completions.stream(**kwargs) as stream:
+            streamed = await stream.get_final_completion()
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert not choice.message.content, choice.message.content
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+    assert len(calls) == 1, choice.message
+    name, arguments = calls[0]
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    assert choice.message.tool_calls[0].id.startswith("call_")  # type: ignore[index]
+    streamed_choice = streamed.choices[0]
+    assert streamed_choice.finish_reason == "tool_calls"
+    assert not streamed_choice.message.content
+    assert [(c.function.name, c.function.arguments) for c in streamed_choice.message.tool_calls or []] == calls
+
+
 @pytest.mark.timeout(600)
 async def test_response_formats_give_valid_json(base_url: str) -> None:
     ask = [{"role": "user", "content": "Give a JSON object with the name and age of a person."}]

@@ -10,7 +10,8 @@ import torch
 from asyncllm.model.attention import paged_attention, write_kv_cache
 from asyncllm.model.attention_metadata import build_attention_metadata
 from asyncllm.model.kv_mirror import DecodeKVMirror
-from asyncllm.model.row_kernels import RowKernels, load_kernels
+from asyncllm.model.row_kernels import RowKernels
+from tests.kernels import require_kernels
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
 
@@ -88,8 +89,7 @@ def _run_both(seqs: Sequences, schedule: list[list[str]], mirror: DecodeKVMirror
 def test_mirror_gives_the_gathered_attention_and_is_kept_only_while_valid(
     pass_new_kv: bool, with_kernels: bool
 ) -> None:
-    kernels = load_kernels() if with_kernels else None
-    assert kernels is not None or not with_kernels, "the fused kernels failed to build on this machine"
+    kernels = require_kernels() if with_kernels else None  # fails under CI where they do not build (tests/kernels.py)
     seqs = Sequences({"a": 3, "b": 9, "c": 14}, pass_new_kv=pass_new_kv, kernels=kernels)
     bytes_per_token = 2 * 2 * KV_HEADS * HEAD_DIM * 4
     mirror = DecodeKVMirror(BLOCK_SIZE, bytes_per_token, max_bytes=10**9)

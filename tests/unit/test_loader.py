@@ -42,6 +42,7 @@ def test_read_arch_config_from_gguf(model_path: str) -> None:
     assert (arch.bos_token_id, arch.eos_token_id) == (1, 2)
 
 
+@pytest.mark.slow  # two full-size (135M) models with dummy weights: 8 s of a busy 2-core machine, out of test-fast
 def test_dummy_weights_are_seeded_and_batch_invariant(model_path: str) -> None:
     config = ModelConfig(model="m", model_path=model_path, load_format="dummy", seed=7)
     model, again = load_model(config), load_model(config)

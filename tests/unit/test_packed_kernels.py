@@ -19,11 +19,11 @@ from asyncllm.model.packed_fp32 import (
     FP32_PRODUCT,
     PackedFp32Weight,
     bucket_rows,
-    mkl_packed_kernels,
     onednn_fp32_available,
     pack_fp32,
 )
 from asyncllm.model.quant import INT8_PRODUCT, Int8Weight, linear, onednn_int8_available, quantize_int8, quantize_rows
+from tests.kernels import require_mkl_packed
 from tests.unit.test_quant import TINY_LLAMA, _logits
 
 pytestmark = pytest.mark.skipif(
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 def fp32_chooser(request, tmp_path) -> KernelChooser[torch.Tensor]:  # type: ignore[no-untyped-def]
     """A chooser that runs every product on one fp32 kernel, each in turn (this CI's torch has all three)."""
     if request.param == "mkl_packed":
-        assert mkl_packed_kernels() is not None, "the MKL packed GEMM failed to build or its check"
+        require_mkl_packed()  # fails under CI where the kernels do not build, as every kernel test (tests/kernels.py)
     return KernelChooser(FP32_PRODUCT, forced=request.param, cache_dir=tmp_path)
 
 
@@ -59,8 +59,7 @@ def test_packed_fp32_linear_equals_the_plain_product(rows: int, fp32_chooser: Ke
 def test_mkl_pack_serves_any_thread_count(pack_threads: int, run_threads: int, chunk_threads: int) -> None:
     """The thread policy (`worker/thread_policy.py`) switches torch's threads after the weights were packed; the
     chunks run on torch's threads (torch at >= chunk_threads), on the pool (fewer) or on the caller (1)."""
-    kernels = mkl_packed_kernels()
-    assert kernels is not None
+    kernels = require_mkl_packed()
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(40, 576, generator=gen), torch.randn(576, 1000, generator=gen)
     threads = torch.get_num_threads()
@@ -79,8 +78,7 @@ def test_mkl_pack_serves_any_thread_count(pack_threads: int, run_threads: int, c
 def test_mkl_products_on_two_python_threads_at_once() -> None:
     """Two engines in one process may multiply at once (the GIL is released): one takes the pool, the other runs
     its chunks itself; both get their own right values."""
-    kernels = mkl_packed_kernels()
-    assert kernels is not None
+    kernels = require_mkl_packed()
     gen = torch.Generator().manual_seed(4)
     weights = [torch.randn(256, 900, generator=gen) for _ in range(2)]
     packs = [kernels.sgemm_pack(w, 64) for w in weights]
@@ -120,8 +118,7 @@ def test_mkl_chunks_and_gemm_threads() -> None:
 
 
 def test_mkl_pack_refuses_a_product_of_another_shape() -> None:
-    kernels = mkl_packed_kernels()
-    assert kernels is not None
+    kernels = require_mkl_packed()
     packed = kernels.sgemm_pack(torch.randn(64, 48), 16)
     with pytest.raises(RuntimeError, match=r"holds a \[64, 48\] weight, not \[63, 48\]"):
         kernels.sgemm_packed(torch.randn(3, 63), packed, 48, 2)
@@ -140,6 +137,7 @@ def test_mkl_pack_refuses_a_product_of_another_shape() -> None:
 
 def test_a_copied_mkl_weight_is_packed_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """MKL's packed data must not move: a deep copy (tests copy a shared model) packs its own."""
+    require_mkl_packed()
     chooser = KernelChooser(FP32_PRODUCT, forced="mkl_packed", cache_dir=tmp_path)
     weight = pack_fp32(torch.randn(96, 200, generator=torch.Generator().manual_seed(5)), chooser)
     copied = copy.deepcopy(weight)

@@ -27,11 +27,14 @@ which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed acro
 outputs do not depend on whether the kernels are in use. `self_check` compares them with torch at start-up and
 `tests/unit/test_row_kernels.py` on more shapes.
 
-The kernels are compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja; about 20 s once per
-machine, cached in `$XDG_CACHE_HOME/asyncllm/kernels/`, default `~/.cache/asyncllm/kernels/`), for this CPU's
+The kernels are compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja, which asyncllm
+installs from PyPI into the interpreter's scripts directory, put first on the build's PATH here; about 20 s once
+per machine, cached in `$XDG_CACHE_HOME/asyncllm/kernels/`, default `~/.cache/asyncllm/kernels/`), for this CPU's
 vector width (`-march=native`; the cache name includes the CPU's flags, so a shared home directory never loads
-another CPU's build). Where the build or the start-up self-check fails, `load_kernels` returns None, logs why
-once, and the model uses the eager ops. `ASYNCLLM_FUSED_KERNELS=0` turns them off.
+another CPU's build, and the paths of the sources and of torch, so checkouts and venvs never rebuild each
+other's). Loaded, they log which run (INFO). Where the build or the start-up self-check fails, `load_kernels`
+returns None, logs a WARNING once saying why and what it costs, and the model uses the eager ops.
+`ASYNCLLM_FUSED_KERNELS=0` turns them off.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import logging
 import os
 import pathlib
 import platform
+import sysconfig
 import time
 from types import ModuleType
 from typing import Protocol, cast
@@ -55,6 +59,10 @@ SOURCES = (SOURCE, SOURCE.with_name("packed_gemm.cpp"))  # compiled together; wi
 HEADERS = (SOURCE.with_name("packed_gemm.h"),)
 ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
 STALE_LOCK_S = 600.0  # seconds; a build takes about 20
+SLOW_FALLBACK = (
+    "THE MODEL RUNS SLOWER on torch ops (no fused row kernels, no MKL packed fp32 GEMM; the kernels took 24-32% off "
+    "an int8 decode step, README 'Speed'). Install a C++ compiler (e.g. g++) and reinstall asyncllm (brings ninja)"
+)
 MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to this many columns
 
 
@@ -144,7 +152,8 @@ class RowKernels(Protocol):
 
 
 def _cpu_tag() -> str:
-    """A short digest of this CPU's model and feature flags (Linux `/proc/cpuinfo`) and of the source."""
+    """A short digest of this CPU's model and feature flags (Linux `/proc/cpuinfo`), of the source, and of the
+    source's and torch's paths and torch's version."""
     cpu = platform.machine() + platform.processor()
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -152,6 +161,9 @@ def _cpu_tag() -> str:
                 cpu += line
     except OSError:
         pass
+    # and where the sources and torch are: their paths are in build.ninja, so two checkouts or venvs sharing one
+    # build directory would rebuild each other's build at every load (40-70 s each on a busy 2-core machine)
+    cpu += str(SOURCE.resolve()) + torch.__file__ + torch.__version__
     return hashlib.sha256((cpu + "".join(p.read_text() for p in (*SOURCES, *HEADERS))).encode()).hexdigest()[:12]
 
 
@@ -170,21 +182,29 @@ def load_kernels() -> RowKernels | None:
         name = f"asyncllm_row_kernels_{_cpu_tag()}"
         directory = build_directory(name)
         remove_stale_lock(directory)
-        module = load(
-            name=name,
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],  # OpenMP: torch's libgomp
-            build_directory=str(directory),
-            verbose=False,
-        )
+        # pip's ninja first (`.venv/bin/python` runs without .venv/bin on PATH): always the same ninja, as another
+        # one's `.ninja_log` format makes ninja rebuild everything
+        saved_path = os.environ.get("PATH", "")
+        os.environ["PATH"] = os.pathsep.join(filter(None, (sysconfig.get_path("scripts"), saved_path)))
+        try:
+            module = load(
+                name=name,
+                sources=[str(path) for path in SOURCES],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],  # OpenMP: torch's libgomp
+                build_directory=str(directory),
+                verbose=False,
+            )
+        finally:
+            os.environ["PATH"] = saved_path
     except Exception as exc:  # a missing compiler or ninja, a failed build: the eager ops still work
-        logger.warning("fused row kernels could not be built (%s); using torch ops", str(exc)[-400:])
+        logger.warning("fused row kernels could not be built (%s); %s", str(exc)[-400:], SLOW_FALLBACK)
         return None
     kernels = cast(RowKernels, _SharedKernels(module))
     problem = self_check(kernels)
     if problem:
-        logger.warning("fused row kernels failed their self-check (%s); using torch ops", problem)
+        logger.warning("fused row kernels failed their self-check (%s); %s", problem, SLOW_FALLBACK)
         return None
+    logger.info("fused row kernels in use (MKL packed GEMM linked: %s)", kernels.has_packed_sgemm())
     return kernels
 
 
