@@ -23,8 +23,8 @@ from process_overhead import CONFIG, scripted_client  # benchmarks/ is on sys.pa
 from throughput import machine_info
 
 from asyncllm import AsyncLLM, SamplingParams
-from asyncllm.model.resolve import resolve_model_path
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.resolve import resolve_model_path
+from asyncllm.model.loading.tokenizer import Tokenizer
 
 
 async def watch_stalls(stop: asyncio.Event, period: float = 0.005) -> float:

@@ -1,11 +1,11 @@
-"""The linear kernels behind `model/quant.py` and `model/packed_fp32.py`, each forced, and the kernel chooser's pick.
+"""The linear kernels of `model/kernels/int8.py` and `model/kernels/fp32.py`, each forced, and the chooser's pick.
 
 The model's linear layers and LM head alone (SmolLM2-135M's fused shapes, 30 distinct layers so the weights
 stream from memory as in a real step, random values), at 1-128 rows per step, with every kernel asyncllm can run:
 float32 `x @ W` (MKL sgemm on the plain weight), oneDNN's inner product on a weight reordered once
 (`torch.ops.mkldnn._linear_pointwise`) and MKL's packed GEMM on a weight packed once (`cblas_sgemm_compute`, through
 the row-kernel module); int8 weights with per-row int8 activations through `torch._int_mm` and oneDNN's prepacked
-int8 kernel (`torch.ops.onednn.qlinear_pointwise`); and "chosen", the kernels `model/kernel_choice.py` picks on this
+int8 kernel (`torch.ops.onednn.qlinear_pointwise`); and "chosen", the kernels `model/kernels/choice.py` picks on this
 host per row class (printed). tok/s = rows / wall time of one pass, best of `--repeats` interleaved passes, torch's
 default threads.
 
@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from throughput import machine_info  # benchmarks/ is on sys.path when run as a script
 
-from asyncllm.model.kernel_choice import KernelChooser
-from asyncllm.model.packed_fp32 import FP32_PRODUCT, fp32_chooser, pack_fp32
-from asyncllm.model.quant import INT8_PRODUCT, int8_chooser, linear, quantize_int8
+from asyncllm.model.kernels.choice import KernelChooser
+from asyncllm.model.kernels.fp32 import FP32_PRODUCT, fp32_chooser, pack_fp32
+from asyncllm.model.kernels.int8 import INT8_PRODUCT, int8_chooser, quantize_int8
+from asyncllm.model.kernels.linear import linear
 
 HIDDEN, LAYERS, VOCAB = 576, 30, 49152
 SHAPES = [(HIDDEN, 960), (HIDDEN, HIDDEN), (HIDDEN, 3072), (1536, HIDDEN)]  # qkv, o, gate_up, down ([in, out])

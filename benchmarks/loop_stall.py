@@ -21,8 +21,8 @@ from process_overhead import CONFIG
 
 from asyncllm import AsyncLLM, SamplingParams, submission
 from asyncllm.engine.client import EngineCoreClient
-from asyncllm.model.resolve import resolve_model_path
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.resolve import resolve_model_path
+from asyncllm.model.loading.tokenizer import Tokenizer
 
 
 async def max_gap_ms(llm: AsyncLLM, prompt: str) -> float:

@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 
 from asyncllm import AsyncLLM, EngineArgs, LoRARequest, SamplingParams
 from asyncllm.lora.peft import MODULE_PATHS, model_module_shapes
-from asyncllm.model.loader import read_arch_config
-from asyncllm.model.resolve import resolve_model_path
+from asyncllm.model.loading.loader import read_arch_config
+from asyncllm.model.loading.resolve import resolve_model_path
 
 PROMPTS = [
     "Tell me a short story about a dragon who learns to bake.",

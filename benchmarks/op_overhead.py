@@ -6,7 +6,7 @@ The default model with int8 weights, on `--threads` threads (2 by default, as th
 2. The MLP half of every layer (RMSNorm, row quantizing, gate/up product, SiLU(gate) * up, row quantizing, down
    product, residual add), at 1 and 32 rows: only the int8 products back to back, only the other ops back to
    back, both interleaved as the eager model ran them, and interleaved with the fused kernels the int8 model
-   runs now (`model/row_kernels.py`, where they build).
+   runs now (`model/kernels/row_kernels.py`, where they build).
 Times are wall clock per call (microseconds) or per pass over all layers (milliseconds), best of 5 rounds.
 Prints the numbers and writes JSON; not part of `make bench` (about one minute).
 
@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from throughput import machine_info  # benchmarks/ is on sys.path when run as a script
 
 from asyncllm.config import ModelConfig
+from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_rows
+from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
 from asyncllm.model.llama import LlamaDecoderLayer, rms_norm
-from asyncllm.model.loader import load_model
-from asyncllm.model.quant import Int8Weight, int8_matmul, quantize_rows
-from asyncllm.model.resolve import resolve_model_path
-from asyncllm.model.row_kernels import RowKernels, load_kernels
+from asyncllm.model.loading.loader import load_model
+from asyncllm.model.loading.resolve import resolve_model_path
 
 
 def best_seconds(fn: Callable[[], object], calls: int, rounds: int = 5) -> float:

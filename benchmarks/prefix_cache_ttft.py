@@ -16,7 +16,7 @@ import asyncio
 import statistics
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
-from asyncllm.model.resolve import resolve_model_path
+from asyncllm.model.loading.resolve import resolve_model_path
 
 FILLER = (
     "The committee met on a grey morning to review the harbour plans, the budget for the new library, the "

@@ -37,8 +37,8 @@ from asyncllm.messages.engine import (
     SchedulerStats,
 )
 from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
-from asyncllm.model.resolve import resolve_model_path
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.resolve import resolve_model_path
+from asyncllm.model.loading.tokenizer import Tokenizer
 
 SCRIPT_TOKENS = [330, 2114, 282, 4536, 314, 7042, 30, 216]  # ordinary word pieces of the SmolLM2 vocabulary
 CONFIG = EngineConfig(ModelConfig("scripted", "scripted"), CacheConfig(), SchedulerConfig(), ParallelConfig())

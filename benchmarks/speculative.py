@@ -22,7 +22,7 @@ import time
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.messages.engine import SpecDecodeMetrics
-from asyncllm.model.resolve import resolve_model_path
+from asyncllm.model.loading.resolve import resolve_model_path
 
 PARAGRAPH = (
     "The harbour committee met on Tuesday to review the plans for the new pier, the budget for the library "

@@ -21,9 +21,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from asyncllm.config import ModelConfig
-from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.loader import load_model
-from asyncllm.model.resolve import resolve_model_path
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.loading.loader import load_model
+from asyncllm.model.loading.resolve import resolve_model_path
 from asyncllm.worker.sampler import argmax_rows
 
 BLOCK_SIZE, CONTEXT = 16, 96

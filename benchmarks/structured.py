@@ -17,7 +17,7 @@ import statistics
 import time
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams, StructuredOutputsParams
-from asyncllm.model.resolve import resolve_model_path
+from asyncllm.model.loading.resolve import resolve_model_path
 
 ITEM = {
     "type": "object",

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
-from asyncllm.model.resolve import resolve_model_path
+from asyncllm.model.loading.resolve import resolve_model_path
 
 PROMPT_TOPICS = ["the ocean", "a city at night", "an old library", "mountain weather", "a chess game", "bread"]
 FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")

@@ -16,7 +16,7 @@ import pytest
 def model_path() -> str:
     """Local path of the default SmolLM2-135M-Instruct GGUF (fetched once into ~/.cache/asyncllm)."""
     from asyncllm.config import DEFAULT_MODEL
-    from asyncllm.model.resolve import resolve_model_path
+    from asyncllm.model.loading.resolve import resolve_model_path
 
     return str(resolve_model_path(DEFAULT_MODEL))
 
@@ -28,7 +28,7 @@ def reference_model(model_path: str) -> Any:
     Shared by the whole session, so read-only: a test that changes weights works on a `copy.deepcopy` of it.
     """
     from asyncllm.config import ModelConfig
-    from asyncllm.model.loader import load_model
+    from asyncllm.model.loading.loader import load_model
 
     return load_model(ModelConfig(model=model_path, model_path=model_path))
 
@@ -66,12 +66,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before a test that starts engine processes (`mp`): build the fused kernels (`model/row_kernels.py`, ~20 s
+    """Before a test that starts engine processes (`mp`): build the fused kernels (`model/kernels/row_kernels.py`, ~20 s
     once per machine) in the pytest process, so no engine process that a test stops mid-start holds the build
     lock. Only there: a session of unit tests (`make test-fast`) builds nothing at its start."""
     item.stash[_CHILDREN_BEFORE] = _CHILDREN["started"]
     if item.get_closest_marker("mp") is not None:
-        from asyncllm.model.row_kernels import load_kernels
+        from asyncllm.model.kernels.row_kernels import load_kernels
 
         load_kernels()
 

@@ -1,4 +1,4 @@
-"""The compiled kernels for the tests that check them (`model/row_kernels.py`, `model/packed_fp32.py`).
+"""The compiled kernels for the tests that check them (`model/kernels/row_kernels.py`, `model/kernels/fp32.py`).
 
 Every kernel test gets them through `require_kernels` / `require_mkl_packed`, so all follow one rule: where the
 kernels should build (x86-64) and do not, the test FAILS under CI (`CI=true`, as CI services set it; the
@@ -14,7 +14,7 @@ import platform
 
 import pytest
 
-from asyncllm.model.row_kernels import RowKernels, load_kernels
+from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
 
 ON_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -48,7 +48,7 @@ def require_kernels() -> RowKernels:
 def require_mkl_packed() -> RowKernels:
     """The row-kernel module with MKL's packed GEMM, which passed `mkl_packed_kernels`' check (else this test fails);
     skips where this torch build exports no packed GEMM."""
-    from asyncllm.model.packed_fp32 import mkl_packed_kernels
+    from asyncllm.model.kernels.fp32 import mkl_packed_kernels
 
     kernels = require_kernels()
     if not kernels.has_packed_sgemm():

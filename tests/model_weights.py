@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from asyncllm.model.packed_fp32 import PackedFp32Weight, pack_fp32
+from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
 
 
 @torch.no_grad()

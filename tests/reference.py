@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.model.attention_metadata import build_attention_metadata
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
 
 
 def next_token_logits(model: torch.nn.Module, token_ids: list[int], block_size: int = 16) -> torch.Tensor:

@@ -53,7 +53,7 @@ class AsyncLLM(EngineAdmin):
 
     Args:
         config: the engine configuration (for reference).
-        tokenizer: `asyncllm.model.tokenizer.Tokenizer` of the model.
+        tokenizer: `asyncllm.model.loading.tokenizer.Tokenizer` of the model.
         client: a ready engine-core client.
         stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`).
     """
@@ -115,7 +115,7 @@ class AsyncLLM(EngineAdmin):
             ModelNotFoundError: the model cannot be resolved.
             EngineDeadError: the engine process failed to start (the message carries the engine's error).
         """
-        from asyncllm.model.tokenizer import Tokenizer
+        from asyncllm.model.loading.tokenizer import Tokenizer
 
         config = args.create_engine_config()
         tokenizer = Tokenizer.load(config.model.model_path)
@@ -149,7 +149,7 @@ class AsyncLLM(EngineAdmin):
         return max_model_len
 
     def get_tokenizer(self) -> Any:
-        """The model's `asyncllm.model.tokenizer.Tokenizer`."""
+        """The model's `asyncllm.model.loading.tokenizer.Tokenizer`."""
         return self._tokenizer
 
     # ---- requests -----------------------------------------------------------------------------------

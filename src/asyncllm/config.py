@@ -248,7 +248,7 @@ class EngineArgs:
             ConfigError: bad values.
             ModelNotFoundError: the model cannot be resolved or fetched.
         """
-        from asyncllm.model.resolve import resolve_model_path
+        from asyncllm.model.loading.resolve import resolve_model_path
 
         self.validate()
         model = ModelConfig(

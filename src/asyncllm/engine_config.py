@@ -19,7 +19,7 @@ Quantization = Literal["int8"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 DataParallelBackend = Literal["mp", "ray"]
 
-# The kernels each kind of linear product can run on (`model/kernel_choice.py`; docs/kernels.md), in the order
+# The kernels each kind of linear product can run on (`model/kernels/choice.py`; docs/kernels.md), in the order
 # they are preferred on a tie.
 LINEAR_KERNEL_NAMES: dict[str, tuple[str, ...]] = {
     "int8": ("onednn", "int_mm"),
@@ -65,9 +65,9 @@ class ModelConfig:
         load_format: "auto" (real weights) or "dummy" (random weights, same shapes; for fast tests).
         max_model_len: tokens per sequence (prompt + output) at most; None = the model's context length.
         seed: global seed (dummy weights, unseeded sampling).
-        quantization: None (float32 weights) or "int8" (int8 linear weights and LM head, see `model/quant.py`).
+        quantization: None (float32 weights) or "int8" (int8 linear weights and LM head, see `model/kernels/int8.py`).
         linear_kernels: a forced kernel per kind of linear product ({"int8": "int_mm"}); kinds left out are chosen
-            by measurement on the host (`model/kernel_choice.py`), or forced by `ASYNCLLM_LINEAR_KERNELS`.
+            by measurement on the host (`model/kernels/choice.py`), or forced by `ASYNCLLM_LINEAR_KERNELS`.
     """
 
     model: str

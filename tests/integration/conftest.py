@@ -101,6 +101,6 @@ def uni_ids(model_path: str) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def tokenizer(model_path: str) -> Any:
     """The real SmolLM2 tokenizer (no engine)."""
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     return Tokenizer.load(model_path)

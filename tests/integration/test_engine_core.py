@@ -18,7 +18,7 @@ from asyncllm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, 
 from asyncllm.engine.core import EngineCore
 from asyncllm.executors.base import Executor
 from asyncllm.messages.engine import EngineCoreRequest, FinishReason
-from asyncllm.model.attention_metadata import AttentionMetadata
+from asyncllm.model.layers.attention_metadata import AttentionMetadata
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker.model_runner import ModelRunner
 from tests.model_weights import randomize_matrices

@@ -29,7 +29,7 @@ from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, EngineGenerateError,
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.messages.engine import EngineCoreRequestType, SchedulerStats
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.tokenizer import Tokenizer
 from tests.integration.engine_helpers import FAKE_TOKENS
 
 pytestmark = pytest.mark.mp

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from asyncllm.config import ModelConfig
-from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.loader import _iter_gguf_weights, load_model, read_arch_config
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.loading.loader import _iter_gguf_weights, load_model, read_arch_config
+from asyncllm.model.loading.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow  # three loads of the real model (about a minute on a busy 2-core machine)
 NUM_TOKENS = 8

@@ -3,7 +3,7 @@
 Logit error against the float32 model, every prompt position, max |diff| / max |fp32 logit| per position, on
 three corpora (measured on this file, 2 cores; `-rP` prints them):
 - the parity corpus (3 chat prompts; two of them share their topic and words with the SmoothQuant calibration
-  text in `model/loader.py`): 0.058-0.069 at the last prompt position, 0.106-0.114 on average, 0.226 at worst;
+  text in `model/loading/loader.py`): 0.058-0.069 at the last prompt position, 0.106-0.114 on average, 0.226 at worst;
   the top-1 token agrees at 92-95% of positions.
 - held-out chats (5 prompts on topics the calibration text does not touch): 0.042-0.073 last, 0.104-0.111 mean,
   0.226 worst (all chat prompts share the template's 24-token system prefix, where the worst position is);
@@ -29,15 +29,15 @@ import torch
 from asyncllm import AsyncLLM, SamplingParams
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.engine.core import EngineCore
-from asyncllm.model.loader import load_model
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.loader import load_model
+from asyncllm.model.loading.tokenizer import Tokenizer
 from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids
 from tests.integration.test_engine_core import _assert_all_free, _requests, _run
 from tests.integration.test_model_parity import CHATS, _Runner
 from tests.kernels import require_kernels
 from tests.reference import clear_prefix_len, dense_greedy, greedy_margins, next_token_logits
 
-HELD_OUT_CHATS = [  # topics and words the calibration text (model/loader.py CALIBRATION_MESSAGES) does not have
+HELD_OUT_CHATS = [  # topics and words the calibration text (model/loading/loader.py CALIBRATION_MESSAGES) does not have
     "How do bees make honey?",
     "Give me three tips for sleeping better.",
     "What does a librarian do all day?",
@@ -101,7 +101,7 @@ def test_int8_logit_error_against_fp32(model_path: str, models: tuple[Any, Any],
 
 
 def test_fused_kernels_give_the_eager_logits_bit_for_bit(model_path: str, models: tuple[Any, Any]) -> None:
-    """The fused row kernels (`model/row_kernels.py`), where they build, change speed only: the real model's
+    """The fused row kernels (`model/kernels/row_kernels.py`), where they build, change speed only: the real model's
     logits over a chat prompt, fp32 and int8, are the same with the eager ops."""
     tokenizer = Tokenizer.load(model_path)
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}]))

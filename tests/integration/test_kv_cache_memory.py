@@ -13,7 +13,7 @@ import torch
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.core import EngineCore
-from asyncllm.model.loader import read_arch_config
+from asyncllm.model.loading.loader import read_arch_config
 from asyncllm.worker import kv_cache_sizing
 from asyncllm.worker.kv_cache_sizing import allocate_zeroed, default_num_kv_blocks
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asyncllm import AsyncLLM, EngineArgs, EngineGenerateError, InvalidRequestError, LoRARequest, SamplingParams
-from asyncllm.model.loader import read_arch_config
+from asyncllm.model.loading.loader import read_arch_config
 from tests.integration.conftest import run
 from tests.lora_adapters import ATTENTION, merge_adapter, write_peft_adapter
 from tests.reference import clear_prefix_len, greedy_margins, next_token_logits

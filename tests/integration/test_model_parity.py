@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.loading.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -164,7 +164,7 @@ def test_a_kv_cache_that_does_not_fit_gives_one_clear_error(
 def test_a_fetched_model_with_the_wrong_sha256_gives_one_clear_error(
     temp_dir: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncllm.model import resolve
+    from asyncllm.model.loading import resolve
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
 

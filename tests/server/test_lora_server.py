@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from asyncllm.model.loader import read_arch_config
+from asyncllm.model.loading.loader import read_arch_config
 from tests.lora_adapters import write_peft_adapter
 from tests.server.server_helpers import ServerProcess, start_server, stop_server
 

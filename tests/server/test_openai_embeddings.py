@@ -8,7 +8,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.mp
 

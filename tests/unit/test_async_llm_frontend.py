@@ -29,7 +29,7 @@ ANSWER = "The capital of France is Paris. 😀"
 
 @pytest.fixture(scope="module")
 def tokenizer(model_path: str):
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     return Tokenizer.load(model_path)
 

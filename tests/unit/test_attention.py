@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncllm.model.attention import paged_attention, write_kv_cache
-from asyncllm.model.attention_metadata import build_attention_metadata
+from asyncllm.model.layers.attention import paged_attention, write_kv_cache
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
 
 BLOCK_SIZE = 4
 HEAD_DIM = 8

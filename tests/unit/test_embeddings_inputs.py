@@ -24,7 +24,7 @@ MAX_MODEL_LEN = 64
 
 @pytest.fixture(scope="module")
 def processor(model_path: str) -> InputProcessor:
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     return InputProcessor(Tokenizer.load(model_path), MAX_MODEL_LEN, VOCAB, hidden_size=HIDDEN)
 

@@ -13,7 +13,7 @@ VOCAB = 49152
 
 @pytest.fixture(scope="module")
 def processor(model_path: str) -> InputProcessor:
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     return InputProcessor(Tokenizer.load(model_path), MAX_MODEL_LEN, VOCAB)
 

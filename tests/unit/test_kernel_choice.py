@@ -1,4 +1,4 @@
-"""The kernel chooser (`model/kernel_choice.py`): it never picks a wrong or a pathologically slow kernel, honours and
+"""The kernel chooser (`model/kernels/choice.py`): it never picks a wrong or a pathologically slow kernel, honours and
 logs a forced one, caches per host fingerprint, and does not cache what it measured on a busy machine."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.engine_config import LINEAR_KERNEL_NAMES, parse_linear_kernels
 from asyncllm.errors import ConfigError
-from asyncllm.model.kernel_choice import (
+from asyncllm.model.kernels.choice import (
     ROW_CLASSES,
     Candidate,
     KernelChooser,
@@ -27,9 +27,9 @@ from asyncllm.model.kernel_choice import (
     host_fingerprint,
     row_class,
 )
-from asyncllm.model.loader import load_model
-from asyncllm.model.packed_fp32 import FP32_PRODUCT
-from asyncllm.model.quant import INT8_PRODUCT, Int8Weight
+from asyncllm.model.kernels.fp32 import FP32_PRODUCT
+from asyncllm.model.kernels.int8 import INT8_PRODUCT, Int8Weight
+from asyncllm.model.loading.loader import load_model
 from tests.unit.test_quant import TINY_LLAMA
 
 HOST = {"cpu": "Test CPU 9000", "cpu_flags": "abc", "torch": "2.13.0", "onednn": "v3.12.0", "threads": "2"}
@@ -86,7 +86,7 @@ def test_the_chooser_picks_neither_the_slow_nor_the_wrong_kernel(tmp_path, caplo
     calls: dict[str, int] = {}
     chooser = _chooser(tmp_path, calls)
     assert [c.name for c in chooser.available] == ["slow", "wrong", "right"]
-    with caplog.at_level(logging.WARNING, logger="asyncllm.model.kernel_choice"):
+    with caplog.at_level(logging.WARNING, logger="asyncllm.model.kernels.choice"):
         choice = chooser.choose(64, 48)
     assert choice.kernels == ("right",) * len(ROW_CLASSES)
     assert choice.how == "measured"
@@ -215,7 +215,7 @@ def test_a_forced_kernel_runs_the_model_and_is_logged(tmp_path, caplog, monkeypa
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     config = ModelConfig("tiny", str(tmp_path), load_format="dummy", quantization="int8")
     forced = ModelConfig(**{**config.__dict__, "linear_kernels": {"int8": "int_mm"}})
-    with caplog.at_level(logging.INFO, logger="asyncllm.model.loader"):
+    with caplog.at_level(logging.INFO, logger="asyncllm.model.loading.loader"):
         model = load_model(forced)
     head = model.lm_head
     assert isinstance(head, Int8Weight)
@@ -239,8 +239,8 @@ def test_host_fingerprint_names_the_libraries() -> None:
 PROBE = """
 import logging, pathlib, sys, torch
 logging.basicConfig(level=logging.WARNING)
-from asyncllm.model.kernel_choice import KernelChooser
-from asyncllm.model.quant import INT8_PRODUCT
+from asyncllm.model.kernels.choice import KernelChooser
+from asyncllm.model.kernels.int8 import INT8_PRODUCT
 torch.set_num_threads(1)
 print("CHOICE", KernelChooser(INT8_PRODUCT, cache_dir=pathlib.Path(sys.argv[1])).choose(576, 960).kernels)
 """

@@ -1,4 +1,4 @@
-"""The decode K/V mirror (`model/kv_mirror.py`): attention reading the kept dense K/V gives what a fresh gather
+"""The decode K/V mirror (`model/layers/kv_mirror.py`): attention reading the kept dense K/V gives what a fresh gather
 through the block tables gives, step after step, and the mirror is dropped whenever it could be stale."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from asyncllm.model.attention import paged_attention, write_kv_cache
-from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.kv_mirror import DecodeKVMirror
-from asyncllm.model.row_kernels import RowKernels
+from asyncllm.model.kernels.row_kernels import RowKernels
+from asyncllm.model.layers.attention import paged_attention, write_kv_cache
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.layers.kv_mirror import DecodeKVMirror
 from tests.kernels import require_kernels
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 8, 64

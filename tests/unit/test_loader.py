@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from asyncllm.config import ModelConfig
-from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.loader import load_model, read_arch_config
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.loading.loader import load_model, read_arch_config
 from asyncllm.model.registry import get_model_class
 
 BLOCK_SIZE = 4

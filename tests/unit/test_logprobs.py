@@ -16,7 +16,7 @@ from asyncllm.worker.logprobs import compute_logprobs
 
 @pytest.fixture(scope="module")
 def hf(model_path: str) -> HFTokenizer:
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     return Tokenizer.load(model_path).hf
 

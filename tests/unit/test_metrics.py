@@ -34,7 +34,7 @@ Q, S, P = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED, EngineCoreE
 
 @pytest.fixture(scope="module")
 def hf(model_path: str) -> HFTokenizer:
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     return Tokenizer.load(model_path).hf
 

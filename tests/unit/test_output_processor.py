@@ -17,7 +17,7 @@ TEXT = "The capital of France is Paris. 😀 Ünïcödé!"
 
 @pytest.fixture(scope="module")
 def hf(model_path: str) -> HFTokenizer:
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     return Tokenizer.load(model_path).hf
 

@@ -1,5 +1,5 @@
-"""The packed kernels behind `linear` (`model/packed_fp32.py`: MKL's packed GEMM, or oneDNN's where it is missing;
-`model/quant.py`: oneDNN int8): each gives the values of the plain product it replaces, on random products and on a
+"""The kernels behind `linear` (`model/kernels/fp32.py`: MKL's packed GEMM, oneDNN, `x @ W`; `model/kernels/int8.py`:
+oneDNN int8, `torch._int_mm`): each gives the values of the plain product it replaces, on random products and on a
 whole (tiny, dummy) model."""
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ import pytest
 import torch
 
 from asyncllm.config import ModelConfig
-from asyncllm.model import packed_fp32
-from asyncllm.model.kernel_choice import KernelChooser
-from asyncllm.model.loader import load_model
-from asyncllm.model.packed_fp32 import (
+from asyncllm.model.kernels import fp32 as packed_fp32
+from asyncllm.model.kernels.choice import KernelChooser
+from asyncllm.model.kernels.fp32 import (
     FP32_PRODUCT,
     PackedFp32Weight,
     bucket_rows,
     onednn_fp32_available,
     pack_fp32,
 )
-from asyncllm.model.quant import INT8_PRODUCT, Int8Weight, linear, onednn_int8_available, quantize_int8, quantize_rows
+from asyncllm.model.kernels.int8 import INT8_PRODUCT, Int8Weight, onednn_int8_available, quantize_int8, quantize_rows
+from asyncllm.model.kernels.linear import linear
+from asyncllm.model.loading.loader import load_model
 from tests.kernels import require_mkl_packed
 from tests.unit.test_quant import TINY_LLAMA, _logits
 

@@ -1,4 +1,4 @@
-"""int8 weights with per-row int8 activations (`model/quant.py`), and the int8 Llama on a tiny dummy model:
+"""int8 weights with per-row int8 activations (`model/kernels/int8.py`), and the int8 Llama on a tiny dummy model:
 rows never depend on their batch-mates, chunked prefill equals one prefill, and bad values are rejected."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import torch
 
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.errors import ConfigError
-from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.loader import load_model
-from asyncllm.model.quant import Int8Weight, linear, quantize_int8, quantize_rows
+from asyncllm.model.kernels.int8 import Int8Weight, quantize_int8, quantize_rows
+from asyncllm.model.kernels.linear import linear
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.loading.loader import load_model
 from tests.model_weights import randomize_matrices
 
 TINY_LLAMA = {

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from asyncllm.errors import ModelNotFoundError
-from asyncllm.model import resolve
-from asyncllm.model.resolve import KNOWN_MODELS, model_cache_dir, resolve_model_path
+from asyncllm.model.loading import resolve
+from asyncllm.model.loading.resolve import KNOWN_MODELS, model_cache_dir, resolve_model_path
 
 NAME = "smollm2-135m-instruct"
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.loader import read_arch_config
-from asyncllm.model.rope import Llama3RopeScaling, read_hf_rope, rope_inv_freq
+from asyncllm.model.layers.rotary import Llama3RopeScaling, read_hf_rope, rope_inv_freq
+from asyncllm.model.loading.loader import read_arch_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,7 +142,7 @@ def test_gguf_rope_freq_divisors_divide_the_frequencies() -> None:
     ],
 )
 def test_gguf_rope_that_cannot_be_honoured_raises(meta: dict[str, Any], message: str) -> None:
-    from asyncllm.model.loader import _check_gguf_rope
+    from asyncllm.model.loading.loader import _check_gguf_rope
 
     with pytest.raises(ValueError, match=message):
         _check_gguf_rope(meta, "llama", 64)

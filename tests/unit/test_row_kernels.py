@@ -1,5 +1,5 @@
-"""The fused row kernels (`model/row_kernels.py`): built here, equal to the eager ops they replace bit for bit over
-many shapes, rows independent of their batch, bad inputs rejected, the switch honoured, and fp32, int8 and
+"""The fused row kernels (`model/kernels/row_kernels.py`): built here, equal to the eager ops they replace bit for
+bit over many shapes, rows independent of their batch, bad inputs rejected, the switch honoured, and fp32, int8 and
 Qwen2-style (q/k/v bias) models giving the same logits with and without them."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncllm.model import row_kernels
-from asyncllm.model.attention import write_kv_cache
-from asyncllm.model.quant import quantize_rows
-from asyncllm.model.rope import apply_rotary, rotary_cos_sin
-from asyncllm.model.row_kernels import RowKernels, load_kernels
+from asyncllm.model.kernels import row_kernels
+from asyncllm.model.kernels.int8 import quantize_rows
+from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
+from asyncllm.model.layers.attention import write_kv_cache
+from asyncllm.model.layers.rotary import apply_rotary, rotary_cos_sin
 from tests.kernels import require_kernels
 from tests.unit.test_quant import _logits, _tiny_model
 
@@ -258,7 +258,7 @@ def test_a_failed_build_falls_back_to_the_torch_ops(kernels, tmp_path, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     load_kernels.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="asyncllm.model.row_kernels"):
+        with caplog.at_level(logging.WARNING, logger="asyncllm.model.kernels.row_kernels"):
             assert load_kernels() is None  # never raises
         assert "could not be built" in caplog.text
         assert "THE MODEL RUNS SLOWER" in caplog.text  # loud: says what it costs and how to fix it

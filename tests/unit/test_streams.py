@@ -27,7 +27,7 @@ TEXT = "Streams merge deltas: ünïcödé 😀 and spaces  kept."
 
 @pytest.fixture(scope="module")
 def hf(model_path: str) -> HFTokenizer:
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     return Tokenizer.load(model_path).hf
 

@@ -14,7 +14,7 @@ from asyncllm.config import SchedulerConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages.engine import EngineCoreRequest, FinishReason
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.tokenizer import Tokenizer
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.sched.request import RequestStatus
 from asyncllm.sched.scheduler import Scheduler

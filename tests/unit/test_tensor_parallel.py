@@ -15,9 +15,9 @@ from asyncllm.errors import ConfigError
 from asyncllm.lora.request import LoRARequest
 from asyncllm.lora.weights import LayerLoRA, LoRABatch, load_adapter
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.attention_metadata import build_attention_metadata
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.layers.rotary import rotary_cos_sin
 from asyncllm.model.llama import LlamaDecoderLayer
-from asyncllm.model.rope import rotary_cos_sin
 from tests.lora_adapters import write_peft_adapter
 
 ARCH = ModelArchConfig(

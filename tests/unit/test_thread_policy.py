@@ -68,7 +68,7 @@ def test_contention_drops_to_one_thread_and_recovers() -> None:
 
 
 class _PoolMachine(_Machine):
-    """Packed products keep two threads when torch runs on one (`model/packed_fp32.py`), so a quiet one-thread step
+    """Packed products keep two threads when torch runs on one (`model/kernels/fp32.py`), so a quiet one-thread step
     is only 12% slower than a two-thread one and leaves 0.3 CPUs idle, not 1 (as measured: fp32, 32 rows)."""
 
     def step(self) -> None:

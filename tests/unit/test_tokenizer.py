@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.model.gguf_metadata import read_gguf_header
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.gguf_metadata import read_gguf_header
+from asyncllm.model.loading.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.model.tokenizer import Tokenizer
+from asyncllm.model.loading.tokenizer import Tokenizer
 from asyncllm.outputs import CompletionOutput, RequestOutput, ToolCall
 from asyncllm.processing.tool_calling import MAX_PARALLEL_TOOL_CALLS, forced_call_schema, normalize_tools, plan_chat
 from asyncllm.processing.tool_parsers import HermesToolParser, ToolParser, get_tool_parser, register_tool_parser

@@ -116,7 +116,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     from asyncllm.entrypoints.openai.server import run_server
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from asyncllm.model.resolve import resolve_model_path
+    from asyncllm.model.loading.resolve import resolve_model_path
 
     resolve_model_path(ns.model)  # fails fast with one line (ModelNotFoundError); fetches a known model once
     config = ServerConfig(
@@ -150,7 +150,7 @@ def _run_chat(ns: argparse.Namespace) -> int:
 
 
 def _run_models(ns: argparse.Namespace) -> int:
-    from asyncllm.model.resolve import KNOWN_MODELS, cached_path
+    from asyncllm.model.loading.resolve import KNOWN_MODELS, cached_path
 
     print(f"{'name':<28} {'size':>8}  cached  source")
     for name, known in sorted(KNOWN_MODELS.items()):

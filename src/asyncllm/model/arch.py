@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncllm.model.rope import Llama3RopeScaling, rope_inv_freq
+from asyncllm.model.layers.rotary import Llama3RopeScaling, rope_inv_freq
 
 
 @dataclass(frozen=True)

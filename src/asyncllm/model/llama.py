@@ -11,7 +11,7 @@ two row-parallel outputs are summed over ranks (`parallel_state.all_reduce`). Em
 replicated, so every rank computes the same logits. At TP=1 no collective runs.
 
 Sources: Llama (Touvron et al., 2023); RMSNorm (Zhang & Sennrich, 2019); rotary position embedding,
-RoFormer (Su et al., 2021), in HF's "rotate half" layout, with Llama 3 frequency scaling (model/rope.py);
+RoFormer (Su et al., 2021), in HF's "rotate half" layout, with Llama 3 frequency scaling (model/layers/rotary.py);
 SwiGLU MLP (Shazeer, 2020); GQA (Ainslie et al., 2023).
 """
 
@@ -27,22 +27,16 @@ from torch import nn
 
 from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, get_tp_rank, get_tp_size
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.attention import paged_attention, write_kv_cache
-from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
-from asyncllm.model.kernel_choice import KernelChooser
+from asyncllm.model.kernels.choice import KernelChooser
+from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
+from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_int8
+from asyncllm.model.kernels.linear import Weight, linear, record_input_absmax
+from asyncllm.model.kernels.row_kernels import MAX_NORM_COLUMNS, RowKernels, load_kernels
+from asyncllm.model.layers.attention import paged_attention, write_kv_cache
+from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+from asyncllm.model.layers.rotary import apply_rotary, rotary_cos_sin
 from asyncllm.model.llama_weights import LINEAR_WEIGHTS, LayerWeights
-from asyncllm.model.packed_fp32 import PackedFp32Weight, pack_fp32
-from asyncllm.model.quant import (
-    Int8Weight,
-    Weight,
-    int8_matmul,
-    linear,
-    quantize_int8,
-    record_input_absmax,
-    smoothing_scale,
-)
-from asyncllm.model.rope import apply_rotary, rotary_cos_sin
-from asyncllm.model.row_kernels import MAX_NORM_COLUMNS, RowKernels, load_kernels
+from asyncllm.model.smoothquant import smoothing_scale
 
 if TYPE_CHECKING:
     from asyncllm.lora.weights import LayerLoRA, LoRABatch
@@ -64,7 +58,7 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
         arch: the model's hyper-parameters.
         qkv_bias: q/k/v projections have biases (Qwen2).
         tp_rank, tp_size: this rank's shard (`num_*_heads` and `intermediate_size` divisible by `tp_size`).
-        kernels: the fused row kernels (`model/row_kernels.py`), or None for torch ops only (same values).
+        kernels: the fused row kernels (`model/kernels/row_kernels.py`), or None for torch ops only (same values).
     """
 
     def __init__(
@@ -123,7 +117,7 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
         kernels: RowKernels,
     ) -> torch.Tensor:
         """`forward` with int8 weights in 7 fused kernel calls around the products instead of ~55 small torch ops,
-        giving the same values bit for bit (`model/row_kernels.py`)."""
+        giving the same values bit for bit (`model/kernels/row_kernels.py`)."""
         qkv_proj, o_proj, gate_up_proj, down_proj = (cast(Int8Weight, getattr(self, n)) for n in LINEAR_WEIGHTS)
         eps = self.arch.rms_norm_eps
         qx, scale = kernels.rms_norm_quantize(hidden, self.input_norm, eps)
@@ -284,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def pack_fp32(self, chooser: KernelChooser[torch.Tensor] | None = None) -> None:
         """Prepare every linear weight and the LM head for the float32 kernels `chooser` picks for their shapes
-        (`model/packed_fp32.py`; default: measured on this host): a packed kernel keeps a second copy."""
+        (`model/kernels/fp32.py`; default: measured on this host): a packed kernel keeps a second copy."""
         for layer in self.layers:
             cast(LlamaDecoderLayer, layer).pack_fp32(chooser)
         head = self._fp32_head()
@@ -293,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def quantize_int8(self, calibration_ids: list[int], chooser: KernelChooser[Int8Weight] | None = None) -> None:
-        """Store every linear weight and the LM head as int8 per output channel (`model/quant.py`), after
+        """Store every linear weight and the LM head as int8 per output channel (`model/kernels/int8.py`), after
         SmoothQuant smoothing calibrated on one forward pass over `calibration_ids` (a few hundred tokens of
         ordinary text), prepared for the int8 kernels `chooser` picks (default: measured on this host). At TP=N
         every rank runs this together (the pass all-reduces) and quantizes its shard. Embeddings stay float32: a

@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.kernel_choice import KernelChooser
-from asyncllm.model.packed_fp32 import pack_fp32
-from asyncllm.model.quant import Int8Weight, Weight, quantize_int8, smoothing_scale
+from asyncllm.model.kernels.choice import KernelChooser
+from asyncllm.model.kernels.fp32 import pack_fp32
+from asyncllm.model.kernels.int8 import Int8Weight, quantize_int8
+from asyncllm.model.kernels.linear import Weight
+from asyncllm.model.smoothquant import smoothing_scale
 
 LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -39,7 +41,7 @@ class LayerWeights:
     down_proj: Weight
 
     def smooth(self, input_absmax: dict[int, torch.Tensor]) -> None:
-        """Apply SmoothQuant factors (`model/quant.py`) to the four linear inputs, exactly in fp32: each input
+        """Apply SmoothQuant factors (`model/kernels/int8.py`) to the four linear inputs, exactly in fp32: each input
         channel of a weight is scaled by s and the tensor producing that input (norm weight, V columns, up
         columns) by 1 / s. Needs the recorded input max |x| of every weight of this layer."""
         qkv, o, gate_up, down = (cast(torch.Tensor, getattr(self, n)) for n in LINEAR_WEIGHTS)
@@ -65,12 +67,12 @@ class LayerWeights:
 
     def quantize_int8(self, chooser: KernelChooser[Int8Weight] | None = None) -> None:
         """Replace the four fused fp32 weights by int8 ones (this rank's shard, per output channel) prepared for the
-        kernels `chooser` picks; forward then runs the fused int8 kernels (`model/row_kernels.py`) where they build
-        and no LoRA adapter is in the step."""
+        kernels `chooser` picks; forward then runs the fused int8 kernels (`model/kernels/row_kernels.py`) where they
+        build and no LoRA adapter is in the step."""
         self._replace_weights(lambda weight: quantize_int8(weight, chooser))
 
     def pack_fp32(self, chooser: KernelChooser[torch.Tensor] | None = None) -> None:
-        """Prepare the four fused fp32 weights for the kernels `chooser` picks (`model/packed_fp32.py`)."""
+        """Prepare the four fused fp32 weights for the kernels `chooser` picks (`model/kernels/fp32.py`)."""
         self._replace_weights(lambda weight: pack_fp32(weight, chooser))
 
     def _replace_weights(self, convert: Callable[[torch.Tensor], Weight]) -> None:

@@ -46,7 +46,7 @@ PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
 
 class TokenizerLike(Protocol):
-    """What the input processor needs from `asyncllm.model.tokenizer.Tokenizer`."""
+    """What the input processor needs from `asyncllm.model.loading.tokenizer.Tokenizer`."""
 
     eos_token_id: int | None
 

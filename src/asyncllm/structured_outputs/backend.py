@@ -22,7 +22,7 @@ from asyncllm.structured_outputs.params import StructuredOutputsParams
 if TYPE_CHECKING:
     import xgrammar
 
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
 _INSTALL_HINT = "structured outputs need xgrammar: pip install 'asyncllm[structured]'"
 

@@ -30,7 +30,7 @@ import torch
 from asyncllm.structured_outputs.bitmask import GrammarBitmask
 
 if TYPE_CHECKING:
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
     from asyncllm.sched.request import Request
     from asyncllm.structured_outputs.backend import GrammarCompiler
 
@@ -212,7 +212,7 @@ def make_tokenizer_loader(model_path: str) -> Any:
     """A loader of the model's tokenizer for `StructuredOutputManager` (imported lazily)."""
 
     def load() -> Tokenizer:
-        from asyncllm.model.tokenizer import Tokenizer
+        from asyncllm.model.loading.tokenizer import Tokenizer
 
         return Tokenizer.load(model_path)
 

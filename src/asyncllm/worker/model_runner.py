@@ -21,8 +21,8 @@ from asyncllm.lora.weights import LoRABatch
 from asyncllm.messages.engine import LogprobsLists
 from asyncllm.messages.scheduler import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
-from asyncllm.model.kv_mirror import DecodeKVMirror
+from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_attention_metadata
+from asyncllm.model.layers.kv_mirror import DecodeKVMirror
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.spec_decode.rejection_sampler import RejectionSampler, VerificationResult
 from asyncllm.spec_decode.verification import build_verification_metadata
@@ -280,7 +280,7 @@ class ModelRunner:
         return torch.from_numpy(input_ids), torch.from_numpy(positions), meta
 
     def _plan_kv_mirror(self, meta: AttentionMetadata, req_ids: list[str], seq_lens: np.ndarray) -> None:
-        """Decode-only steps read K/V from the mirror kept since the last step (`model/kv_mirror.py`); any other
+        """Decode-only steps read K/V from the mirror kept since the last step (`model/layers/kv_mirror.py`); any other
         step forgets it. The mirror may take as much memory as the KV cache itself."""
         if not (len(meta.groups) == 1 and meta.groups[0].max_query_len == 1 and self.kv_caches):
             self.kv_mirror = None

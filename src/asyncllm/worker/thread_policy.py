@@ -22,7 +22,7 @@ steps away (tens of seconds at 32 streams), so the worker also watches the machi
 thread steps run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idle_cpus_to_probe` CPUs sat idle on
 average over `idle_window_steps` steps, it probes at once (the gap between such probes doubles while they confirm
 one thread). Contended, the other core is busy and this rarely fires. The trigger is low (0.2 CPUs) and so is the
-hysteresis (5%) because fp32 packed products keep all threads when torch runs on one (`model/packed_fp32.py`):
+hysteresis (5%) because fp32 packed products keep all threads when torch runs on one (`model/kernels/fp32.py`):
 quiet, a one-thread step then leaves only ~0.3 CPUs idle and is only ~12% slower than an all-thread one (measured:
 fp32, 32 streams; contended one-thread steps showed a median of 0.0 idle CPUs, 0.12 at the 90th percentile). With
 that meter working, the periodic probe of all threads from one thread comes every `max_probe_interval` steps from

@@ -18,9 +18,9 @@ from asyncllm.errors import ConfigError
 from asyncllm.lora.manager import LoRAManager
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.attention_metadata import build_attention_metadata
-from asyncllm.model.loader import load_model
-from asyncllm.model.packed_fp32 import set_gemm_threads
+from asyncllm.model.kernels.fp32 import set_gemm_threads
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.loading.loader import load_model
 from asyncllm.worker.kv_cache_sizing import allocate_zeroed, available_memory_bytes, default_num_kv_blocks
 from asyncllm.worker.model_runner import CausalLM, ModelRunner
 from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
@@ -75,7 +75,7 @@ class Worker:
 
     def linear_kernels(self) -> str:
         """Which kernel runs each linear product of this rank's model, per row class, and why (measured, cached or
-        forced; `model/kernel_choice.py`), as logged at load; for `collective_rpc("linear_kernels")`."""
+        forced; `model/kernels/choice.py`), as logged at load; for `collective_rpc("linear_kernels")`."""
         return str(getattr(self.model, "linear_kernels", ""))
 
     @property

@@ -32,7 +32,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.model.gguf_metadata import read_gguf_metadata
+from asyncllm.model.loading.gguf_metadata import read_gguf_metadata
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 

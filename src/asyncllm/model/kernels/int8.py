@@ -1,22 +1,16 @@
-"""int8 weights (per output channel) with int8 dynamic activations (per row), for every linear layer.
+"""int8 weights (per output channel) with int8 dynamic activations (per row): the int8 products' kernels.
 
 `quantize_int8(w)` turns an fp32 `[in, out]` weight into an `Int8Weight`: int8 values and one fp32 scale per
-output column, symmetric (`scale = max |w[:, j]| / 127`). `linear(x, w)` applies either kind of weight:
-fp32 weights as `x @ w`; int8 weights by quantizing each row of `x` on the fly (symmetric, `max |x[i]| / 127`),
-multiplying in int32 and scaling back. The int32 product runs in oneDNN's int8 inner-product kernel on weights
-reordered once into its blocked layout (`torch.ops.onednn.qlinear_pointwise`, the kernel behind torch's x86
-int8 inference; VNNI/AMX where the CPU has them), with the activation scale passed as 1 and applied per row
-afterwards; torch builds without that op use `torch._int_mm` on the plain `[in, out]` int8 weight. Integer
-accumulation is exact and both scale it by the weight scale, then by the row's, so both give the same values.
+output column, symmetric (`scale = max |w[:, j]| / 127`), prepared for the kernels the chooser picks for its shape
+(`kernels/choice.py`). `int8_matmul(qx, w)` multiplies int8 activations (quantized per row by `quantize_rows`,
+symmetric, `max |x[i]| / 127`, or by the fused row kernels) in int32 and scales by the weight scale; the caller
+applies each row's own scale. The candidates (`INT8_PRODUCT`): oneDNN's int8 matmul on weights prepacked once
+(`torch.ops.onednn.qlinear_pointwise`, the kernel behind torch's x86 int8 inference; VNNI/AMX where the CPU has
+them), with the activation scale passed as 1; and `torch._int_mm` on the plain `[in, out]` int8 weight. Integer
+accumulation is exact and both scale it by the weight scale in the same order, so both give the same values.
 
-Every row has its own activation scale, so a row's result never depends on which rows share its batch
-(fbgemm's dynamic quantized linear scales the whole batch with one activation range, which would make a
-request's tokens depend on its batch-mates; see docs/benchmarks.md for the kernel measurements).
-
-Activation outliers (a few input channels far larger than the rest) would waste a per-row int8 scale, so before
-quantizing, the model is "smoothed" (SmoothQuant, Xiao et al., 2023): per input channel j of each linear layer,
-`s_j = max|X_j|^0.7 / max|W_j|^0.3` over a short calibration text; X is divided by s (folded into the preceding
-RMSNorm weight, V projection or up projection, so it costs nothing at run time) and W's row j multiplied by it.
+Every row has its own activation scale, so a row's products never depend on which rows share its batch (fbgemm's
+dynamic quantized linear scales the whole batch with one activation range).
 
 Sources: LLM.int8() (Dettmers et al., 2022) for per-row / per-column absmax scaling without the outlier
 decomposition; "Integer Quantization for Deep Learning Inference" (Wu et al., 2020) for symmetric scales.
@@ -25,18 +19,13 @@ decomposition; "Integer Quantization for Deep Learning Inference" (Wu et al., 20
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from asyncllm.model.kernel_choice import Candidate, KernelChoice, KernelChooser, ProductKind, forced_kernels_from_env
-from asyncllm.model.packed_fp32 import PackedFp32Weight, bucket_rows, packed_linear, pad_rows
-
-SMOOTHING_ALPHA = 0.7  # SmoothQuant migration strength (docs/benchmarks.md)
-_input_absmax: dict[int, torch.Tensor] | None = None  # set while `record_input_absmax` is active
+from asyncllm.model.kernels.choice import Candidate, KernelChoice, KernelChooser, ProductKind, forced_kernels_from_env
+from asyncllm.model.kernels.row_padding import bucket_rows, pad_rows
 
 
 @dataclass
@@ -46,7 +35,7 @@ class Int8Weight:
     Fields:
         qweight: [in_features, out_features] int8, contiguous; `w ~= qweight * scale`.
         scale: [out_features] float32.
-        choice: the kernel of each row class (`model/kernel_choice.py`), or None: `torch._int_mm` for every row count.
+        choice: the kernel of each row class (`model/kernels/choice.py`), or None: `torch._int_mm` for every row count.
         operands: the weight prepared for each kernel of `choice` (name -> operand; oneDNN's prepacked copy).
     """
 
@@ -64,7 +53,6 @@ class Int8Weight:
         return self.qweight.float() * self.scale
 
 
-Weight = torch.Tensor | Int8Weight | PackedFp32Weight
 OneDNNInt8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (packed weight, [out] scales, [out] zero points)
 
 
@@ -160,7 +148,7 @@ _INT8_RUN = {candidate.name: candidate.run for candidate in INT8_PRODUCT.candida
 
 
 def int8_chooser(forced: str | None = None) -> KernelChooser[Int8Weight]:
-    """This process's chooser of int8 kernels (`model/kernel_choice.py`) running `forced`, else the kernel
+    """This process's chooser of int8 kernels (`model/kernels/choice.py`) running `forced`, else the kernel
     `ASYNCLLM_LINEAR_KERNELS` forces, else the measured ones (one chooser per forced kernel, kept for the process).
 
     Raises:
@@ -182,48 +170,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).mul_(1 / 127)
     return x.div(scale).round_().to(torch.int8), scale
-
-
-@contextmanager
-def record_input_absmax() -> Iterator[dict[int, torch.Tensor]]:
-    """While active, every `linear` call records its input's per-channel max |x| ([in_features] float32),
-    keyed by `id(weight)`, into the yielded dict (maxima over all calls)."""
-    global _input_absmax
-    stats: dict[int, torch.Tensor] = {}
-    _input_absmax = stats
-    try:
-        yield stats
-    finally:
-        _input_absmax = None
-
-
-def smoothing_scale(input_absmax: torch.Tensor, weight_absmax: torch.Tensor) -> torch.Tensor:
-    """SmoothQuant per-input-channel factors `s = a^alpha / w^(1 - alpha)`, [in_features] float32 (> 0).
-
-    Args:
-        input_absmax: [in_features] max |activation| per channel over the calibration text.
-        weight_absmax: [in_features] max |weight| per input row (over every output column).
-    """
-    a, w = input_absmax.clamp(min=1e-5), weight_absmax.clamp(min=1e-5)
-    return (a.pow(SMOOTHING_ALPHA) / w.pow(1 - SMOOTHING_ALPHA)).clamp(min=1e-5)
-
-
-def linear(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """`x @ W` for a `[rows, in]` float32 input and an fp32 `[in, out]`, `PackedFp32Weight` or `Int8Weight` weight.
-
-    Returns:
-        [rows, out] float32.
-    """
-    if _input_absmax is not None:
-        seen = x.detach().abs().amax(dim=0)
-        previous = _input_absmax.get(id(weight))
-        _input_absmax[id(weight)] = seen if previous is None else torch.maximum(previous, seen)
-    if isinstance(weight, torch.Tensor):
-        return x @ weight
-    if isinstance(weight, PackedFp32Weight):
-        return packed_linear(x, weight)
-    qx, x_scale = quantize_rows(x)
-    return int8_matmul(qx, weight).mul_(x_scale)
 
 
 def int8_matmul(qx: torch.Tensor, weight: Int8Weight) -> torch.Tensor:

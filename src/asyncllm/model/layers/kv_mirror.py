@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from asyncllm.model.row_kernels import RowKernels
+    from asyncllm.model.kernels.row_kernels import RowKernels
 
 HEADROOM_BLOCKS = 2  # blocks of room added per sequence when gathering afresh, at least (and 1/4 of the length)
 

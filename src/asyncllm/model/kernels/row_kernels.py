@@ -20,7 +20,7 @@ in one call per row what took 2-12 torch ops:
 - float32 products with a weight packed once by MKL in column chunks (`sgemm_pack`, `sgemm_packed`, in
   `csrc/packed_gemm.cpp`: the CBLAS packed-GEMM routines of the MKL torch links, where it exports them, with the
   chunks handed out on demand to threads). Not row kernels and not bit-exact with other GEMMs:
-  `model/packed_fp32.py` checks them and decides whether to use them.
+  `model/kernels/fp32.py` checks them and decides whether to use them.
 
 Every row kernel gives the eager ops' values bit for bit (RMSNorm adds its squares in the order of ATen's sum kernel,
 which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed across threads by ATen): a model's
@@ -52,6 +52,8 @@ from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
+
+from asyncllm.model.kernels.int8 import quantize_rows
 
 logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
@@ -278,8 +280,6 @@ def self_check(kernels: RowKernels) -> str:
 
 
 def _compare(kernels: RowKernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> str:
-    from asyncllm.model.quant import quantize_rows
-
     def same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
         return torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -302,7 +302,7 @@ def _compare(kernels: RowKernels, x: torch.Tensor, weight: torch.Tensor, residua
 
 
 def _compare_rotary(kernels: RowKernels, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> str:
-    from asyncllm.model.rope import apply_rotary
+    from asyncllm.model.layers.rotary import apply_rotary  # the model's rotary, which the kernel must equal
 
     head_dim = 64 if x.shape[1] % 64 == 0 else 2  # some whole heads, some columns left unrotated (like V)
     heads = x.shape[1] // head_dim - 1

@@ -20,13 +20,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from asyncllm.config import ModelConfig
+from asyncllm.engine_config import ModelConfig
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.gguf_metadata import GGUFTensorInfo, read_gguf_header
-from asyncllm.model.packed_fp32 import fp32_chooser
-from asyncllm.model.quant import int8_chooser
+from asyncllm.model.kernels.fp32 import fp32_chooser
+from asyncllm.model.kernels.int8 import int8_chooser
+from asyncllm.model.layers.rotary import read_hf_rope
+from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
 from asyncllm.model.registry import HF_MODEL_TYPES, get_model_class
-from asyncllm.model.rope import read_hf_rope
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +177,8 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
     `"dummy"` fills random weights of the right shapes from `model_config.seed` (no file I/O beyond metadata).
     With `quantization="int8"` the loaded float32 weights (this TP rank's shard) are then requantized; without,
     with `pack_weights` (what the worker asks for) they are prepared for the float32 kernels chosen on this host
-    (`model/packed_fp32.py`): faster, but the weights are no longer `nn.Parameter`s to edit. Which kernel runs each
-    product (`model/kernel_choice.py`; forced by `model_config.linear_kernels`) is logged in one line per kind.
+    (`model/kernels/fp32.py`): faster, but the weights are no longer `nn.Parameter`s to edit. Which kernel runs each
+    product (`model/kernels/choice.py`; forced by `model_config.linear_kernels`) is logged in one line per kind.
 
     Returns:
         The model in eval mode, float32, with attributes `arch: ModelArchConfig` and `linear_kernels: str` (the
@@ -214,7 +214,7 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
     return model.eval()
 
 
-# Calibration text for int8 smoothing (`model/quant.py`): a chat turn, prose, code and numbers, written for
+# Calibration text for int8 smoothing (`model/kernels/int8.py`): a chat turn, prose, code and numbers, written for
 # this project. Activation outliers sit in fixed channels, so a few hundred ordinary tokens find them.
 CALIBRATION_MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant. Answer clearly and briefly."},
@@ -238,7 +238,7 @@ def _calibration_ids(model_config: ModelConfig, arch: ModelArchConfig) -> list[i
     if model_config.load_format == "dummy":
         return [(7919 * i + 13) % arch.vocab_size for i in range(min(256, arch.max_position_embeddings))]
     from asyncllm.errors import InvalidRequestError
-    from asyncllm.model.tokenizer import Tokenizer
+    from asyncllm.model.loading.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(model_config.model_path)
     try:

@@ -1,10 +1,10 @@
 """float32 linear weights with a kernel per row count: `x @ W`, MKL's packed GEMM or oneDNN's reordered weights.
 
-The candidates (`FP32_PRODUCT`, chosen per weight shape and row class by `model/kernel_choice.py`):
+The candidates (`FP32_PRODUCT`, chosen per weight shape and row class by `model/kernels/choice.py`):
 - `matmul`: `x @ W` on the plain `[in, out]` weight (MKL's sgemm; for one row a matrix-vector product that streams
   the weight once).
 - `mkl_packed`: MKL's packed GEMM (`cblas_sgemm_pack` / `cblas_sgemm_compute`, Intel oneMKL Developer Reference),
-  called through the fused row-kernel module (`model/row_kernels.py`, `csrc/packed_gemm.cpp`) from the MKL torch
+  called through the fused row-kernel module (`model/kernels/row_kernels.py`, `csrc/packed_gemm.cpp`) from the MKL torch
   links. One pack serves every row count. The weight is packed in column chunks (`chunk_columns`) that a product
   hands out on demand to `gemm_threads()` threads, one MKL thread each, so a thread the OS deschedules (beside
   another busy process) does not hold the others up.
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from asyncllm.model.kernel_choice import (
+from asyncllm.model.kernels.choice import (
     Candidate,
     KernelChoice,
     KernelChooser,
@@ -35,33 +35,12 @@ from asyncllm.model.kernel_choice import (
     forced_kernels_from_env,
     prepare_operands,
 )
-from asyncllm.model.row_kernels import RowKernels, load_kernels
+from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
+from asyncllm.model.kernels.row_padding import bucket_rows, pad_rows
 
 CHUNKS_PER_WEIGHT = 4  # column chunks of an MKL-packed weight, at least: enough to even out two threads' shares
 MAX_CHUNK_COLUMNS = 4096  # wider weights (an LM head) get more chunks, so no chunk is a long wait
 _gemm_threads: int | None = None  # threads of an MKL-packed product (`set_gemm_threads`); None: torch's count
-
-
-def bucket_rows(rows: int) -> int:
-    """The row count a oneDNN product runs at for `rows` rows: exact up to 8, then rounded up to a multiple of 8
-    (up to 64), of 64 (up to 512), then of 512.
-
-    oneDNN builds and caches a kernel per distinct shape, and each costs memory (measured: ~1.2 MB per fp32 and
-    ~0.3 MB per int8 kernel of this model's shapes, and the process kept growing past its cache's 1,024
-    entries), so the rows are padded to a few sizes instead of one kernel per batch size. Small steps are not
-    padded: a product's time grows with its rows even there (int8, 2 threads: 1 row 5.9 ms, 8 rows 8.3 ms for the
-    default model's layers), and a batch-1 decode would pay for 8.
-    """
-    if rows <= 8:
-        return rows
-    step = 8 if rows <= 64 else 64 if rows <= 512 else 512
-    return -(-rows // step) * step
-
-
-def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """`x` `[n, features]` with zero rows appended to make `[rows, features]` (`x` itself if n == rows)."""
-    missing = rows - x.shape[0]
-    return x if missing == 0 else torch.cat([x, x.new_zeros(missing, x.shape[1])])
 
 
 def chunk_columns(out_features: int) -> int:
@@ -97,7 +76,7 @@ class PackedFp32Weight:
 
     Fields:
         weight: [in_features, out_features] float32, contiguous (`matmul`, tied embedding lookups).
-        choice: the kernel of each row class (`model/kernel_choice.py`).
+        choice: the kernel of each row class (`model/kernels/choice.py`).
         operands: the weight prepared for each kernel of `choice` (name -> operand; MKL's or oneDNN's packed copy).
     """
 
@@ -205,7 +184,7 @@ _FP32_RUN = {candidate.name: candidate.run for candidate in FP32_PRODUCT.candida
 
 
 def fp32_chooser(forced: str | None = None) -> KernelChooser[torch.Tensor]:
-    """This process's chooser of float32 kernels (`model/kernel_choice.py`) running `forced`, else the kernel
+    """This process's chooser of float32 kernels (`model/kernels/choice.py`) running `forced`, else the kernel
     `ASYNCLLM_LINEAR_KERNELS` forces, else the measured ones (one chooser per forced kernel, kept for the process).
 
     Raises:

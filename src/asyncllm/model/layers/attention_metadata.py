@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncllm.model.kv_mirror import MirrorStep
+from asyncllm.model.layers.kv_mirror import MirrorStep
 
 
 @dataclass
@@ -71,7 +71,7 @@ class AttentionMetadata:
         groups: one or two `AttentionGroup`s covering every sequence once.
         block_size: tokens per block.
         slot_blocks: (block id, offset in block) of each slot, [num_tokens] int64 each (computed once per step).
-        mirror: for a decode-only step, the dense K/V kept from the last step (`model/kv_mirror.py`), or None.
+        mirror: for a decode-only step, the dense K/V kept from the last step (`model/layers/kv_mirror.py`), or None.
     """
 
     num_tokens: int

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from asyncllm.model.attention_metadata import AttentionGroup, AttentionMetadata
+from asyncllm.model.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
 if TYPE_CHECKING:
-    from asyncllm.model.row_kernels import RowKernels
+    from asyncllm.model.kernels.row_kernels import RowKernels
 
 
 def write_kv_cache(
@@ -42,7 +42,7 @@ def write_kv_cache(
         slot_mapping: [num_tokens] int64 slot (block_id * block_size + offset) of each token.
         slot_blocks: (block ids, offsets) of `slot_mapping`, [num_tokens] int64 each, if already computed
             (`AttentionMetadata.slot_blocks`, once per step instead of once per layer).
-        kernels: the fused row kernels (`model/row_kernels.py`), if loaded.
+        kernels: the fused row kernels (`model/kernels/row_kernels.py`), if loaded.
     Raises:
         IndexError: if a slot is outside the cache.
     """

@@ -1,8 +1,8 @@
 """Which kernel runs each linear product on this host, chosen by measurement.
 
 A linear product (`[rows, in] @ [in, out]`) has several implementations, the candidates of its kind: for int8
-weights oneDNN's prepacked kernel and `torch._int_mm` (`model/quant.py`); for float32
-weights `x @ W`, MKL's packed GEMM and oneDNN's reordered weights (`model/packed_fp32.py`). Which one is fastest
+weights oneDNN's prepacked kernel and `torch._int_mm` (`model/kernels/int8.py`); for float32
+weights `x @ W`, MKL's packed GEMM and oneDNN's reordered weights (`model/kernels/fp32.py`). Which one is fastest
 depends on the CPU, its ISA, the libraries and the row count, and an exact kernel can still be the wrong choice: on
 CPUs with AVX-512 VNNI but no AMX (AMD EPYC) oneDNN runs its reference kernel for int8 activations, 100x slower than
 float32 (docs/kernels.md). So, for each weight shape, the first time it is asked for on a host, `KernelChooser`:
