@@ -20,9 +20,10 @@ from typing import Any
 import anyio
 import sniffio
 
-from asyncllm.config import EngineArgs, EngineConfig
+from asyncllm.config import EngineArgs
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
+from asyncllm.engine_config import EngineConfig
 from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError
 from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import SchedulerStats

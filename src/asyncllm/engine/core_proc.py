@@ -32,9 +32,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from asyncllm.config import EngineConfig
 from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
 from asyncllm.engine.heartbeat import heartbeat_address, heartbeat_interval, send_heartbeats
+from asyncllm.engine_config import EngineConfig
 from asyncllm.messages.engine import (
     CLIENT_REQUEST_TYPES,
     ENGINE_CORE_DEAD,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import logging
 
-from asyncllm.config import SchedulerConfig, SpeculativeConfig
+from asyncllm.engine_config import SchedulerConfig, SpeculativeConfig
 from asyncllm.messages.engine import (
     EngineCoreEventType,
     EngineCoreOutput,
@@ -39,13 +39,12 @@ from asyncllm.messages.engine import (
     SchedulerStats,
 )
 from asyncllm.messages.scheduler import CachedRequestData, ModelRunnerOutput, SchedulerOutput
-from asyncllm.sched.drafts import allocate_with_drafts, apply_verification, propose_drafts
+from asyncllm.sched.drafter import Drafter
+from asyncllm.sched.grammar import StructuredOutputManager
 from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.request_queue import create_request_queue, priority_key
 from asyncllm.sched.step_output import new_request_data, pooling_output, sampled_output
-from asyncllm.spec_decode.drafter import Drafter
-from asyncllm.structured_outputs.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -200,10 +199,20 @@ class Scheduler:
         return budget, num_preempted
 
     def _allocate_with_drafts(self, req: Request, num_tokens: int, budget: int) -> tuple[list[int], list[int] | None]:
-        """KV slots for `num_tokens` plus this step's n-gram drafts (`sched/drafts.py`); (drafts, new block ids
-        or None when not even `num_tokens` fit)."""
-        drafts = propose_drafts(self.drafter, req, budget, self.max_model_len, len(self.running), len(self.waiting))
-        return allocate_with_drafts(self.kv_cache_manager, req, num_tokens, drafts)
+        """KV slots for `num_tokens` plus this step's n-gram drafts (`Drafter.propose`), without the drafts when
+        they do not fit.
+
+        Returns:
+            (drafts kept, new block ids or None when not even `num_tokens` fit).
+        """
+        drafts: list[int] = []
+        if self.drafter is not None:
+            drafts = self.drafter.propose(req, budget, self.max_model_len, len(self.running), len(self.waiting))
+        new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens + len(drafts))
+        if new_block_ids is None and drafts:  # no room for the drafts: run the plain decode instead
+            drafts = []
+            new_block_ids = self.kv_cache_manager.allocate_slots(req, num_tokens)
+        return drafts, new_block_ids
 
     def _preempt_for_priority(self, budget: int) -> None:
         """Preempt running requests of worse priority while the best waiting one has no room to start."""
@@ -349,8 +358,11 @@ class Scheduler:
         """Apply one request's verified drafts, sampled tokens and stop rules (checked per appended token, so a
         stop inside an accepted run ends the request there); its output (None when it failed)."""
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req.request_id)
-        if drafts:
-            apply_verification(self.drafter, req, len(drafts), len(token_ids) - 1)
+        if drafts:  # take the rejected drafts back (their KV slots are overwritten later) and count them
+            num_accepted = len(token_ids) - 1
+            req.num_computed_tokens -= len(drafts) - num_accepted
+            if self.drafter is not None:
+                self.drafter.observe_verification(req, len(drafts), num_accepted)
         token_ids, error = req.append_until_stop(token_ids, self.max_model_len)
         if error is not None:
             self._fail_request(req, error)

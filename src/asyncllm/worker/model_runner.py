@@ -24,14 +24,14 @@ from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.model.kv_mirror import DecodeKVMirror
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.spec_decode.rejection_sampler import RejectionSampler, VerificationResult
-from asyncllm.spec_decode.verification import build_verification_metadata
 from asyncllm.structured_outputs.bitmask import unpack_bitmask
 from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
 from asyncllm.worker.pooler import PromptPooler, pool_step
 from asyncllm.worker.prompt_embeds import embeds_from_bytes, embeds_override
+from asyncllm.worker.rejection_sampler import RejectionSampler, VerificationResult
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
+from asyncllm.worker.verification import build_verification_metadata
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds the memory of prompt_logprobs)
 
@@ -312,7 +312,7 @@ class ModelRunner:
         scheduler_output: SchedulerOutput,
     ) -> ModelRunnerOutput:
         """Speculative step: logits at every draft position of every sampling request in one matrix, then
-        rejection sampling (`spec_decode/rejection_sampler.py`); each request gets 1..k+1 tokens."""
+        rejection sampling (`worker/rejection_sampler.py`); each request gets 1..k+1 tokens."""
         drafts = [scheduler_output.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
         last = last_rows.tolist()
         rows = torch.cat([torch.arange(end - len(d), end + 1) for end, d in zip(last, drafts, strict=True)])

@@ -12,8 +12,8 @@ from typing import cast
 
 import torch
 
-from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from asyncllm.engine_config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.lora.manager import LoRAManager
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
