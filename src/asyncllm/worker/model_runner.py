@@ -117,6 +117,13 @@ class CachedRequestState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def flush_prompt_logprobs(self, output: ModelRunnerOutput) -> None:
+        """Put the prompt logprobs computed so far into `output`, once: call when the request samples (its
+        prompt is then complete); nothing when it wants none or has sent them."""
+        if self.needs_prompt_logprobs:
+            output.prompt_logprobs[self.req_id] = LogprobsLists.concat(self.prompt_logprobs_parts)
+            self.prompt_logprobs_parts, self.needs_prompt_logprobs = [], False
+
 
 class ModelRunner:
     """Runs the model for a flat batch of scheduled tokens and samples.
@@ -244,9 +251,7 @@ class ModelRunner:
                     [lists.token_ids[j]], [lists.logprobs[j]], [lists.ranks[j]]
                 )
         for state in states:
-            if state.needs_prompt_logprobs:
-                output.prompt_logprobs[state.req_id] = LogprobsLists.concat(state.prompt_logprobs_parts)
-                state.prompt_logprobs_parts, state.needs_prompt_logprobs = [], False
+            state.flush_prompt_logprobs(output)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -340,9 +345,7 @@ class ModelRunner:
                 index = torch.tensor(rows, dtype=torch.int64)
                 lists = compute_logprobs(logits[index], torch.tensor(token_ids, dtype=torch.int64), [k] * len(rows))
                 output.logprobs[state.req_id] = lists
-            if state.needs_prompt_logprobs:
-                output.prompt_logprobs[state.req_id] = LogprobsLists.concat(state.prompt_logprobs_parts)
-                state.prompt_logprobs_parts, state.needs_prompt_logprobs = [], False
+            state.flush_prompt_logprobs(output)
 
     @staticmethod
     def _select_sampling_rows(
