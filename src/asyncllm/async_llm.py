@@ -1,5 +1,6 @@
 """`AsyncLLM`: the async front door (asyncio or trio, through anyio). Submit prompts, stream `RequestOutput`s,
-abort, shut down.
+abort, shut down; and administer the engine (health, scheduler stats, data-parallel scaling, prefix-cache reset,
+RPCs to every worker) through the client's typed utility calls (`UTILITY_METHODS`).
 
 Data flow: `generate()` -> InputProcessor (tokenize + validate, synchronously) -> OutputProcessor state +
 EngineCoreClient.add_request -> engine core (its own process by default, or a background thread) -> the output
@@ -19,12 +20,13 @@ from typing import Any
 import anyio
 import sniffio
 
-from asyncllm.config import EngineArgs, EngineConfig
+from asyncllm.config import EngineArgs
 from asyncllm.engine.client import EngineCoreClient
-from asyncllm.engine.dp_client import make_engine_client
-from asyncllm.engine_admin import EngineAdmin
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
+from asyncllm.engine_config import EngineConfig
+from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError
 from asyncllm.lora.request import LoRARequest
+from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.defaults import make_default_stat_loggers
 from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger
@@ -43,7 +45,7 @@ from asyncllm.utils.loops import LoopBinding, current_loop
 __all__ = ["LONG_PROMPT_CHARS", "AsyncLLM", "is_long_prompt"]
 
 
-class AsyncLLM(EngineAdmin):
+class AsyncLLM:
     """Streaming LLM inference on an engine core.
 
     Build inside a coroutine with `llm = await AsyncLLM.create(EngineArgs(...))` or `async with
@@ -302,6 +304,87 @@ class AsyncLLM(EngineAdmin):
         self._handler.abort_in_engine(self._output_processor.abort_requests(ids))
         self._notifier.notify_all()
 
+    # ---- engine administration ------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine died or was shut down."""
+        self._ensure_running()
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        """The engine scheduler's current counts (running, waiting, free and total KV blocks); with data
+        parallelism, summed over the engines (`get_scheduler_stats_per_engine` gives each).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        stats: SchedulerStats = await self._client.call_utility_async("get_scheduler_stats")
+        return stats
+
+    async def get_scheduler_stats_per_engine(self) -> dict[int, SchedulerStats]:
+        """Each engine core's scheduler counts, by data-parallel rank (`{0: ...}` without data parallelism).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        stats: dict[int, SchedulerStats] = await self._client.call_utility_per_engine_async("get_scheduler_stats")
+        return stats
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine cores serving (or draining) now."""
+        client = self._client
+        return client.data_parallel_size if isinstance(client, DPEngineCoreClient) else 1
+
+    async def scale_data_parallel(self, num_engines: int) -> None:
+        """Grow or shrink to `num_engines` engine cores while serving (docs/data_parallel.md): new engines take
+        the lowest free ranks; removed ones (the highest ranks) first drain (their in-flight requests finish
+        normally, no new request goes to them), then stop. Remaining ranks keep their numbers.
+
+        Raises:
+            ConfigError: `num_engines` < 1, a scaling already under way, or an AsyncLLM started with
+                `data_parallel_size=1` (it has a single-engine client; start with 2 or more to scale).
+            EngineDeadError: the engine died, or a new engine failed to start.
+        """
+        self._ensure_running()
+        if not isinstance(self._client, DPEngineCoreClient):
+            raise ConfigError("scale_data_parallel needs an AsyncLLM started with data_parallel_size >= 2")
+        await self._client.scale_data_parallel(num_engines)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix in the engine (e.g. after changing weights, or for fair benchmarks).
+
+        Returns:
+            True when reset; False (nothing changed) while requests are running and hold KV cache blocks.
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        reset: bool = await self._client.call_utility_async("reset_prefix_cache")
+        return reset
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (vLLM's API: the workers' own reply deadline, seconds)
+    ) -> list[Any]:
+        """Call `Worker.<method>(*args, **kwargs)` on every worker, inside the engine.
+
+        Arguments and results cross the process boundary as msgpack (plain values, numpy arrays, tensors).
+        Returns:
+            One result per worker, by rank.
+        Raises:
+            EngineGenerateError: the call failed in a worker (the engine keeps serving).
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        client = self._client
+        results: list[Any] = await client.call_utility_async("collective_rpc", method, list(args), kwargs, timeout)
+        return results
+
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
@@ -340,3 +423,6 @@ class AsyncLLM(EngineAdmin):
         """Wait for `collector`'s next output (see `OutputHandler.next_output`)."""
         self._bind_to_current_loop()
         return await self._handler.next_output(collector)
+
+    def _ensure_running(self) -> None:
+        self._handler.ensure_running()

@@ -36,7 +36,7 @@ from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 if TYPE_CHECKING:
     from asyncllm.engine.client import EngineCoreClient
 
-LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (~5 ms of tokenizing and more)
+LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (cost: benchmarks/analysis.md)
 
 NextOutput = Callable[[RequestOutputCollector], Awaitable[RequestOutput]]
 
@@ -239,10 +239,9 @@ async def await_pooling(
 
 
 def is_long_prompt(prompt: PromptType) -> bool:
-    """True for text, or chat messages, over `LONG_PROMPT_CHARS` characters: tokenized off the event loop.
-
-    32k characters of English take ~45 ms to tokenize on this project's 2-core CPU (`benchmarks/loop_stall.py`).
-    """
+    """True for text, or chat messages, over `LONG_PROMPT_CHARS` characters: tokenized off the event loop, since
+    tokenizing grows with the text and would stall every other stream (`benchmarks/loop_stall.py`; the
+    measurements: `benchmarks/analysis.md`, "Long prompts")."""
     if isinstance(prompt, str):
         return len(prompt) > LONG_PROMPT_CHARS
     if isinstance(prompt, list):

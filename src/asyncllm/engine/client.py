@@ -60,8 +60,8 @@ from asyncllm.utils.loops import LoopBinding
 from asyncllm.utils.process import make_ipc_dir
 
 if TYPE_CHECKING:
-    from asyncllm.config import EngineConfig
     from asyncllm.engine.core_proc import CoreFactory
+    from asyncllm.engine_config import EngineConfig
 
 __all__ = ["READY_TIMEOUT_S", "SHUTDOWN_TIMEOUT_S", "EngineCoreClient"]
 

@@ -49,8 +49,8 @@ from asyncllm.messages.engine import (
 from asyncllm.messages.serial import MsgpackEncoder
 
 if TYPE_CHECKING:
-    from asyncllm.config import EngineConfig
     from asyncllm.engine.core_proc import CoreFactory
+    from asyncllm.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 RANK_DEATH_PREFIX = "data-parallel rank "
