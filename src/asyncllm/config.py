@@ -32,6 +32,7 @@ from asyncllm.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MODEL",
+    "AsyncEngineArgs",
     "CacheConfig",
     "DataParallelBackend",
     "EngineArgs",
@@ -109,6 +110,8 @@ class EngineArgs:
             over the shared base model (docs/lora.md). Not with `quantization="int8"`.
         max_loras: distinct adapters running at once, and adapters kept loaded (LRU); vLLM's default 1.
         max_lora_rank: the largest adapter rank accepted, 1..64; vLLM's default 16.
+        enforce_eager: vLLM's switch off CUDA graphs and compilation; asyncllm always runs eagerly (CPU, no graphs,
+            no compilation), so True and False both hold as asked, and change nothing (accepted for vLLM code).
     Raises:
         ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -143,6 +146,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    enforce_eager: bool = False
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineArgs:
@@ -199,6 +203,8 @@ class EngineArgs:
             raise ConfigError(f"EngineArgs.engine_timeout={timeout!r}: must be None or > 0 (seconds)")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
             raise ConfigError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"EngineArgs.enforce_eager={self.enforce_eager!r}: must be True or False")
         if self.speculative_config is not None:
             SpeculativeConfig.from_user(self.speculative_config)
         self._validate_data_parallel()
@@ -288,3 +294,8 @@ class EngineArgs:
             speculative=speculative,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None,
         )
+
+
+AsyncEngineArgs = EngineArgs
+"""vLLM's name for the engine arguments of its `AsyncLLM` (`vllm.engine.arg_utils.AsyncEngineArgs`): the same
+class here, so vLLM code that builds `AsyncEngineArgs(...)` runs unchanged."""
