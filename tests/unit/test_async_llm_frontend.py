@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import warnings
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -217,6 +218,47 @@ async def test_shutdown_ends_open_streams_and_is_idempotent(tokenizer) -> None:
     assert not engine.is_running
     with pytest.raises(EngineDeadError):
         engine.generate("Hi", greedy())
+
+
+def test_shutdown_outside_a_loop_is_synchronous(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer)
+    pending = engine.shutdown()  # no loop runs: the engine is stopped before shutdown() returns
+    assert pending.started
+    assert cores[0].shut_down.is_set()
+    assert not engine.is_running
+    assert engine._client._closed
+
+
+async def test_shutdown_called_as_vllm_does_stops_the_engine_at_the_end_of_the_statement(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer)
+    outputs = await collect(engine.generate("Hi", greedy(3)))
+    assert outputs[-1].finished
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine never awaited would warn (and fail here)
+        engine.shutdown()  # not awaited, as vLLM's synchronous shutdown() is called
+        assert cores[0].shut_down.is_set()
+        assert not engine.is_running
+        gc.collect()
+    await engine.shutdown()  # idempotent, and awaitable
+
+
+async def test_an_awaited_shutdown_keeps_the_loop_running(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    before = ticks
+    await engine.shutdown()
+    ticker.cancel()
+    assert cores[0].shut_down.is_set()
+    assert ticks > before  # the stop ran in a thread while the loop went on
 
 
 async def test_many_concurrent_streams(llm: AsyncLLM) -> None:
