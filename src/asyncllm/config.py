@@ -94,7 +94,8 @@ class EngineArgs:
         engine_timeout: seconds the engine may stay silent (no heartbeat) while its outputs are expected
             (requests in flight, a utility call) before the client reports it unresponsive (`EngineDeadError`,
             e.g. a SIGSTOPped or frozen engine process). The heartbeat comes from a thread of the engine beside its
-            busy loop, so a long step is not silence. None (default) = off: only an engine that exits is noticed. See docs/reliability.md.
+            busy loop, so a long step is not silence. None (default) = off: only an engine that exits is noticed.
+            See docs/reliability.md.
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
         scheduling_policy: "fcfs" (default) or "priority" (`generate(..., priority=)`, lower first).
         prebuild_grammar_compiler: import xgrammar and build its vocabulary tables in a background thread as
