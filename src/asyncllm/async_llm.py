@@ -313,7 +313,8 @@ class AsyncLLM(EngineAdmin):
         Synchronous as vLLM's, and awaitable: `await llm.shutdown()` stops the engine in a daemon thread while
         the loop runs on; `llm.shutdown()` without `await` stops it before returning (outside a loop) or at the
         end of the statement (inside a coroutine, blocking the loop meanwhile, as vLLM's does). See
-        `asyncllm.stopping`. The result is an awaitable, not a coroutine (for `asyncio.create_task`, wrap it).
+        `asyncllm.stopping`. The result also runs wherever a coroutine is expected (`asyncio.run`, `create_task`,
+        `trio.run(llm.shutdown)`).
         """
         if not self._handler.shut_down:
             self._handler.shut_down = True

@@ -242,6 +242,25 @@ async def test_shutdown_called_as_vllm_does_stops_the_engine_at_the_end_of_the_s
     await engine.shutdown()  # idempotent, and awaitable
 
 
+def test_shutdown_runs_wherever_a_coroutine_is_expected(tokenizer) -> None:
+    import trio
+
+    first, first_cores = make_llm(tokenizer)
+    asyncio.run(first.shutdown())  # made outside the loop: stopped at once, then run as a finished coroutine
+    assert first_cores[0].shut_down.is_set()
+
+    second, second_cores = make_llm(tokenizer)
+
+    async def as_a_task() -> None:
+        await asyncio.create_task(second.shutdown())
+        assert second_cores[0].shut_down.is_set()
+
+    asyncio.run(as_a_task())
+    third, third_cores = make_llm(tokenizer)
+    trio.run(third.shutdown)
+    assert third_cores[0].shut_down.is_set()
+
+
 async def test_an_awaited_shutdown_keeps_the_loop_running(tokenizer) -> None:
     engine, cores = make_llm(tokenizer)
     ticks = 0
