@@ -313,13 +313,13 @@ class EngineCoreClient(ClientLifecycle):
         loop, error = self._reader_loop, None
         try:
             while True:
-                self._ensure_alive()
-                await self._read_available()
-                self._wake_waiters()
-                sink = self._sink
+                sink = self._sink  # first what a reader of an ended loop left, then every read
                 while sink is not None and self._outputs:
                     sink.process_outputs(self._outputs.popleft())
                     await anyio.lowlevel.checkpoint()  # let the streams run between engine steps
+                self._ensure_alive()
+                await self._read_available()
+                self._wake_waiters()
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as e:  # EngineDeadError, or a bug: either way nothing is read any more
