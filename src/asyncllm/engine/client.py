@@ -128,6 +128,7 @@ class EngineCoreClient(ClientLifecycle):
         self._reader_loop: Any = None
         self._changed: anyio.Event | None = None  # set (and dropped) by the reader after each read: wakes waiters
         self._num_waiting = 0  # tasks waiting for a result (utility call, get_output_async)
+        self._threads_joined = False  # shutdown() joined the watcher threads: the sockets and context may go
         self.launcher = None
         self._unresponsive = False
         self._heartbeat_watcher: HeartbeatWatcher | None = None
@@ -252,6 +253,7 @@ class EngineCoreClient(ClientLifecycle):
         self._watcher.join(SHUTDOWN_TIMEOUT_S)
         if self._heartbeat_watcher is not None:
             self._heartbeat_watcher.join(SHUTDOWN_TIMEOUT_S)  # it closes its socket before the context ends
+        self._threads_joined = True  # from here on the output reader, when it ends after us, closes the sockets
         self._close_resources()
         self._leftovers.detach()
 
@@ -328,7 +330,8 @@ class EngineCoreClient(ClientLifecycle):
             if self._reader_loop is loop:
                 self._reader_active = False
             self._wake_waiters()
-            self._release_sockets()
+            if self._threads_joined:  # else shutdown() is still joining threads that use the context: it closes
+                self._release_sockets()
         if error is not None and self._sink is not None:
             self._sink.stop(error)
 
