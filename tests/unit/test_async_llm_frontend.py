@@ -220,6 +220,25 @@ async def test_shutdown_ends_open_streams_and_is_idempotent(tokenizer) -> None:
         engine.generate("Hi", greedy())
 
 
+async def test_a_failing_output_handler_fails_every_stream_instead_of_hanging(
+    llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in output processing")
+
+    monkeypatch.setattr(llm._output_processor, "process_outputs", broken)
+    streams = [llm.generate("Hi", greedy()) for _ in range(3)]
+    for stream in streams:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(collect(stream), 5)
+    assert llm.errored
+    with pytest.raises(EngineDeadError) as raised:
+        await asyncio.wait_for(llm.get_scheduler_stats(), 5)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    with pytest.raises(EngineDeadError, match="the output reader failed: RuntimeError"):
+        llm._client.check_health()
+
+
 def test_shutdown_outside_a_loop_is_synchronous(tokenizer) -> None:
     engine, cores = make_llm(tokenizer)
     pending = engine.shutdown()  # no loop runs: the engine is stopped before shutdown() returns

@@ -326,6 +326,9 @@ class EngineCoreClient(ClientLifecycle):
             raise
         except Exception as e:  # EngineDeadError, or a bug: either way nothing is read any more
             error = e
+            if not isinstance(e, EngineDeadError):
+                logger.exception("the output reader failed")
+                self._mark_dead(f"the output reader failed: {e!r}")  # sticky, as any death: waiters raise
         finally:
             if self._reader_loop is loop:
                 self._reader_active = False
