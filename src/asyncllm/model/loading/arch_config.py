@@ -165,8 +165,8 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
     if path.is_file() and path.suffix.lower() == ".gguf":
         try:
             metadata, tensors = read_gguf_header(path)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+        except ValueError as e:  # not GGUF, or a truncated header
+            raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from e
         return _arch_from_gguf(metadata, tensors, path)
     if (path / "config.json").is_file():
         try:
