@@ -4,7 +4,7 @@ A ticker task sleeps 1 ms in a loop and records the longest gap between its wake
 32k-character prompt is submitted and its first output awaited. Both runs are in this process, on the same
 engine (a scripted core in its own process: no model work competes with the loop), on asyncio:
 - "on the loop": `LONG_PROMPT_CHARS` raised above the prompt length (the old behaviour: tokenize in `generate()`);
-- "off the loop": the default (`generate()` defers tokenization to `anyio.to_thread`).
+- "off the loop": the default (`generate()` defers tokenization to a daemon thread, `utils/threads.py`).
 
     .venv/bin/python benchmarks/loop_stall.py [--chars 32768] [--repeats 5]
 """

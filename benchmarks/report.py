@@ -76,7 +76,8 @@ def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any],
         "## Throughput (`benchmarks/throughput.py`)",
         "",
         "asyncllm as a user runs it (`AsyncLLM`, engine process, default thread policy) against HF `transformers`",
-        "`generate` (one padded batch, fp32, torch's default threads) on the same GGUF model and prompts.",
+        "`generate` (one padded batch, fp32, torch's default threads; beside the CPU-bound process the better of 1",
+        "and the default thread count) on the same GGUF model and prompts. int8 ratios are against HF fp32.",
     ]
     if t is None:
         lines += ["", "Not measured yet (no benchmarks/results/throughput.json): run `make bench`."]

@@ -1,6 +1,6 @@
 """asyncllm: an asyncio streaming SDK for LLM inference on CPUs."""
 
-from asyncllm.config import EngineArgs
+from asyncllm.config import AsyncEngineArgs, EngineArgs
 from asyncllm.errors import (
     AsyncLLMError,
     ConfigError,
@@ -20,6 +20,7 @@ from asyncllm.sampling_params import RepetitionDetectionParams, RequestOutputKin
 from asyncllm.structured_outputs.params import StructuredOutputsParams
 
 __all__ = [
+    "AsyncEngineArgs",
     "AsyncLLM",
     "AsyncLLMError",
     "CompletionOutput",

@@ -1,10 +1,12 @@
 """`AsyncLLM`: the async front door (asyncio or trio, through anyio). Submit prompts, stream `RequestOutput`s,
-abort, shut down.
+abort, shut down; and administer the engine (health, scheduler stats, data-parallel scaling, prefix-cache reset,
+RPCs to every worker) through the client's typed utility calls (`UTILITY_METHODS`).
 
 Data flow: `generate()` -> InputProcessor (tokenize + validate, synchronously) -> OutputProcessor state +
-EngineCoreClient.add_request -> engine core (its own process by default, or a background thread) -> the output
-handler (`output_handler.py`: run by whichever waiting stream holds the turn, no background task, so it works on
-any backend) -> OutputProcessor -> each request's collector -> its `GenerateOutputStream`. The request path
+EngineCoreClient.add_request -> engine core (its own process by default, or a background thread) -> the client's
+output reader (one background task on the loop the AsyncLLM is used from: an asyncio task or a trio system task)
+-> the output handler (`output_handler.py`) -> OutputProcessor -> each request's collector -> its
+`GenerateOutputStream`, which waits on its collector only. The request path
 (streams, registration, sending, aborts of closed streams, `encode()`'s requests) is `submission.py`'s
 `RequestSubmitter`; this module is the public surface.
 """
@@ -16,15 +18,15 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-import anyio
 import sniffio
 
-from asyncllm.config import EngineArgs, EngineConfig
+from asyncllm.config import AsyncEngineArgs, EngineArgs
 from asyncllm.engine.client import EngineCoreClient
-from asyncllm.engine.dp_client import make_engine_client
-from asyncllm.engine_admin import EngineAdmin
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
+from asyncllm.engine_config import EngineConfig
+from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError
 from asyncllm.lora.request import LoRARequest
+from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.defaults import make_default_stat_loggers
 from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger
@@ -36,20 +38,25 @@ from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.tool_calling import ToolChoice, plan_chat
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.starting import StartingAsyncLLM, bind_start
+from asyncllm.stopping import PendingShutdown
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 from asyncllm.submission import LONG_PROMPT_CHARS, RequestSubmitter, is_long_prompt
-from asyncllm.utils.loops import LoopBinding, current_loop
+from asyncllm.utils.loops import current_loop
 
-__all__ = ["LONG_PROMPT_CHARS", "AsyncLLM", "is_long_prompt"]
+__all__ = ["LONG_PROMPT_CHARS", "AsyncEngineArgs", "AsyncLLM", "PendingShutdown", "is_long_prompt"]
 
 
-class AsyncLLM(EngineAdmin):
+class AsyncLLM:
     """Streaming LLM inference on an engine core.
 
     Build inside a coroutine with `llm = await AsyncLLM.create(EngineArgs(...))` or `async with
     AsyncLLM.create(EngineArgs(...)) as llm:` (start-up runs in a worker thread: the event loop keeps
     running); from synchronous code with `AsyncLLM.from_engine_args(...)` (blocks). Use as `async with llm:`
-    or call `shutdown()`.
+    or call `shutdown()` (awaited, or synchronously as vLLM's).
+
+    Outputs are read and processed in the background, from the first request (or the end of `create()`) on, by
+    one task on the event loop the AsyncLLM is used from (one live loop at a time; a later loop takes over once
+    the previous one has ended): stop strings, aborts and stats move whether or not any stream is being read.
 
     Args:
         config: the engine configuration (for reference).
@@ -81,9 +88,7 @@ class AsyncLLM(EngineAdmin):
         )
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
-        self._notifier = self._handler.notifier  # wakes streams waiting for outputs (and for the turn)
         self._submitter = RequestSubmitter(self._input_processor, self._output_processor, client, self._handler)
-        self._loop_binding = LoopBinding("this AsyncLLM")
         # Stops the engine if this object is collected or the interpreter exits without shutdown().
         self._finalizer = weakref.finalize(self, client.shutdown)
 
@@ -93,8 +98,9 @@ class AsyncLLM(EngineAdmin):
         `async with AsyncLLM.create(args) as llm:` (shuts it down on exit).
 
         Everything `from_engine_args` does (model resolution and first-time download, tokenizer loading, the
-        engine's start-up and handshake) runs in a worker thread (`anyio.to_thread`). Cancelling the await
-        cannot interrupt that thread: the engine it starts is shut down as soon as it is up.
+        engine's start-up and handshake) runs in a daemon thread. Cancelling the await cannot interrupt that
+        thread: the engine it starts is shut down as soon as it is up. The background output handler starts on the
+        awaiting loop.
 
         Args and Raises: as `from_engine_args` (raised by the await).
         """
@@ -300,17 +306,103 @@ class AsyncLLM(EngineAdmin):
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._handler.abort_in_engine(self._output_processor.abort_requests(ids))
-        self._notifier.notify_all()
+
+    # ---- engine administration ------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine died or was shut down."""
+        self._ensure_running()
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        """The engine scheduler's current counts (running, waiting, free and total KV blocks); with data
+        parallelism, summed over the engines (`get_scheduler_stats_per_engine` gives each).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        stats: SchedulerStats = await self._client.call_utility_async("get_scheduler_stats")
+        return stats
+
+    async def get_scheduler_stats_per_engine(self) -> dict[int, SchedulerStats]:
+        """Each engine core's scheduler counts, by data-parallel rank (`{0: ...}` without data parallelism).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        stats: dict[int, SchedulerStats] = await self._client.call_utility_per_engine_async("get_scheduler_stats")
+        return stats
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Engine cores serving (or draining) now."""
+        client = self._client
+        return client.data_parallel_size if isinstance(client, DPEngineCoreClient) else 1
+
+    async def scale_data_parallel(self, num_engines: int) -> None:
+        """Grow or shrink to `num_engines` engine cores while serving (docs/data_parallel.md): new engines take
+        the lowest free ranks; removed ones (the highest ranks) first drain (their in-flight requests finish
+        normally, no new request goes to them), then stop. Remaining ranks keep their numbers.
+
+        Raises:
+            ConfigError: `num_engines` < 1, a scaling already under way, or an AsyncLLM started with
+                `data_parallel_size=1` (it has a single-engine client; start with 2 or more to scale).
+            EngineDeadError: the engine died, or a new engine failed to start.
+        """
+        self._ensure_running()
+        if not isinstance(self._client, DPEngineCoreClient):
+            raise ConfigError("scale_data_parallel needs an AsyncLLM started with data_parallel_size >= 2")
+        await self._client.scale_data_parallel(num_engines)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix in the engine (e.g. after changing weights, or for fair benchmarks).
+
+        Returns:
+            True when reset; False (nothing changed) while requests are running and hold KV cache blocks.
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        reset: bool = await self._client.call_utility_async("reset_prefix_cache")
+        return reset
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,  # vLLM's API: the workers' own reply deadline, seconds
+    ) -> list[Any]:
+        """Call `Worker.<method>(*args, **kwargs)` on every worker, inside the engine.
+
+        Arguments and results cross the process boundary as msgpack (plain values, numpy arrays, tensors).
+        Returns:
+            One result per worker, by rank.
+        Raises:
+            EngineGenerateError: the call failed in a worker (the engine keeps serving).
+            EngineDeadError: the engine died or was shut down.
+        """
+        self._ensure_running()
+        client = self._client
+        results: list[Any] = await client.call_utility_async("collective_rpc", method, list(args), kwargs, timeout)
+        return results
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
-    async def shutdown(self) -> None:
-        """Stop the output handler and the engine. Open streams raise `EngineDeadError`. Idempotent."""
-        if self._handler.shut_down:
-            return
-        self._handler.shut_down = True
-        self._output_processor.propagate_error(EngineDeadError("the engine was shut down"))
-        await anyio.to_thread.run_sync(self._finalizer)
+    def shutdown(self) -> PendingShutdown:
+        """Stop the output handler and the engine; open streams raise `EngineDeadError` at once. Idempotent.
+
+        Synchronous as vLLM's, and awaitable: `await llm.shutdown()` stops the engine in a daemon thread while
+        the loop runs on; `llm.shutdown()` without `await` stops it before returning (outside a loop) or at the
+        end of the statement (inside a coroutine, blocking the loop meanwhile, as vLLM's does). See
+        `asyncllm.stopping`. The result also runs wherever a coroutine is expected (`asyncio.run`, `create_task`,
+        `trio.run(llm.shutdown)`).
+        """
+        if not self._handler.shut_down:
+            self._handler.shut_down = True
+            self._output_processor.propagate_error(EngineDeadError("the engine was shut down"))
+        return PendingShutdown(self._finalizer)
 
     async def __aenter__(self) -> AsyncLLM:
         return self
@@ -323,7 +415,8 @@ class AsyncLLM(EngineAdmin):
     # ---- internals ----------------------------------------------------------------------------------
 
     def _bind_to_current_loop(self) -> Any:
-        """Bind to the running event loop (None outside one); per-loop state is dropped when a previous loop ended.
+        """Bind to the running event loop (None outside one) and make sure the output handler runs on it (the
+        client's binding: it rebinds once a previous loop has ended).
 
         Raises:
             EventLoopError: another event loop, running in another thread, uses this AsyncLLM.
@@ -332,11 +425,13 @@ class AsyncLLM(EngineAdmin):
             loop = current_loop()
         except sniffio.AsyncLibraryNotFoundError:
             return None
-        if self._loop_binding.bind():
-            self._handler.forget_loop()
+        self._client.bind_to_current_loop()
         return loop
 
     async def _next_output(self, collector: RequestOutputCollector) -> RequestOutput:
         """Wait for `collector`'s next output (see `OutputHandler.next_output`)."""
         self._bind_to_current_loop()
         return await self._handler.next_output(collector)
+
+    def _ensure_running(self) -> None:
+        self._handler.ensure_running()

@@ -34,6 +34,7 @@ from asyncllm.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MODEL",
+    "AsyncEngineArgs",
     "CacheConfig",
     "DataParallelBackend",
     "EngineArgs",
@@ -96,10 +97,11 @@ class EngineArgs:
             `asyncllm[ray]`; uses `ray_address`, `ray_cpus_per_worker`, `ray_placement_timeout_s`).
         restart_dead_engines: with `data_parallel_size > 1`, a dead engine fails only its own requests and a
             fresh engine takes its rank (default False: the first engine death makes the AsyncLLM dead).
-        engine_timeout: seconds the engine may stay silent (no heartbeat) while a task waits for its outputs
-            before the client reports it unresponsive (`EngineDeadError`, e.g. a SIGSTOPped or frozen engine
-            process). The heartbeat comes from a thread of the engine beside its busy loop, so a long step is not
-            silence. None (default) = off: only an engine that exits is noticed. See docs/reliability.md.
+        engine_timeout: seconds the engine may stay silent (no heartbeat) while its outputs are expected
+            (requests in flight, a utility call) before the client reports it unresponsive (`EngineDeadError`,
+            e.g. a SIGSTOPped or frozen engine process). The heartbeat comes from a thread of the engine beside its
+            busy loop, so a long step is not silence. None (default) = off: only an engine that exits is noticed.
+            See docs/reliability.md.
         enable_prefix_caching: reuse cached KV blocks of shared prompt prefixes (default on).
         scheduling_policy: "fcfs" (default) or "priority" (`generate(..., priority=)`, lower first).
         prebuild_grammar_compiler: import xgrammar and build its vocabulary tables in a background thread as
@@ -115,6 +117,8 @@ class EngineArgs:
             over the shared base model (docs/lora.md). Not with `quantization="int8"`.
         max_loras: distinct adapters running at once, and adapters kept loaded (LRU); vLLM's default 1.
         max_lora_rank: the largest adapter rank accepted, 1..64; vLLM's default 16.
+        enforce_eager: vLLM's switch off CUDA graphs and compilation; asyncllm always runs eagerly (CPU, no graphs,
+            no compilation), so True and False both hold as asked, and change nothing (accepted for vLLM code).
     Raises:
         ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -150,6 +154,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    enforce_eager: bool = False
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineArgs:
@@ -208,6 +213,8 @@ class EngineArgs:
             raise ConfigError(f"EngineArgs.engine_timeout={timeout!r}: must be None or > 0 (seconds)")
         if not isinstance(self.stats_log_interval, (int, float)) or not self.stats_log_interval > 0:
             raise ConfigError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"EngineArgs.enforce_eager={self.enforce_eager!r}: must be True or False")
         if self.speculative_config is not None:
             SpeculativeConfig.from_user(self.speculative_config)
         self._validate_data_parallel()
@@ -303,3 +310,8 @@ class EngineArgs:
             speculative=speculative,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None,
         )
+
+
+AsyncEngineArgs = EngineArgs
+"""vLLM's name for the engine arguments of its `AsyncLLM` (`vllm.engine.arg_utils.AsyncEngineArgs`): the same
+class here, so vLLM code that builds `AsyncEngineArgs(...)` runs unchanged."""

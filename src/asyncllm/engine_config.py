@@ -163,7 +163,7 @@ class SpeculativeConfig:
             waiting (None: no limit).
         adaptive: asyncllm's draft-length policy (default True): per request, draft only as many tokens as its
             recent acceptance makes worth the extra rows, from a step-cost model fitted online
-            (`spec_decode/draft_policy.py`). False: always draft up to k tokens when the n-gram matches.
+            (`sched/draft_policy.py`). False: always draft up to k tokens when the n-gram matches.
     """
 
     method: Literal["ngram"]

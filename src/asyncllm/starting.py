@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
+
+from asyncllm.utils.threads import run_in_daemon_thread
 
 
 class Startable(Protocol):
@@ -18,7 +20,10 @@ class Startable(Protocol):
     def _finalizer(self) -> Callable[[], Any]:
         """Stops the engine (blocking)."""
 
-    async def shutdown(self) -> None: ...
+    def shutdown(self) -> Awaitable[None]: ...
+
+    def _bind_to_current_loop(self) -> Any:
+        """Binds to the running loop and starts the background output handler there."""
 
 
 AsyncLLM = TypeVar("AsyncLLM", bound=Startable)
@@ -27,7 +32,8 @@ AsyncLLM = TypeVar("AsyncLLM", bound=Startable)
 class StartingAsyncLLM(Generic[AsyncLLM]):
     """Await it for the `AsyncLLM`, or use it in `async with` (which also shuts the engine down on exit).
 
-    Awaitable once. Works on asyncio and trio. The start (`AsyncLLM.from_engine_args`) runs in a worker thread.
+    Awaitable once. Works on asyncio and trio. The start (`AsyncLLM.from_engine_args`) runs in a daemon thread;
+    the background output handler then starts on the awaiting loop.
 
     Args:
         start: builds the `AsyncLLM` (blocking); called once, in a worker thread.
@@ -66,7 +72,7 @@ class StartingAsyncLLM(Generic[AsyncLLM]):
             return llm
 
         try:
-            return await anyio.to_thread.run_sync(start, abandon_on_cancel=True)
+            llm = await run_in_daemon_thread(start, name="asyncllm-start", abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             with lock:
                 state["abandoned"] = True
@@ -74,6 +80,8 @@ class StartingAsyncLLM(Generic[AsyncLLM]):
             if llm is not None:  # it finished just as we were cancelled: stop it here (shutdown blocks)
                 threading.Thread(target=llm._finalizer, name="asyncllm-abandoned-start", daemon=True).start()
             raise
+        llm._bind_to_current_loop()
+        return llm
 
 
 def bind_start(from_engine_args: Callable[..., AsyncLLM], *args: Any) -> Callable[[], AsyncLLM]:

@@ -22,72 +22,24 @@ from asyncllm.sampling_params import RequestOutputKind
 from asyncllm.utils.loops import call_soon_in_loop
 
 
-class Notifier:
-    """Wakes tasks waiting for a change: one waiter by its key (its own output arrived), or all of them (the
-    output-handling turn is free, an abort).
-
-    Waking only the task whose output arrived keeps a step's cost proportional to the outputs it made, not to the
-    number of open streams (waking every stream per step costs a task switch per stream). Used on the event
-    loop's thread only; works on asyncio and trio.
-    """
-
-    def __init__(self) -> None:
-        self._waiters: dict[object, anyio.Event] = {}  # key -> the event its task waits on, oldest first
-
-    @property
-    def has_waiters(self) -> bool:
-        """True while some task waits."""
-        return bool(self._waiters)
-
-    async def wait(self, key: object) -> None:
-        """Wait until `notify(key)` or `notify_all()` (one task per key)."""
-        event = self._waiters.get(key)
-        if event is None:
-            event = self._waiters[key] = anyio.Event()
-        try:
-            await event.wait()
-        finally:
-            if self._waiters.get(key) is event:
-                del self._waiters[key]
-
-    def notify(self, key: object) -> None:
-        """Wake the task waiting under `key`, if any."""
-        event = self._waiters.pop(key, None)
-        if event is not None:
-            event.set()
-
-    def notify_all(self) -> None:
-        """Wake every current waiter."""
-        waiters, self._waiters = self._waiters, {}
-        for event in waiters.values():
-            event.set()
-
-    def reset(self) -> None:
-        """Forget waiters of an event loop that ended."""
-        self._waiters = {}
-
-
 class RequestOutputCollector:
-    """The single slot between the output processor (producer) and one stream's consumer.
+    """The single slot between the output processor (producer) and one stream's consumer, and the one event that
+    consumer waits on: a put wakes this collector's consumer and no one else.
 
-    Used on the event loop's thread only.
+    Used on the event loop's thread only (asyncio or trio).
 
     Args:
         output_kind: DELTA outputs merge when the consumer lags; other kinds replace.
-        notifier: woken on every put (None: nobody to wake, e.g. in tests of the slot alone).
     """
 
-    def __init__(self, output_kind: RequestOutputKind, notifier: Notifier | None = None) -> None:
+    def __init__(self, output_kind: RequestOutputKind) -> None:
         self.output_kind = output_kind
         self._aggregate = output_kind == RequestOutputKind.DELTA
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
-        self._notifier = notifier or Notifier()
+        self._waiter: anyio.Event | None = None  # the consumer's, while it waits
         # An embedding request's result, set by the output processor just before its final output is put.
         self.pooling_output: PoolingRequestOutput | None = None
-        # Called on every put: set while this collector's consumer holds the output-handling turn (it waits on
-        # the engine's socket then, not on the notifier), to stop that wait.
-        self.wake_reader: Callable[[], None] | None = None
 
     def put(self, output: RequestOutput) -> None:
         """Offer an output; merges into an output still waiting (appending DELTA completions, replacing others)."""
@@ -103,9 +55,20 @@ class RequestOutputCollector:
         self._wake()
 
     def _wake(self) -> None:
-        self._notifier.notify(self)
-        if self.wake_reader is not None:
-            self.wake_reader()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.set()
+
+    async def wait(self) -> None:
+        """Wait until an output or an error is waiting (at once if one is). One consumer at a time."""
+        if self._output is not None or self._error is not None:
+            return
+        waiter = self._waiter = anyio.Event()
+        try:
+            await waiter.wait()
+        finally:
+            if self._waiter is waiter:
+                self._waiter = None
 
     def get_nowait(self) -> RequestOutput | None:
         """Take the waiting output, or None.
@@ -127,7 +90,7 @@ class RequestOutputCollector:
             The delivered error (e.g. `EngineDeadError`), when no output is waiting.
         """
         while (output := self.get_nowait()) is None:
-            await self._notifier.wait(self)
+            await self.wait()
         return output
 
 

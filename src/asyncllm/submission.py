@@ -14,8 +14,6 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from asyncllm.errors import InvalidRequestError, StreamIncompleteError
 from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import EngineCoreRequest
@@ -32,11 +30,12 @@ from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
+from asyncllm.utils.threads import run_in_daemon_thread
 
 if TYPE_CHECKING:
     from asyncllm.engine.client import EngineCoreClient
 
-LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (~5 ms of tokenizing and more)
+LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (cost: benchmarks/analysis.md)
 
 NextOutput = Callable[[RequestOutputCollector], Awaitable[RequestOutput]]
 
@@ -48,7 +47,7 @@ class RequestSubmitter:
         input_processor: tokenizes and validates prompts into `EngineCoreRequest`s.
         output_processor: tracks every in-flight request's frontend state.
         client: the engine-core client requests are sent with.
-        handler: the output handler (engine state, notifier, aborts in the engine).
+        handler: the output handler (engine state, aborts in the engine).
     """
 
     def __init__(
@@ -84,7 +83,7 @@ class RequestSubmitter:
         prompt_text, request = self._input_processor.process(
             prompt, sampling_params, request_id, priority, cache_salt=cache_salt, lora_request=lora_request
         )
-        collector = RequestOutputCollector(request.sampling_params.output_kind, self._handler.notifier)
+        collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.submit(prompt_text, request, collector, data_parallel_rank)
         abort = self.stream_aborter(request.request_id)
         return GenerateOutputStream(request.external_req_id or "", collector, abort, next_output, loop)
@@ -111,7 +110,7 @@ class RequestSubmitter:
         internal_id = make_internal_request_id(external_id)
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams()
         kind = params.output_kind
-        collector = RequestOutputCollector(kind, self._handler.notifier)
+        collector = RequestOutputCollector(kind)
 
         async def submit_off_the_loop() -> None:
             process = functools.partial(
@@ -120,7 +119,9 @@ class RequestSubmitter:
                 internal_id=internal_id,
                 lora_request=lora_request,
             )
-            processed = await anyio.to_thread.run_sync(process, prompt, sampling_params, external_id, priority)
+            processed = await run_in_daemon_thread(
+                process, prompt, sampling_params, external_id, priority, name="asyncllm-tokenize"
+            )
             self._handler.ensure_running()
             self.submit(processed.prompt, processed.request, collector, data_parallel_rank)
 
@@ -175,13 +176,13 @@ class RequestSubmitter:
         """
         process_all = functools.partial(self.encode_requests, prompts, params, request_id, priority, single)
         if any(is_long_prompt(p) for p in prompts):
-            requests = await anyio.to_thread.run_sync(process_all)
+            requests = await run_in_daemon_thread(process_all, name="asyncllm-tokenize")
         else:
             requests = process_all()
         submitted: list[tuple[EngineCoreRequest, RequestOutputCollector]] = []
         try:
             for request in requests:
-                collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY, self._handler.notifier)
+                collector = RequestOutputCollector(RequestOutputKind.FINAL_ONLY)
                 self.submit(None, request, collector, data_parallel_rank)
                 submitted.append((request, collector))
             return [await await_pooling(next_output, request, collector) for request, collector in submitted]
@@ -239,10 +240,9 @@ async def await_pooling(
 
 
 def is_long_prompt(prompt: PromptType) -> bool:
-    """True for text, or chat messages, over `LONG_PROMPT_CHARS` characters: tokenized off the event loop.
-
-    32k characters of English take ~45 ms to tokenize on this project's 2-core CPU (`benchmarks/loop_stall.py`).
-    """
+    """True for text, or chat messages, over `LONG_PROMPT_CHARS` characters: tokenized off the event loop, since
+    tokenizing grows with the text and would stall every other stream (`benchmarks/loop_stall.py`; the
+    measurements: `benchmarks/analysis.md`, "Long prompts")."""
     if isinstance(prompt, str):
         return len(prompt) > LONG_PROMPT_CHARS
     if isinstance(prompt, list):

@@ -222,7 +222,6 @@ async def assert_nothing_left(llm: AsyncLLM) -> None:
     assert llm._output_processor._states == {}
     assert llm._output_processor._parents == {}
     assert llm._output_processor._external_ids == {}
-    assert not llm._handler._pending_batches
     assert not llm._client._outputs
     assert llm._client._results == {}
     counts = await llm._client.call_utility_async("count_request_states")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from openai import AsyncOpenAI
@@ -207,6 +209,50 @@ async def test_disconnect_after_three_chunks_aborts_the_request(base_url: str) -
 
     took = wait_for(engine_idle, timeout=30)  # ... and is gone, its KV blocks free (generous deadline: loaded CI)
     print(f"engine idle {took:.3f} s after the client disconnected")
+
+
+def running_gauge(base_url: str) -> float:
+    """`asyncllm:num_requests_running` from /metrics, summed over engines (a read of the registry: no engine call)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("asyncllm:num_requests_running{") or line.startswith("asyncllm:num_requests_running ")
+    ]
+    assert values, text[:2000]
+    return sum(values)
+
+
+async def test_the_running_gauge_is_back_to_0_within_2s_after_a_stream_is_left(base_url: str) -> None:
+    # Issue 32: with a read turn instead of a background output handler, nothing read the engine's outputs once
+    # the only stream was gone, so the gauge said 1 running request for as long as no other request came.
+    # The abort takes effect at the engine's next step: 2 s on a quiet machine, plus a few of the steps measured
+    # here (a loaded machine can slow one to half a second).
+    async with client(base_url) as oai:
+        started = time.monotonic()
+        stream = await oai.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=2000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        num_chunks = 0
+        async for _ in stream:
+            num_chunks += 1
+            if num_chunks == 3:
+                break
+        step_s = (time.monotonic() - started) / num_chunks
+        assert running_gauge(base_url) == 1.0  # 2000 tokens take minutes here: still running
+        await stream.close()
+    left = time.monotonic()
+    deadline_s = 2.0 + 3 * step_s
+    while (running := running_gauge(base_url)) != 0.0:  # no other traffic: only /metrics reads
+        waited = time.monotonic() - left
+        assert waited < deadline_s, f"num_requests_running still {running} {waited:.2f} s after the client left"
+        time.sleep(0.05)  # noqa: ASYNC251 (nothing else runs on this loop: the test is the only client)
+    print(f"gauge at 0 {time.monotonic() - left:.2f} s after the client left ({step_s:.3f} s per chunk)")
 
 
 BAD_COMPLETIONS = [

@@ -44,6 +44,7 @@ class FakeEngineCore:
         self.running: dict[str, tuple[EngineCoreRequest, list[int], int]] = {}
         self.num_steps = 0
         self.aborted: list[str] = []
+        self.emitted: dict[str, int] = {}  # request id -> tokens emitted (also after it finished or was aborted)
         self.shut_down = threading.Event()
         self.failure_callbacks: list[Callable[[], None]] = []
 
@@ -72,6 +73,7 @@ class FakeEngineCore:
         request, tokens, num_done = self.running[request_id]
         token = tokens[num_done % len(tokens)]
         num_done += 1
+        self.emitted[request_id] = num_done
         params = request.sampling_params
         reason = None
         if token == request.eos_token_id and not params.ignore_eos:

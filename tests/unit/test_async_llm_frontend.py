@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import warnings
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -22,6 +23,7 @@ from asyncllm import (
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.messages.engine import EngineCoreRequest
+from asyncllm.streams import RequestOutputCollector
 from tests.unit.fake_engine_core import NUM_BLOCKS, FakeEngineCore
 
 ANSWER = "The capital of France is Paris. 😀"
@@ -218,6 +220,85 @@ async def test_shutdown_ends_open_streams_and_is_idempotent(tokenizer) -> None:
         engine.generate("Hi", greedy())
 
 
+async def test_a_failing_output_handler_fails_every_stream_instead_of_hanging(
+    llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in output processing")
+
+    monkeypatch.setattr(llm._output_processor, "process_outputs", broken)
+    streams = [llm.generate("Hi", greedy()) for _ in range(3)]
+    for stream in streams:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(collect(stream), 5)
+    assert llm.errored
+    with pytest.raises(EngineDeadError) as raised:
+        await asyncio.wait_for(llm.get_scheduler_stats(), 5)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    with pytest.raises(EngineDeadError, match="the output reader failed: RuntimeError"):
+        llm._client.check_health()
+
+
+def test_shutdown_outside_a_loop_is_synchronous(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer)
+    pending = engine.shutdown()  # no loop runs: the engine is stopped before shutdown() returns
+    assert pending.started
+    assert cores[0].shut_down.is_set()
+    assert not engine.is_running
+    assert engine._client._closed
+
+
+async def test_shutdown_called_as_vllm_does_stops_the_engine_at_the_end_of_the_statement(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer)
+    outputs = await collect(engine.generate("Hi", greedy(3)))
+    assert outputs[-1].finished
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine never awaited would warn (and fail here)
+        engine.shutdown()  # not awaited, as vLLM's synchronous shutdown() is called
+        assert cores[0].shut_down.is_set()
+        assert not engine.is_running
+        gc.collect()
+    await engine.shutdown()  # idempotent, and awaitable
+
+
+def test_shutdown_runs_wherever_a_coroutine_is_expected(tokenizer) -> None:
+    import trio
+
+    first, first_cores = make_llm(tokenizer)
+    asyncio.run(first.shutdown())  # made outside the loop: stopped at once, then run as a finished coroutine
+    assert first_cores[0].shut_down.is_set()
+
+    second, second_cores = make_llm(tokenizer)
+
+    async def as_a_task() -> None:
+        await asyncio.create_task(second.shutdown())
+        assert second_cores[0].shut_down.is_set()
+
+    asyncio.run(as_a_task())
+    third, third_cores = make_llm(tokenizer)
+    trio.run(third.shutdown)
+    assert third_cores[0].shut_down.is_set()
+
+
+async def test_an_awaited_shutdown_keeps_the_loop_running(tokenizer) -> None:
+    engine, cores = make_llm(tokenizer)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    before = ticks
+    await engine.shutdown()
+    ticker.cancel()
+    assert cores[0].shut_down.is_set()
+    assert ticks > before  # the stop ran in a thread while the loop went on
+
+
 async def test_many_concurrent_streams(llm: AsyncLLM) -> None:
     streams = [llm.generate(f"prompt {i}", greedy(8, RequestOutputKind.DELTA)) for i in range(300)]
     results = await asyncio.gather(*(collect(s) for s in streams))
@@ -254,37 +335,56 @@ async def test_a_long_prompt_is_tokenized_off_the_loop_and_errors_at_the_first_a
 
 async def test_an_output_wakes_only_its_own_stream(llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch) -> None:
     # Waking every waiting stream per engine step made the frontend's cost grow with the number of open streams
-    # (issue 17's frontend benchmark: 256 streams, up to 56 us of CPU per token). A wait ends in an output for its
-    # own stream (at most one wait per output yielded) or in a freed turn, which wakes every waiter once per batch
-    # the turn holder handled. Counted exactly, since how many streams wait when the turn frees depends on timing
-    # (an earlier bound of 2 waits per output failed about one run in ten: 1.0-3.5 waits per output).
-    handler = llm._handler
-    notifier = handler.notifier
-    waits = woken_by_free_turns = free_turns = turns = 0
-    real_wait, real_notify_all, real_handle = notifier.wait, notifier.notify_all, handler._handle_engine_outputs
+    # (issue 17's frontend benchmark: 256 streams, up to 56 us of CPU per token). Each stream waits on its own
+    # collector, which only a put into it wakes: every wait ends with something in its own slot (no wake-up is
+    # spurious), so there are at most as many waits as outputs yielded.
+    waits = spurious = 0
+    real_wait = RequestOutputCollector.wait
 
-    async def counting_wait(key: object) -> None:
-        nonlocal waits
+    async def counting_wait(self: RequestOutputCollector) -> None:
+        nonlocal waits, spurious
         waits += 1
-        await real_wait(key)
+        await real_wait(self)
+        if self._output is None and self._error is None:
+            spurious += 1
 
-    def counting_notify_all() -> None:
-        nonlocal woken_by_free_turns, free_turns
-        woken_by_free_turns += len(notifier._waiters)
-        free_turns += 1
-        real_notify_all()
-
-    async def counting_handle() -> None:
-        nonlocal turns
-        turns += 1
-        await real_handle()
-
-    monkeypatch.setattr(notifier, "wait", counting_wait)
-    monkeypatch.setattr(notifier, "notify_all", counting_notify_all)
-    monkeypatch.setattr(handler, "_handle_engine_outputs", counting_handle)
+    monkeypatch.setattr(RequestOutputCollector, "wait", counting_wait)
     streams = [llm.generate(f"prompt {i}", greedy(8, RequestOutputKind.DELTA)) for i in range(100)]
     results = await asyncio.gather(*(collect(s) for s in streams))
     yielded = sum(len(outputs) for outputs in results)
     assert all(sum(len(o.outputs[0].token_ids) for o in outputs) == 8 for outputs in results)
-    assert free_turns == turns > 0  # all streams are woken only when a turn ends, not per output
-    assert waits <= yielded + woken_by_free_turns, (waits, yielded, woken_by_free_turns)
+    assert 0 < waits <= yielded, (waits, yielded)
+    assert spurious == 0
+
+
+async def test_outputs_and_stop_strings_are_handled_while_nobody_reads(tokenizer) -> None:
+    # The output handler runs in the background: a stream nobody reads still has its stop string applied and its
+    # request aborted in the engine within a step (the fake core emits one token per step per request).
+    engine, cores = make_llm(tokenizer, step_delay=0.01)
+    async with engine:
+        stream = engine.generate("Hi", greedy(kind=RequestOutputKind.DELTA, stop=[" France"]))
+        await wait_for(lambda: user_ids(cores[0].aborted) == [stream.request_id], within=10)
+        stop_at = len(tokenizer.encode("The capital of France", add_special_tokens=False))
+        internal_id = cores[0].aborted[0]
+        assert stop_at <= cores[0].emitted[internal_id] <= stop_at + 2, cores[0].emitted
+        outputs = await collect(stream)  # everything waited merged in the one slot
+        assert len(outputs) == 1
+        assert outputs[0].outputs[0].text == "The capital of"
+        assert (outputs[0].outputs[0].finish_reason, outputs[0].outputs[0].stop_reason) == ("stop", " France")
+
+
+async def test_an_unread_stream_holds_one_merged_output_while_others_are_read(tokenizer) -> None:
+    engine, _ = make_llm(tokenizer, step_delay=0.002, max_model_len=512)
+    async with engine:
+        unread = engine.generate("unread", greedy(60, RequestOutputKind.DELTA, ignore_eos=True))
+        read = [engine.generate(f"read {i}", greedy(60, RequestOutputKind.DELTA, ignore_eos=True)) for i in range(8)]
+        results = await asyncio.gather(*(collect(s) for s in read))
+        assert all(sum(len(o.outputs[0].token_ids) for o in outputs) == 60 for outputs in results)
+        collector = unread._collector
+        await wait_for(lambda: collector._output is not None and collector._output.finished, within=10)
+        waiting = collector._output
+        assert waiting is not None
+        assert len(waiting.outputs[0].token_ids) == 60  # one slot, every token merged
+        outputs = await collect(unread)
+        assert len(outputs) == 1
+        assert outputs[0].outputs[0].text == tokenizer.decode(outputs[0].outputs[0].token_ids)

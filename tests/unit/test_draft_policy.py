@@ -1,4 +1,4 @@
-"""The adaptive draft policy (`spec_decode/draft_policy.py`, `spec_decode/drafter.py`): the online step-cost fit,
+"""The adaptive draft policy (`sched/draft_policy.py`, `sched/drafter.py`): the online step-cost fit,
 the per-request acceptance estimate, the draft length they give, vLLM's `disable_by_batch_size`, and the
 config keys."""
 
@@ -13,13 +13,13 @@ from asyncllm.config import SchedulerConfig, SpeculativeConfig
 from asyncllm.errors import ConfigError
 from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.messages.scheduler import ModelRunnerOutput
-from asyncllm.sched.scheduler import Scheduler
-from asyncllm.spec_decode.draft_policy import (
+from asyncllm.sched.draft_policy import (
     MIN_COST_SAMPLES,
     PROBE_INTERVAL,
     AcceptanceEstimate,
     StepCostModel,
 )
+from asyncllm.sched.scheduler import Scheduler
 
 EOS = 2
 REPEATING = [5, 6, 7, 8] * 4  # every n-gram continues: the proposer always finds k drafts

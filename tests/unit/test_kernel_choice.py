@@ -21,15 +21,15 @@ from asyncllm.model.kernels.choice import (
     ROW_CLASSES,
     Candidate,
     KernelChooser,
-    OtherCpuLoad,
     ProductKind,
     check_columns,
-    host_fingerprint,
     row_class,
 )
+from asyncllm.model.kernels.choice_cache import host_fingerprint
 from asyncllm.model.kernels.fp32 import FP32_PRODUCT
 from asyncllm.model.kernels.int8 import INT8_PRODUCT, Int8Weight
 from asyncllm.model.loading.loader import load_model
+from asyncllm.utils.cpu_load import OtherCpuLoad
 from tests.unit.test_quant import TINY_LLAMA
 
 HOST = {"cpu": "Test CPU 9000", "cpu_flags": "abc", "torch": "2.13.0", "onednn": "v3.12.0", "threads": "2"}

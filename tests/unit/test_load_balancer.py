@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from asyncllm import SamplingParams
-from asyncllm.engine.dp_utility import UTILITY_COMBINERS, sum_scheduler_stats
+from asyncllm.engine.dp_utility import UTILITY_COMBINERS
 from asyncllm.engine.load_balancer import LoadBalancer, affinity_slack
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats, SpecDecodeMetrics
+from asyncllm.metrics.stats import sum_scheduler_stats
 
 
 def request(request_id: str, tokens: list[int]) -> EngineCoreRequest:

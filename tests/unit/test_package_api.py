@@ -64,3 +64,14 @@ def test_engine_args_missing_gguf_names_the_file(tmp_path: pathlib.Path) -> None
 def test_engine_args_model_of_the_wrong_type_is_rejected() -> None:
     with pytest.raises(ConfigError, match=r"EngineArgs\.model=42"):
         EngineArgs(model=42).create_engine_config()  # type: ignore[arg-type]
+
+
+def test_vllms_names_for_engine_args_are_accepted() -> None:
+    from asyncllm.async_llm import AsyncEngineArgs as from_async_llm
+
+    assert asyncllm.AsyncEngineArgs is EngineArgs is from_async_llm
+    assert "AsyncEngineArgs" in asyncllm.__all__
+    for eager in (True, False):  # always eager here: both hold as asked
+        EngineArgs(enforce_eager=eager).validate()
+    with pytest.raises(ConfigError, match=r"EngineArgs\.enforce_eager='yes'"):
+        EngineArgs(enforce_eager="yes").validate()  # type: ignore[arg-type]

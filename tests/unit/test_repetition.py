@@ -154,6 +154,6 @@ def test_openai_request_body_carries_repetition_detection() -> None:
 
 
 def test_output_processor_reports_the_repetition_finish_reason() -> None:
-    from asyncllm.processing.output_processor import _finish_reason_str
+    from asyncllm.processing.request_state import finish_reason_str
 
-    assert _finish_reason_str(FinishReason.REPETITION) == "repetition"
+    assert finish_reason_str(FinishReason.REPETITION) == "repetition"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncllm.model.layers.rotary import apply_rotary, rope_inv_freq, rotary_cos_sin
+from asyncllm.model.kernels.rotary import apply_rotary
+from asyncllm.model.layers.rotary import rope_inv_freq, rotary_cos_sin
 
 
 def _rotate_half_reference(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

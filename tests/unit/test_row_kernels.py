@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 from asyncllm.model.kernels import row_kernels
 from asyncllm.model.kernels.int8 import quantize_rows
+from asyncllm.model.kernels.rotary import apply_rotary
 from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
 from asyncllm.model.layers.attention import write_kv_cache
-from asyncllm.model.layers.rotary import apply_rotary, rotary_cos_sin
+from asyncllm.model.layers.rotary import rotary_cos_sin
 from tests.kernels import require_kernels
 from tests.unit.test_quant import _logits, _tiny_model
 

@@ -13,9 +13,9 @@ from asyncllm.config import SchedulerConfig, SpeculativeConfig
 from asyncllm.errors import ConfigError
 from asyncllm.messages.engine import EngineCoreRequest, FinishReason, LogprobsLists
 from asyncllm.messages.scheduler import ModelRunnerOutput
+from asyncllm.sched.ngram_proposer import NgramProposer, propose_ngram
 from asyncllm.sched.scheduler import Scheduler
-from asyncllm.spec_decode.ngram_proposer import NgramProposer, propose_ngram
-from asyncllm.spec_decode.rejection_sampler import RejectionSampler
+from asyncllm.worker.rejection_sampler import RejectionSampler
 from asyncllm.worker.sampler import Sampler, SamplingMetadata
 
 # chi-square critical values at significance 0.001 by degrees of freedom (standard tables)

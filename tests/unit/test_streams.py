@@ -20,7 +20,7 @@ from asyncllm.errors import StreamIncompleteError
 from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from asyncllm.outputs import CompletionOutput, Usage
 from asyncllm.processing.output_processor import OutputProcessor
-from asyncllm.streams import GenerateOutputStream, Notifier, RequestOutputCollector
+from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 
 TEXT = "Streams merge deltas: ünïcödé 😀 and spaces  kept."
 
@@ -304,23 +304,28 @@ async def test_last_streamed_output_counts_n_completions() -> None:
     assert last.usage == Usage(num_prompt_tokens=2, num_generated_tokens=5, num_cached_tokens=0)
 
 
-async def test_notifier_wakes_one_waiter_by_key_or_all() -> None:
-    notifier, woken = Notifier(), []
+async def test_a_put_wakes_only_the_consumer_of_its_own_collector() -> None:
+    collectors = {key: RequestOutputCollector(RequestOutputKind.DELTA) for key in "abcd"}
+    woken: list[str] = []
 
     async def wait(key: str) -> None:
-        await notifier.wait(key)
+        await collectors[key].wait()
         woken.append(key)
 
-    tasks = [asyncio.create_task(wait(key)) for key in "abcd"]
+    tasks = {key: asyncio.create_task(wait(key)) for key in collectors}
     for _ in range(3):  # let every task reach its wait
         await asyncio.sleep(0)
-    assert len(notifier._waiters) == 4
-    notifier.notify("c")
-    await tasks[2]
+    collectors["c"].put(output("x", [1]))
+    await tasks["c"]
+    for _ in range(3):
+        await asyncio.sleep(0)
     assert woken == ["c"]
-    assert notifier.has_waiters
-    notifier.notify("gone")  # nobody waits under this key: nothing happens
-    notifier.notify_all()
-    await asyncio.gather(*tasks)
-    assert sorted(woken[1:]) == ["a", "b", "d"]
-    assert not notifier.has_waiters
+    assert not any(tasks[key].done() for key in "abd")
+    collectors["a"].put_error(EngineDeadError("gone"))
+    await tasks["a"]
+    assert woken == ["c", "a"]
+    await collectors["c"].wait()  # an output is waiting: returns at once
+    for key in "bd":
+        tasks[key].cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+    assert all(c._waiter is None for c in collectors.values())

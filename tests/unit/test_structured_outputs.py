@@ -16,12 +16,12 @@ from asyncllm.messages.engine import EngineCoreRequest, FinishReason
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
 from asyncllm.model.loading.tokenizer import Tokenizer
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.sched.grammar import StructuredOutputManager
 from asyncllm.sched.request import RequestStatus
 from asyncllm.sched.scheduler import Scheduler
 from asyncllm.structured_outputs import StructuredOutputsParams
 from asyncllm.structured_outputs.backend import check_constraint
 from asyncllm.structured_outputs.bitmask import GrammarBitmask, apply_grammar_bitmask, unpack_bitmask
-from asyncllm.structured_outputs.manager import StructuredOutputManager
 from asyncllm.worker.sampler import Sampler, SamplingMetadata
 
 VOCAB = 49152

@@ -3,20 +3,23 @@
 Sockets (ARCHITECTURE.md section 6): the client binds a ROUTER for requests and a PULL for outputs inside a
 private 0700 temp directory; the engine core (`EngineCoreProc`, started by `engine/launcher.py` in its own
 `python -m` process or in a background thread of this process) connects a DEALER and a PUSH. Requests are sent
-synchronously from the caller's thread (a send only queues the frames). Outputs are read by whichever task awaits
-one (`get_output_async`, `call_utility_async`): one at a time holds the read turn, waits for the PULL socket's
-file descriptor with `anyio.wait_readable` and drains it with `NOBLOCK`, re-checking `zmq.EVENTS` after every
-wake-up because ZeroMQ signals that descriptor edge-triggered; the others wait for it to pass the turn on. So
-the client works on asyncio and trio alike (anyio), with no reader task of its own.
+synchronously from the caller's thread (a send only queues the frames). Outputs are read by ONE background task
+per client, the output reader, started on the event loop the client is first used from (and again on each later
+loop, once the previous one has ended): it waits for the PULL socket's file descriptor with `anyio.wait_readable`,
+drains it with `NOBLOCK` (re-checking `zmq.EVENTS` after every wake-up, because ZeroMQ signals that descriptor
+edge-triggered), stores utility results for their callers, and hands every batch of outputs to the output sink
+(the `AsyncLLM`'s `OutputHandler`, which processes it there and then) or, with no sink, queues it for
+`get_output_async()`. So outputs, stop strings and stats move whether or not anyone waits, on asyncio and trio
+alike (anyio; an asyncio task or a trio system task).
 
 Death: a watcher thread waits for the engine (process or thread) to end; if it ends unexpectedly the client is
 marked dead (`errored`, `check_health()`, `add_request()` raise) and an `ENGINE_CORE_DEAD` message is pushed into
-our own PULL socket, so every waiter fails within milliseconds even when no output flows. The engine core itself
-sends `[ENGINE_CORE_DEAD, reason]` when a step raises.
+our own PULL socket, so the reader, and through it every waiter, fails within milliseconds even when no output
+flows. The engine core itself sends `[ENGINE_CORE_DEAD, reason]` when a step raises.
 
 Unresponsive engine (only with `ParallelConfig.engine_timeout`): a `HeartbeatWatcher` (engine/heartbeat.py)
-marks the client dead the same way when a task waits for outputs and the engine sent no heartbeat for
-`engine_timeout` seconds; `shutdown()` then kills the process without waiting for it.
+marks the client dead the same way when outputs are expected (requests in flight, a utility call) and the
+engine sent no heartbeat for `engine_timeout` seconds; `shutdown()` then kills the process without waiting.
 
 Start-up, death watch and clean-up are the base class's (`ClientLifecycle`, engine/client_lifecycle.py).
 """
@@ -30,7 +33,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
@@ -56,14 +59,29 @@ from asyncllm.messages.engine import (
     UtilityResult,
 )
 from asyncllm.messages.serial import MessageDecodeError, MsgpackDecoder, MsgpackEncoder
-from asyncllm.utils.loops import LoopBinding
+from asyncllm.utils.loops import LoopBinding, spawn_background_task
 from asyncllm.utils.process import make_ipc_dir
 
 if TYPE_CHECKING:
-    from asyncllm.config import EngineConfig
     from asyncllm.engine.core_proc import CoreFactory
+    from asyncllm.engine_config import EngineConfig
 
-__all__ = ["READY_TIMEOUT_S", "SHUTDOWN_TIMEOUT_S", "EngineCoreClient"]
+__all__ = ["READY_TIMEOUT_S", "SHUTDOWN_TIMEOUT_S", "EngineCoreClient", "OutputSink"]
+
+
+class OutputSink(Protocol):
+    """What the output reader hands engine outputs to (`OutputHandler`); every method runs on the loop's thread,
+    inside the reader task, and must not raise."""
+
+    def process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """Process one batch (one engine step's outputs, a failure notice, or stats) now."""
+
+    def stop(self, error: BaseException) -> None:
+        """The reader ended for good: the engine died (`EngineDeadError`) or was shut down."""
+
+    def expects_outputs(self) -> bool:
+        """True while requests are in flight (the heartbeat watcher reports silence only then). Called from the
+        watcher's thread."""
 
 
 class EngineCoreClient(ClientLifecycle):
@@ -105,8 +123,12 @@ class EngineCoreClient(ClientLifecycle):
         # be mistaken for the answer to a call of ours; answers to calls nobody waits for are dropped.
         self._call_ids = itertools.count(secrets.randbelow(1 << 62))
         self._loop = LoopBinding("this AsyncLLM")
-        self._reading = False
-        self._turn_passed: anyio.Event | None = None
+        self._sink: OutputSink | None = None
+        self._reader_active = False  # the output reader task runs (on `_reader_loop`) and waits on the output fd
+        self._reader_loop: Any = None
+        self._changed: anyio.Event | None = None  # set (and dropped) by the reader after each read: wakes waiters
+        self._num_waiting = 0  # tasks waiting for a result (utility call, get_output_async)
+        self._threads_joined = False  # shutdown() joined the watcher threads: the sockets and context may go
         self.launcher = None
         self._unresponsive = False
         self._heartbeat_watcher: HeartbeatWatcher | None = None
@@ -125,7 +147,7 @@ class EngineCoreClient(ClientLifecycle):
                 self._ctx,
                 self._output_address,
                 config.parallel.engine_timeout,
-                is_waiting=lambda: self._reading,
+                is_waiting=self._expects_output,
                 is_done=lambda: self._closed or self._dead is not None,
                 on_silence=self._mark_unresponsive,
             )
@@ -138,17 +160,26 @@ class EngineCoreClient(ClientLifecycle):
         """Raises `EngineDeadError` if the engine died or was shut down."""
         self._ensure_alive()
 
+    def set_output_sink(self, sink: OutputSink) -> None:
+        """Hand every batch of outputs to `sink` from now on (set once, before the first request)."""
+        self._sink = sink
+
     def bind_to_current_loop(self) -> bool:
-        """Bind to the running event loop (rebinding after a previous loop ended); True when it changed.
+        """Bind to the running event loop (rebinding after a previous loop ended) and make sure the output reader
+        runs on it; True when the binding changed.
 
         Raises:
             EventLoopError: another loop, still running in another thread, uses this client.
         """
-        if not self._loop.bind():
-            return False
-        self._reading = False  # a reader of an ended loop is gone
-        self._turn_passed = None
-        return True
+        changed = self._loop.bind()
+        if changed:
+            self._changed = None  # waiters of an ended loop are gone
+            if self._reader_loop is not self._loop.loop:
+                self._reader_active = False  # a reader of an ended loop is gone (cancelled, or its loop closed)
+        if not self._reader_active and not self._closed and self._dead is None:
+            self._reader_active, self._reader_loop = True, self._loop.loop
+            spawn_background_task(self._run_reader, name="asyncllm-output-reader")
+        return changed
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -168,26 +199,14 @@ class EngineCoreClient(ClientLifecycle):
                 self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        """Wait for the next non-empty batch of engine outputs.
+        """Wait for the next batch of engine outputs (a client without an output sink: tests, tools).
 
         Raises:
             EngineDeadError: the engine died (sticky) or was shut down.
             EventLoopError: another live event loop uses this client.
         """
-        await self._read_until(lambda: bool(self._outputs))
+        await self._wait_until(lambda: bool(self._outputs))
         return self._outputs.popleft()
-
-    def get_outputs_nowait(self) -> list[EngineCoreOutputs]:
-        """Every batch of engine outputs that has arrived, without waiting (possibly none). Call it from the task
-        that just returned from `get_output_async()` (the read turn is free then)."""
-        if self._reading or self._closed or self._output.closed:
-            return []
-        with self._io_lock:
-            while self._output_has_message():
-                self._route(self._output.recv_multipart(zmq.NOBLOCK, copy=False))
-        ready = list(self._outputs)
-        self._outputs.clear()
-        return ready
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Call `EngineCore.<method>(*args)` inside the engine; the result is decoded to the type
@@ -204,7 +223,7 @@ class EngineCoreClient(ClientLifecycle):
         self._pending_calls.add(call_id)
         try:
             self._send(EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)))
-            await self._read_until(lambda: call_id in self._results)
+            await self._wait_until(lambda: call_id in self._results)
             result = self._results.pop(call_id)
         finally:
             self._pending_calls.discard(call_id)
@@ -234,6 +253,7 @@ class EngineCoreClient(ClientLifecycle):
         self._watcher.join(SHUTDOWN_TIMEOUT_S)
         if self._heartbeat_watcher is not None:
             self._heartbeat_watcher.join(SHUTDOWN_TIMEOUT_S)  # it closes its socket before the context ends
+        self._threads_joined = True  # from here on the output reader, when it ends after us, closes the sockets
         self._close_resources()
         self._leftovers.detach()
 
@@ -258,27 +278,65 @@ class EngineCoreClient(ClientLifecycle):
         if self._closed:
             raise EngineDeadError(SHUT_DOWN)
 
-    # ---- receiving (on the caller's event loop) ------------------------------------------------------
+    # ---- receiving (the output reader, a background task on the bound loop) -------------------------
 
-    async def _read_until(self, ready: Callable[[], bool]) -> None:
-        """Read outputs until `ready()`: take the read turn if free, else wait for the reader to pass it on."""
+    def _expects_output(self) -> bool:
+        """True while a task waits for a result or requests are in flight (heartbeat watcher thread)."""
+        sink = self._sink
+        return self._num_waiting > 0 or bool(self._pending_calls) or (sink is not None and sink.expects_outputs())
+
+    async def _wait_until(self, ready: Callable[[], bool]) -> None:
+        """Wait until `ready()` (re-checked whenever the reader has read something).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down before `ready()`.
+            EventLoopError: another live event loop uses this client.
+        """
         self.bind_to_current_loop()
-        while not ready():
-            self._ensure_alive()
-            if self._reading:
-                if self._turn_passed is None:
-                    self._turn_passed = anyio.Event()
-                await self._turn_passed.wait()
-                continue
-            self._reading = True
-            try:
+        self._num_waiting += 1
+        try:
+            while not ready():
+                self._ensure_alive()
+                if self._changed is None:
+                    self._changed = anyio.Event()
+                await self._changed.wait()
+        finally:
+            self._num_waiting -= 1
+
+    def _wake_waiters(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
+
+    async def _run_reader(self) -> None:
+        """The output reader: read, hand outputs to the sink (a checkpoint between two engine steps' batches),
+        wake waiters; until the engine dies or is shut down (then the sink is stopped), or the loop ends (then
+        batches not yet handed over wait in `_outputs` for the reader of the next loop)."""
+        loop, error = self._reader_loop, None
+        try:
+            while True:
+                sink = self._sink  # first what a reader of an ended loop left, then every read
+                while sink is not None and self._outputs:
+                    sink.process_outputs(self._outputs.popleft())
+                    await anyio.lowlevel.checkpoint()  # let the streams run between engine steps
+                self._ensure_alive()
                 await self._read_available()
-            finally:
-                self._reading = False
-                passed, self._turn_passed = self._turn_passed, None
-                if passed is not None:
-                    passed.set()
+                self._wake_waiters()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as e:  # EngineDeadError, or a bug: either way nothing is read any more
+            error = e
+            if not isinstance(e, EngineDeadError):
+                logger.exception("the output reader failed")
+                self._mark_dead(f"the output reader failed: {e!r}")  # sticky, as any death: waiters raise
+        finally:
+            if self._reader_loop is loop:
+                self._reader_active = False
+            self._wake_waiters()
+            if self._threads_joined:  # else shutdown() is still joining threads that use the context: it closes
                 self._release_sockets()
+        if error is not None and self._sink is not None:
+            self._sink.stop(error)
 
     async def _read_available(self) -> None:
         """Wait until the output socket has a message, then take every message it has (at least one)."""
@@ -308,5 +366,5 @@ class EngineCoreClient(ClientLifecycle):
         result = outputs.utility_result
         if result is not None and result.call_id in self._pending_calls:
             self._results[result.call_id] = result
-        if outputs.outputs or outputs.finished_requests or outputs.failed_requests:
+        if outputs.outputs or outputs.finished_requests or outputs.failed_requests or outputs.scheduler_stats:
             self._outputs.append(outputs)

@@ -4,7 +4,8 @@ Start-up: bind the ROUTER (requests) and PULL (outputs) sockets in the client's 
 engine core (`engine/launcher.py`) and wait for its handshake. Death: a watcher thread waits for the engine to end
 and, when it ends unexpectedly, marks the client dead and pushes an `ENGINE_CORE_DEAD` message into the client's
 own PULL socket so every waiter wakes; the heartbeat watcher's silence does the same. Clean-up: stop an engine
-still running after a failed start, remove the ipc directory, close the sockets once no reader waits on them.
+still running after a failed start, remove the ipc directory, close the sockets once the output reader no longer
+waits on them.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from asyncllm.messages.engine import ENGINE_CORE_DEAD, EngineReadyInfo
 from asyncllm.utils.process import ChildProcess, remove_ipc_dir
 
 if TYPE_CHECKING:
-    from asyncllm.config import EngineConfig
     from asyncllm.engine.core_proc import CoreFactory
+    from asyncllm.engine_config import EngineConfig
 
-logger = logging.getLogger("asyncllm.engine.client")  # one logger for the whole client, named as before
+logger = logging.getLogger("asyncllm.engine.client")  # one logger for the whole client (client.py logs there too)
 READY_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 5.0
 POLL_INTERVAL_MS = 100
@@ -47,7 +48,7 @@ class ClientLifecycle:
     launcher: EngineLauncher | None
     _closed: bool
     _dead: EngineDeadError | None
-    _reading: bool
+    _reader_active: bool
     _unresponsive: bool
     _send_lock: threading.Lock
     _io_lock: threading.RLock
@@ -166,7 +167,7 @@ class ClientLifecycle:
         """Close both sockets and the context once the client is closed and no reader waits on the output fd."""
         with self._send_lock, self._io_lock:
             ctx = getattr(self, "_ctx", None)
-            if not self._closed or self._reading or ctx is None or ctx.closed:
+            if not self._closed or self._reader_active or ctx is None or ctx.closed:
                 return
             for name in ("_input", "_output"):
                 socket = getattr(self, name, None)

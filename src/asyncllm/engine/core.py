@@ -12,16 +12,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncllm.config import EngineConfig
+from asyncllm.engine_config import EngineConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.executors import get_executor_class
 from asyncllm.executors.base import Executor
 from asyncllm.lora.checker import LoRAChecker
 from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, EngineReadyInfo, SchedulerStats
 from asyncllm.processing.prompt_embeds import check_embeds_params, to_prompt_embeds_array
+from asyncllm.sched.grammar import StructuredOutputManager, make_tokenizer_loader
 from asyncllm.sched.request import RequestStatus
 from asyncllm.sched.scheduler import Scheduler
-from asyncllm.structured_outputs.manager import StructuredOutputManager, make_tokenizer_loader
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_SECONDS = 0.005  # an idle step waits this long for a compiling grammar instead of spinning

@@ -32,9 +32,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from asyncllm.config import EngineConfig
 from asyncllm.engine.busy_loop import run_busy_loop, wake_on_executor_failure
 from asyncllm.engine.heartbeat import heartbeat_address, heartbeat_interval, send_heartbeats
+from asyncllm.engine_config import EngineConfig
 from asyncllm.messages.engine import (
     CLIENT_REQUEST_TYPES,
     ENGINE_CORE_DEAD,
@@ -255,8 +255,9 @@ def freeze_startup_heap() -> None:
     """In the process that loaded torch (engine process, or the client's process in thread mode): move every
     object alive after start-up out of the cyclic collector's reach.
 
-    With torch imported, a full (generation 2) collection scans ~170k objects and holds the GIL for 60-90 ms
-    on a 2-core CPU, stalling the busy loop and the event loop alike. Frozen objects are never scanned again (they
+    With torch imported, a full (generation 2) collection scans every object torch created and holds the GIL
+    meanwhile, stalling the busy loop and the event loop alike (`benchmarks/analysis.md`, "Garbage collection").
+    Frozen objects are never scanned again (they
     are still freed by reference counting). vLLM does the same after start-up; see `gc.freeze` in the CPython
     documentation. Without torch (scripted test cores) nothing is frozen.
     """

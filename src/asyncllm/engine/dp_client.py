@@ -26,7 +26,6 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import zmq
 
 from asyncllm.engine.client import READY_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, EngineCoreClient
@@ -47,10 +46,11 @@ from asyncllm.messages.engine import (
     UtilityResult,
 )
 from asyncllm.messages.serial import MsgpackEncoder
+from asyncllm.utils.threads import run_in_daemon_thread
 
 if TYPE_CHECKING:
-    from asyncllm.config import EngineConfig
     from asyncllm.engine.core_proc import CoreFactory
+    from asyncllm.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 RANK_DEATH_PREFIX = "data-parallel rank "
@@ -177,7 +177,7 @@ class DPEngineCoreClient(EngineCoreClient):
                 self._send(
                     EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args)), self._identities[rank]
                 )
-            await self._read_until(lambda: all(call_id in self._results for call_id in calls.values()))
+            await self._wait_until(lambda: all(call_id in self._results for call_id in calls.values()))
             results = {rank: self._results.pop(call_id) for rank, call_id in calls.items()}
         finally:
             for call_id in calls.values():
@@ -216,7 +216,7 @@ class DPEngineCoreClient(EngineCoreClient):
             ranks = self.engine_ranks
             if num_engines > len(ranks):
                 free = [r for r in range(num_engines + len(ranks)) if r not in ranks][: num_engines - len(ranks)]
-                await anyio.to_thread.run_sync(self._start_ranks, free, num_engines)
+                await run_in_daemon_thread(self._start_ranks, free, num_engines, name="asyncllm-dp-start")
             elif num_engines < len(ranks):
                 await self._remove_ranks(ranks[num_engines:])
         finally:
@@ -240,7 +240,7 @@ class DPEngineCoreClient(EngineCoreClient):
         with self._lb_lock:
             for rank in ranks:
                 self._balancer.stop_accepting(rank)
-        await self._read_until(lambda: all(self.num_in_flight(rank) == 0 for rank in ranks))
+        await self._wait_until(lambda: all(self.num_in_flight(rank) == 0 for rank in ranks))
         for rank in ranks:
             launcher = self._manager.retire(rank)
             identity = self._identities.pop(rank)
@@ -249,7 +249,9 @@ class DPEngineCoreClient(EngineCoreClient):
             with contextlib.suppress(EngineDeadError):
                 self._send(EngineCoreRequestType.SHUTDOWN, None, identity)
             if launcher is not None:
-                await anyio.to_thread.run_sync(self._manager.stop_retired, launcher, SHUTDOWN_TIMEOUT_S)
+                await run_in_daemon_thread(
+                    self._manager.stop_retired, launcher, SHUTDOWN_TIMEOUT_S, name="asyncllm-dp-stop"
+                )
         if self._engine_identity not in self._identities.values():
             self._engine_identity = self._identities[min(self._identities)]
 

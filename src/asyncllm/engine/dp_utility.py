@@ -9,47 +9,8 @@ from typing import Any
 import msgspec
 
 from asyncllm.errors import EngineGenerateError
-from asyncllm.messages.engine import UTILITY_METHODS, SchedulerStats, SpecDecodeMetrics, UtilityResult
-
-
-def sum_scheduler_stats(per_engine: list[SchedulerStats]) -> SchedulerStats:
-    """The engines' stats as one engine's: counts, blocks, bytes and counters summed; the prefix-cache hit rate
-    recomputed from the summed counters; `block_size` of the first; `engine_index` 0. One engine's stats are
-    returned as they are; none give zeros."""
-    if len(per_engine) == 1:
-        return per_engine[0]
-    queries = sum(s.num_prefix_cache_queries for s in per_engine)
-    hits = sum(s.num_prefix_cache_hits for s in per_engine)
-    return SchedulerStats(
-        num_running_reqs=sum(s.num_running_reqs for s in per_engine),
-        num_waiting_reqs=sum(s.num_waiting_reqs for s in per_engine),
-        num_free_blocks=sum(s.num_free_blocks for s in per_engine),
-        num_total_blocks=sum(s.num_total_blocks for s in per_engine),
-        prefix_cache_hit_rate=hits / queries if queries else 0.0,
-        num_preemptions=sum(s.num_preemptions for s in per_engine),
-        num_prefix_cache_queries=queries,
-        num_prefix_cache_hits=hits,
-        block_size=per_engine[0].block_size if per_engine else 0,
-        kv_cache_bytes=sum(s.kv_cache_bytes for s in per_engine),
-        spec_decode=sum_spec_decode([s.spec_decode for s in per_engine if s.spec_decode is not None]),
-    )
-
-
-def sum_spec_decode(per_engine: list[SpecDecodeMetrics]) -> SpecDecodeMetrics | None:
-    """The engines' speculative decoding counters summed (per draft position too); None when none has them."""
-    if not per_engine:
-        return None
-    width = max(len(m.num_accepted_tokens_per_pos) for m in per_engine)
-    per_pos = [
-        sum(m.num_accepted_tokens_per_pos[i] for m in per_engine if i < len(m.num_accepted_tokens_per_pos))
-        for i in range(width)
-    ]
-    return SpecDecodeMetrics(
-        num_drafts=sum(m.num_drafts for m in per_engine),
-        num_draft_tokens=sum(m.num_draft_tokens for m in per_engine),
-        num_accepted_tokens=sum(m.num_accepted_tokens for m in per_engine),
-        num_accepted_tokens_per_pos=per_pos,
-    )
+from asyncllm.messages.engine import UTILITY_METHODS, SchedulerStats, UtilityResult
+from asyncllm.metrics.stats import sum_scheduler_stats
 
 
 def _concatenate(per_engine: list[list[Any]]) -> list[Any]:

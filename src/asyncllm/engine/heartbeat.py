@@ -2,7 +2,7 @@
 
 The engine's heartbeat thread (`send_heartbeats`, beside the busy loop, sharing nothing with it) sends
 `ENGINE_HEARTBEAT` to a PULL socket of the client's every `heartbeat_interval(engine_timeout)` seconds. The
-client's `HeartbeatWatcher` thread reads them; when a task waits for engine output and no beat came for
+client's `HeartbeatWatcher` thread reads them; when engine output is expected and no beat came for
 `engine_timeout` seconds (a SIGSTOPped, swapped-out or deadlocked-in-C engine process), it reports the engine
 unresponsive. A long step keeps beating, so it is never taken for a frozen engine. vLLM's V0 multiprocessing
 client had a heartbeat tied to its engine loop (which long steps silenced); vLLM V1 watches only the process.
@@ -54,7 +54,8 @@ class HeartbeatWatcher:
             terminating the context).
         address: the client's output address (the heartbeat socket is bound next to it).
         timeout_s: seconds of silence after which the engine is unresponsive (`engine_timeout`).
-        is_waiting: True while a task waits for engine output (silence only matters then).
+        is_waiting: True while engine output is expected (requests in flight, a utility call): silence only
+            matters then.
         is_done: True once the client shut down or the engine is known dead (the watcher ends).
         on_silence: called once, from the watcher thread, with the reason text.
     """

@@ -101,7 +101,7 @@ class ThreadLauncher:
         self._thread.start()
 
     def _run(self) -> None:
-        from asyncllm.config import EngineConfig
+        from asyncllm.engine_config import EngineConfig
 
         launch = self._launch
         try:

@@ -26,7 +26,7 @@ from asyncllm.errors import EngineDeadError
 from asyncllm.messages.engine import EngineReadyInfo
 
 if TYPE_CHECKING:
-    from asyncllm.config import EngineConfig
+    from asyncllm.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.05

@@ -26,7 +26,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.messages.engine import EngineLaunch
 
 if TYPE_CHECKING:
-    from asyncllm.config import EngineConfig, ParallelConfig
+    from asyncllm.engine_config import EngineConfig, ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ class RayEngineCoreActor:
 
     def run(self, launch_bytes: bytes) -> int:
         """Start `EngineCoreProc` from the msgpack `EngineLaunch` and serve; blocks the actor's run thread."""
-        from asyncllm.config import EngineConfig
         from asyncllm.engine.core_proc import EngineCoreProc
+        from asyncllm.engine_config import EngineConfig
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s engine[%(process)d] %(levelname)s %(message)s")
         launch = msgspec.msgpack.decode(launch_bytes, type=EngineLaunch)

@@ -77,10 +77,23 @@ def chat(args: EngineArgs, params: SamplingParams, system: str | None) -> int:
         try:
             _chat_loop(loop, llm, history, params)
         finally:
-            loop.run_until_complete(llm.shutdown())
+            loop.run_until_complete(_stop(llm))
     finally:
+        _cancel_remaining_tasks(loop)  # as asyncio.run does: no task is left pending in a closed loop
         loop.close()
     return 0
+
+
+async def _stop(llm: Any) -> None:
+    await llm.shutdown()  # awaited inside the loop: the output reader sees the shutdown and ends meanwhile
+
+
+def _cancel_remaining_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
 
 
 async def _start(args: EngineArgs) -> Any:

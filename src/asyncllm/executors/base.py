@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from asyncllm.config import EngineConfig
+from asyncllm.engine_config import EngineConfig
 from asyncllm.errors import ExecutorError
 from asyncllm.messages.engine import EngineReadyInfo
 from asyncllm.messages.rpc import RpcResponse, decode_result

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from asyncllm.config import EngineConfig
+from asyncllm.engine_config import EngineConfig
 from asyncllm.executors.worker_rpc import run_rpc
 from asyncllm.messages.rpc import READY_CALL_ID, RpcRequest, RpcResponse, WorkerLaunch
 from asyncllm.utils.process import die_with_parent, read_launch_message

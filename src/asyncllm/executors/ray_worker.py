@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from asyncllm.config import EngineConfig
+from asyncllm.engine_config import EngineConfig
 from asyncllm.executors.worker_rpc import run_rpc
 from asyncllm.messages.rpc import RpcRequest
 

@@ -11,7 +11,7 @@ import os
 
 import msgspec
 
-from asyncllm.config import LoRAConfig
+from asyncllm.engine_config import LoRAConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.lora.peft import read_adapter
 from asyncllm.lora.request import LoRARequest

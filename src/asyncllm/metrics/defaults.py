@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncllm.config import EngineConfig
+from asyncllm.engine_config import EngineConfig
 from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger, is_prometheus_available
 

@@ -10,9 +10,8 @@ import logging
 import time
 from abc import ABC, abstractmethod
 
-from asyncllm.engine.dp_utility import sum_scheduler_stats
 from asyncllm.messages.engine import SchedulerStats
-from asyncllm.metrics.stats import IterationStats
+from asyncllm.metrics.stats import IterationStats, sum_scheduler_stats
 
 logger = logging.getLogger(__name__)
 

@@ -31,10 +31,11 @@ from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_int8
 from asyncllm.model.kernels.linear import Weight, linear, record_input_absmax
+from asyncllm.model.kernels.rotary import apply_rotary
 from asyncllm.model.kernels.row_kernels import MAX_NORM_COLUMNS, RowKernels, load_kernels
 from asyncllm.model.layers.attention import paged_attention, write_kv_cache
 from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_attention_metadata
-from asyncllm.model.layers.rotary import apply_rotary, arch_inv_freq, rotary_cos_sin
+from asyncllm.model.layers.rotary import arch_inv_freq, rotary_cos_sin
 from asyncllm.model.llama_weights import LINEAR_WEIGHTS, LayerWeights
 from asyncllm.model.smoothquant import smoothing_scale
 

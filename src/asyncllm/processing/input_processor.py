@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Protocol
 import msgspec
 import numpy as np
 
-from asyncllm.config import LoRAConfig
+from asyncllm.engine_config import LoRAConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.lora.checker import LoRAChecker
 from asyncllm.lora.request import LoRARequest

@@ -24,20 +24,10 @@ from asyncllm.outputs import CompletionOutput, PoolingRequestOutput
 from asyncllm.processing.detokenizer import IncrementalDetokenizer
 from asyncllm.processing.logprobs import LogprobsProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
-from asyncllm.processing.request_state import (
-    RequestState,
-    finish_reason_str,
-    finished_stats,
-    make_completion,
-    make_request_output,
-    update_state,
-    update_stats,
-)
+from asyncllm.processing.request_state import RequestState
 from asyncllm.streams import RequestOutputCollector
 
 __all__ = ["OutputProcessor", "OutputProcessorResult", "RequestState"]
-
-_finish_reason_str = finish_reason_str  # the old private name (tests import it from here)
 
 
 @dataclass
@@ -158,14 +148,14 @@ class OutputProcessor:
             if state is None:
                 continue
             state.num_cached_tokens = engine_output.num_cached_tokens or state.num_cached_tokens
-            update_stats(state, engine_output, timestamp, iteration_stats)
-            if update_state(state, engine_output):
+            state.update_stats(engine_output, timestamp, iteration_stats)
+            if state.update(engine_output):
                 result.num_finished += 1
                 self._drop(state)
                 if not engine_output.finished:
                     result.reqs_to_abort.append(state.request_id)
                 if iteration_stats is not None:
-                    iteration_stats.finished_requests.append(finished_stats(state))
+                    iteration_stats.finished_requests.append(state.finished_stats())
             self._emit(state)
         return result
 
@@ -254,7 +244,7 @@ class OutputProcessor:
 
     def _emit(self, state: RequestState) -> None:
         """Put the output the request's kind and interval call for (if any) into its collector."""
-        completion = make_completion(state)
+        completion = state.make_completion()
         if completion is None:
             return
         completions: list[CompletionOutput] | None = [completion]
@@ -267,4 +257,4 @@ class OutputProcessor:
                 state.external_req_id, state.prompt_token_ids, state.pooling_output, True, state.num_cached_tokens
             )
         if completions is not None:
-            state.collector.put(make_request_output(state, completions, finished))
+            state.collector.put(state.make_request_output(completions, finished))

@@ -1,8 +1,8 @@
-"""Per-request frontend state and what is computed from it alone: `RequestState` (one per in-flight engine
-request), feeding it an engine output (`update_state`), the `CompletionOutput` / `RequestOutput` it calls for
-(`make_completion`, `make_request_output`), and its stats (`update_stats`, `finished_stats`).
+"""`RequestState`: the frontend state of one in-flight engine request and what it computes from itself alone:
+feeding it an engine output (`update`), the `CompletionOutput` / `RequestOutput` it calls for (`make_completion`,
+`make_request_output`), and its stats (`update_stats`, `finished_stats`).
 
-`OutputProcessor` (`output_processor.py`) owns the states and the id maps; nothing here keeps state of its own.
+`OutputProcessor` (`output_processor.py`) owns the states and the id maps.
 """
 
 from __future__ import annotations
@@ -72,109 +72,107 @@ class RequestState:
         """The internal id of the user's request: the parent's for a child, else its own."""
         return self.parent.request_id if self.parent is not None else self.request_id
 
+    def update(self, engine_output: EngineCoreOutput) -> bool:
+        """Feed new tokens; returns True when the request finished (engine finish or stop string)."""
+        detok = self.detokenizer
+        stop_terminated = engine_output.finish_reason == FinishReason.STOP  # EOS or a stop token id
+        stop_str = detok.update(engine_output.new_token_ids, engine_output.finished, stop_terminated)
+        self.logprobs.update(engine_output.new_logprobs, engine_output.new_prompt_logprobs)
+        if engine_output.pooling_output is not None:
+            self.pooling_output = engine_output.pooling_output
+        if stop_str is not None:
+            self.logprobs.truncate(len(detok.token_ids))
+            self.finish_reason, self.stop_reason = "stop", stop_str
+            return True
+        if engine_output.finish_reason is not None:
+            self.finish_reason = finish_reason_str(engine_output.finish_reason)
+            self.stop_reason = engine_output.stop_reason
+            self.spec_decode_metrics = engine_output.spec_decode_metrics
+            return True
+        return False
 
-def update_state(state: RequestState, engine_output: EngineCoreOutput) -> bool:
-    """Feed new tokens; returns True when the request finished (engine finish or stop string)."""
-    detok = state.detokenizer
-    stop_terminated = engine_output.finish_reason == FinishReason.STOP  # EOS or a stop token id
-    stop_str = detok.update(engine_output.new_token_ids, engine_output.finished, stop_terminated)
-    state.logprobs.update(engine_output.new_logprobs, engine_output.new_prompt_logprobs)
-    if engine_output.pooling_output is not None:
-        state.pooling_output = engine_output.pooling_output
-    if stop_str is not None:
-        state.logprobs.truncate(len(detok.token_ids))
-        state.finish_reason, state.stop_reason = "stop", stop_str
-        return True
-    if engine_output.finish_reason is not None:
-        state.finish_reason = finish_reason_str(engine_output.finish_reason)
-        state.stop_reason = engine_output.stop_reason
-        state.spec_decode_metrics = engine_output.spec_decode_metrics
-        return True
-    return False
+    def make_completion(self) -> CompletionOutput | None:
+        """The next `CompletionOutput` of a sequence, or None when its kind and interval have nothing to send."""
+        finished = self.finish_reason is not None
+        detok = self.detokenizer
+        num_chars, num_tokens = detok.num_output_chars, len(detok.token_ids)
+        if not finished:
+            if (
+                self.output_kind == RequestOutputKind.FINAL_ONLY
+                or num_tokens - self.num_sent_tokens < self.stream_interval
+            ):
+                return None
+            if num_chars == self.num_sent_chars and num_tokens == self.num_sent_tokens:
+                return None
+        start_char, start_token = (
+            (self.num_sent_chars, self.num_sent_tokens) if self.output_kind == RequestOutputKind.DELTA else (0, 0)
+        )
+        logprobs = self.logprobs.logprobs
+        completion = CompletionOutput(
+            index=self.index,
+            text=detok.output_text_since(start_char),
+            token_ids=detok.token_ids[start_token:num_tokens],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=logprobs[start_token:num_tokens] if logprobs is not None else None,
+            cumulative_logprob=self.logprobs.cumulative_logprob(num_tokens),
+        )
+        self.num_sent_chars, self.num_sent_tokens = num_chars, num_tokens
+        return completion
 
+    def make_request_output(self, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+        """The `RequestOutput` carrying `completions` (one, or an n > 1 parent's); DELTA sends prompt logprobs once."""
+        prompt_logprobs = self.logprobs.prompt_logprobs
+        if self.output_kind == RequestOutputKind.DELTA and self.prompt_logprobs_sent:
+            prompt_logprobs = None
+        self.prompt_logprobs_sent = self.prompt_logprobs_sent or prompt_logprobs is not None
+        return RequestOutput(
+            request_id=self.external_req_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            metrics=self.stats.to_metrics() if self.stats is not None else None,
+            spec_decode_metrics=self.spec_decode_metrics if finished else None,
+        )
 
-def make_completion(state: RequestState) -> CompletionOutput | None:
-    """The next `CompletionOutput` of a sequence, or None when its kind and interval have nothing to send."""
-    finished = state.finish_reason is not None
-    detok = state.detokenizer
-    num_chars, num_tokens = detok.num_output_chars, len(detok.token_ids)
-    if not finished:
-        if (
-            state.output_kind == RequestOutputKind.FINAL_ONLY
-            or num_tokens - state.num_sent_tokens < state.stream_interval
-        ):
-            return None
-        if num_chars == state.num_sent_chars and num_tokens == state.num_sent_tokens:
-            return None
-    start_char, start_token = (
-        (state.num_sent_chars, state.num_sent_tokens) if state.output_kind == RequestOutputKind.DELTA else (0, 0)
-    )
-    logprobs = state.logprobs.logprobs
-    completion = CompletionOutput(
-        index=state.index,
-        text=detok.output_text_since(start_char),
-        token_ids=detok.token_ids[start_token:num_tokens],
-        finish_reason=state.finish_reason,
-        stop_reason=state.stop_reason,
-        logprobs=logprobs[start_token:num_tokens] if logprobs is not None else None,
-        cumulative_logprob=state.logprobs.cumulative_logprob(num_tokens),
-    )
-    state.num_sent_chars, state.num_sent_tokens = num_chars, num_tokens
-    return completion
+    def update_stats(
+        self, engine_output: EngineCoreOutput, timestamp: float, iteration_stats: IterationStats | None
+    ) -> None:
+        """Apply an output's engine events and new tokens to the request's stats (and the step's)."""
+        stats = self.stats
+        if stats is None:
+            return
+        if engine_output.events:
+            stats.update_from_events(engine_output.events)
+        num_new_tokens = len(engine_output.new_token_ids)
+        ttft, itl = stats.update_from_tokens(num_new_tokens, timestamp)
+        if iteration_stats is None:
+            return
+        iteration_stats.num_generation_tokens += num_new_tokens
+        if ttft is not None:
+            iteration_stats.num_prompt_tokens += len(self.prompt_token_ids)
+            iteration_stats.time_to_first_tokens.append(ttft)
+        if itl is not None:
+            iteration_stats.inter_token_latencies.append(itl)
 
-
-def make_request_output(state: RequestState, completions: list[CompletionOutput], finished: bool) -> RequestOutput:
-    prompt_logprobs = state.logprobs.prompt_logprobs
-    if state.output_kind == RequestOutputKind.DELTA and state.prompt_logprobs_sent:
-        prompt_logprobs = None
-    state.prompt_logprobs_sent = state.prompt_logprobs_sent or prompt_logprobs is not None
-    return RequestOutput(
-        request_id=state.external_req_id,
-        prompt=state.prompt,
-        prompt_token_ids=state.prompt_token_ids,
-        outputs=completions,
-        finished=finished,
-        num_cached_tokens=state.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs,
-        metrics=state.stats.to_metrics() if state.stats is not None else None,
-        spec_decode_metrics=state.spec_decode_metrics if finished else None,
-    )
-
-
-def update_stats(
-    state: RequestState, engine_output: EngineCoreOutput, timestamp: float, iteration_stats: IterationStats | None
-) -> None:
-    """Apply an output's engine events and new tokens to the request's stats (and the step's)."""
-    stats = state.stats
-    if stats is None:
-        return
-    if engine_output.events:
-        stats.update_from_events(engine_output.events)
-    num_new_tokens = len(engine_output.new_token_ids)
-    ttft, itl = stats.update_from_tokens(num_new_tokens, timestamp)
-    if iteration_stats is None:
-        return
-    iteration_stats.num_generation_tokens += num_new_tokens
-    if ttft is not None:
-        iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
-        iteration_stats.time_to_first_tokens.append(ttft)
-    if itl is not None:
-        iteration_stats.inter_token_latencies.append(itl)
-
-
-def finished_stats(state: RequestState) -> FinishedRequestStats:
-    stats = state.stats or RequestStateStats(arrival_time=time.time())
-    return FinishedRequestStats(
-        finish_reason=state.finish_reason or "abort",
-        e2e_latency=max(time.time() - stats.arrival_time, 0.0),
-        num_prompt_tokens=len(state.prompt_token_ids),
-        num_generation_tokens=stats.num_generation_tokens,
-        queue_time=stats.queue_time,
-        mean_inter_token_latency=stats.mean_inter_token_latency,
-    )
+    def finished_stats(self) -> FinishedRequestStats:
+        """The stat loggers' record of this request once it ended (finish reason "abort" when none was set)."""
+        stats = self.stats or RequestStateStats(arrival_time=time.time())
+        return FinishedRequestStats(
+            finish_reason=self.finish_reason or "abort",
+            e2e_latency=max(time.time() - stats.arrival_time, 0.0),
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_generation_tokens=stats.num_generation_tokens,
+            queue_time=stats.queue_time,
+            mean_inter_token_latency=stats.mean_inter_token_latency,
+        )
 
 
 def finish_reason_str(reason: FinishReason) -> FinishReasonStr:
+    """The engine's `FinishReason` as the `CompletionOutput.finish_reason` string."""
     names: dict[FinishReason, FinishReasonStr] = {
         FinishReason.STOP: "stop",
         FinishReason.LENGTH: "length",

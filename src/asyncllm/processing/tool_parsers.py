@@ -8,24 +8,16 @@ calling models (NousResearch), also used by Qwen2.5 and others: one JSON object
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import ToolCall
-from asyncllm.processing.tool_calling_stream import HermesCallStream, make_tool_call_id
+from asyncllm.processing.tool_calling_stream import HermesCallStream
 
 _PARSERS: dict[str, type[ToolParser]] = {}
 P = TypeVar("P", bound="type[ToolParser]")
-
-
-def make_tool_call(name: str, arguments: Any) -> ToolCall:
-    """A `ToolCall` with a fresh id; `arguments` (a dict, or JSON text) is stored as compact JSON text."""
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=make_tool_call_id(), name=name, arguments=arguments)
 
 
 class ToolParser(ABC):

@@ -19,8 +19,8 @@ from asyncllm.messages.engine import (
 )
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.sched.draft_policy import AcceptanceEstimate
 from asyncllm.sched.repetition import RepetitionDetector
-from asyncllm.spec_decode.draft_policy import AcceptanceEstimate
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,7 +78,7 @@ class Request:
         num_cached_tokens: tokens served from the prefix cache when first scheduled (-1 before that).
         block_hashes: chained hashes of its full blocks so far (prefix caching), kept across preemption.
         events: engine events not yet sent to the frontend (taken by `take_events`).
-        grammar: its `structured_outputs.manager.GrammarState` once its grammar is compiled, else None.
+        grammar: its `sched.grammar.GrammarState` once its grammar is compiled, else None.
         grammar_future: the compilation it waits for (status WAITING_FOR_GRAMMAR), else None.
         repetition: its `RepetitionDetector` when `repetition_detection` is enabled, else None.
         spec_decode_metrics: its speculative decoding counters (None when speculative decoding is off).

@@ -1,7 +1,9 @@
-"""Which event loop is running (asyncio or trio, via `sniffio`), and whether a loop is still alive.
+"""Which event loop is running (asyncio or trio, via `sniffio`), whether a loop is still alive, and background
+tasks that belong to a loop rather than to a caller's task.
 
-An `AsyncLLM` keeps per-loop state (events, the output-handling turn); it binds to the loop that uses it and
-rebinds when that loop has ended (several `asyncio.run` calls in one script), but refuses a second live loop.
+An `AsyncLLM` keeps per-loop state (its background output handler task, events); it binds to the loop that uses
+it and rebinds when that loop has ended (several `asyncio.run` calls in one script), but refuses a second live
+loop.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import contextlib
 import sys
 import threading
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import sniffio
@@ -55,6 +58,11 @@ class LoopBinding:
         self._loop: Any = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def loop(self) -> Any:
+        """The bound loop's token (`current_loop()`), or None before the first `bind()`."""
+        return self._loop
+
     def bind(self) -> bool:
         loop = current_loop()
         if loop is self._loop:
@@ -78,6 +86,28 @@ def call_soon_in_loop(token: Any, callback: Any, *args: Any) -> None:
     trio = sys.modules["trio"]  # a trio token exists: trio is imported (no import here: GC may run at exit)
     with contextlib.suppress(trio.RunFinishedError):
         token.run_sync_soon(callback, *args)
+
+
+_background_tasks: set[asyncio.Task[None]] = set()  # asyncio keeps only weak references to tasks
+
+
+def spawn_background_task(async_fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+    """Run `async_fn()` in the background of the running loop, owned by no caller's task or task group: an
+    asyncio task (referenced here until it ends) or a trio system task. Call it on the loop's thread.
+
+    The task ends when `async_fn` returns, or when its loop ends: `asyncio.run` and `trio.run` cancel it then.
+    `async_fn` must catch its own exceptions (under trio, one escaping a system task crashes the whole run).
+    Raises:
+        sniffio.AsyncLibraryNotFoundError: no loop runs in this thread.
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        trio.lowlevel.spawn_system_task(async_fn, name=name)
+        return
+    task = asyncio.get_running_loop().create_task(async_fn(), name=name)
+    _background_tasks.add(task)
+    task.add_done_callback(_background_tasks.discard)
 
 
 def _noop() -> None:

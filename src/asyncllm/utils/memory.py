@@ -1,10 +1,10 @@
 """Returning freed memory to the operating system after a thread-mode engine stops.
 
 glibc's malloc keeps freed memory in its arenas (one per thread that allocated, and above its dynamic mmap
-threshold large blocks stop being mmapped), so the ~400 MB of weights and KV cache a thread-mode engine frees at
-shutdown stay in the process's resident set, and each new engine started in the same process adds its own:
-measured 468 -> 887 -> 1313 MB over three start/shutdown cycles, 263 -> 265 -> 276 MB with `malloc_trim(0)`
-after each (glibc `malloc_trim(3)`).
+threshold large blocks stop being mmapped), so the weights and KV cache a thread-mode engine frees at shutdown stay
+in the process's resident set, and each new engine started in the same process adds its own. `malloc_trim(0)`
+(glibc `malloc_trim(3)`) after each shutdown hands that memory back (measurements: `benchmarks/analysis.md`,
+"Freed memory").
 """
 
 from __future__ import annotations

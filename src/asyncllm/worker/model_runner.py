@@ -24,14 +24,14 @@ from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.model.layers.kv_mirror import DecodeKVMirror
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.spec_decode.rejection_sampler import RejectionSampler, VerificationResult
-from asyncllm.spec_decode.verification import build_verification_metadata
 from asyncllm.structured_outputs.bitmask import unpack_bitmask
 from asyncllm.worker.logits_processing import RowTokens
 from asyncllm.worker.logprobs import compute_logprobs
 from asyncllm.worker.pooler import PromptPooler, pool_step
 from asyncllm.worker.prompt_embeds import embeds_from_bytes, embeds_override
+from asyncllm.worker.rejection_sampler import RejectionSampler, VerificationResult
 from asyncllm.worker.sampler import Sampler, SamplingMetadata, seed_generator
+from asyncllm.worker.verification import build_verification_metadata
 
 PROMPT_LOGPROBS_ROWS = 256  # prompt positions scored per logits matrix (bounds the memory of prompt_logprobs)
 
@@ -116,6 +116,13 @@ class CachedRequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def flush_prompt_logprobs(self, output: ModelRunnerOutput) -> None:
+        """Put the prompt logprobs computed so far into `output`, once: call when the request samples (its
+        prompt is then complete); nothing when it wants none or has sent them."""
+        if self.needs_prompt_logprobs:
+            output.prompt_logprobs[self.req_id] = LogprobsLists.concat(self.prompt_logprobs_parts)
+            self.prompt_logprobs_parts, self.needs_prompt_logprobs = [], False
 
 
 class ModelRunner:
@@ -244,9 +251,7 @@ class ModelRunner:
                     [lists.token_ids[j]], [lists.logprobs[j]], [lists.ranks[j]]
                 )
         for state in states:
-            if state.needs_prompt_logprobs:
-                output.prompt_logprobs[state.req_id] = LogprobsLists.concat(state.prompt_logprobs_parts)
-                state.prompt_logprobs_parts, state.needs_prompt_logprobs = [], False
+            state.flush_prompt_logprobs(output)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -312,7 +317,7 @@ class ModelRunner:
         scheduler_output: SchedulerOutput,
     ) -> ModelRunnerOutput:
         """Speculative step: logits at every draft position of every sampling request in one matrix, then
-        rejection sampling (`spec_decode/rejection_sampler.py`); each request gets 1..k+1 tokens."""
+        rejection sampling (`worker/rejection_sampler.py`); each request gets 1..k+1 tokens."""
         drafts = [scheduler_output.scheduled_spec_decode_tokens.get(s.req_id, []) for s in states]
         last = last_rows.tolist()
         rows = torch.cat([torch.arange(end - len(d), end + 1) for end, d in zip(last, drafts, strict=True)])
@@ -340,9 +345,7 @@ class ModelRunner:
                 index = torch.tensor(rows, dtype=torch.int64)
                 lists = compute_logprobs(logits[index], torch.tensor(token_ids, dtype=torch.int64), [k] * len(rows))
                 output.logprobs[state.req_id] = lists
-            if state.needs_prompt_logprobs:
-                output.prompt_logprobs[state.req_id] = LogprobsLists.concat(state.prompt_logprobs_parts)
-                state.prompt_logprobs_parts, state.needs_prompt_logprobs = [], False
+            state.flush_prompt_logprobs(output)
 
     @staticmethod
     def _select_sampling_rows(

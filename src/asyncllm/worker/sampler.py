@@ -77,7 +77,7 @@ class SamplingMetadata:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` for `[rows, vocab_size]` float32, as `[rows]` int64: the first index of each row's
     maximum (NaN counts as the maximum), as `torch.argmax` documents. Computed with `torch.max(dim=-1)`, which
-    documents the same first-index rule and is about 3x faster on CPU (32 x 49,152 logits: 0.4 vs 1.0 ms)."""
+    documents the same first-index rule and is faster on CPU (`benchmarks/analysis.md`, "Sampler")."""
     return x.max(dim=-1).indices
 
 
@@ -180,8 +180,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 def _apply_partial_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
-    """The same masks from the `max(top_k)` largest logits only (a partial sort; about 20x cheaper than a
-    full sort of a 49k vocabulary): find each row's smallest kept logit, mask everything below it."""
+    """The same masks from the `max(top_k)` largest logits only (a partial sort, far cheaper than a full sort of
+    the vocabulary; `benchmarks/analysis.md`, "Sampler"): find each row's smallest kept logit, mask everything
+    below it."""
     candidates = logits.topk(int(top_k.max()), dim=-1).values  # [num_reqs, max_k], descending
     ranks = torch.arange(candidates.shape[1])
     candidates = candidates.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))

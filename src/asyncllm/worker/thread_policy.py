@@ -1,35 +1,32 @@
 """`AdaptiveThreads`: pick the torch intra-op thread count that makes steps fastest right now.
 
-torch's OpenMP threads wait for each other at the end of every parallel op. When another CPU-bound process
-takes one of the cores, one of our threads is descheduled for whole time slices and the rest wait on it:
-measured on a 2-core machine, a 2-thread step becomes about 4x slower while a 1-thread step loses far less
-(docs/benchmarks.md). No fixed count is right both quiet and contended, so the worker measures.
+Why: torch's OpenMP threads wait for each other at the end of every parallel op. When another CPU-bound process
+takes one of the cores, one of our threads is descheduled for whole time slices and the rest wait on it, so a
+multi-thread step slows far more than a one-thread step. No fixed count is right both quiet and contended, so the
+worker measures (the measurements behind the policy and its defaults: `benchmarks/analysis.md`, "Thread policy").
 
 Policy: steps are compared only with steps of the same size (scheduled tokens and rows), since a step's time
 depends on its size. The worker runs at the largest count. Every `probe_interval` steps (doubling after each
 probe that confirms the current count, up to `max_probe_interval`), it runs `probe_steps` steps at the other count;
 the count whose median step time for that size is lower by `hysteresis` wins, judged on the probe's steps against
-the last `probe_steps` steps at the current count (fresh against fresh). When a step at the largest count takes
-more than `slowdown` x the fastest recent step of its size, the probe comes after `probe_steps` more steps, so that
-the current count is judged on steps that all ran in the new conditions (judged against older, quiet steps, a
-2-thread count would win its first probes while contended). A slow step at one thread starts no probe: more load
-never makes more threads faster, and beside a CPU-bound process one-thread steps are often descheduled for a time
-slice (a blip that started a 3-step 2-thread probe in 2 of 4 contended 64-step runs). Quiet, the cost is the rare
-probe step.
+the last `probe_steps` steps at the current count (fresh against fresh: judged against older, quiet steps, a
+multi-thread count would win its first probes while contended). When a step at the largest count takes more than
+`slowdown` x the fastest recent step of its size, the probe comes after `probe_steps` more steps, so that the
+current count is judged on steps that all ran in the new conditions. A slow step at one thread starts no probe:
+more load never makes more threads faster, and beside a CPU-bound process one-thread steps are often descheduled
+for a time slice.
 
-Coming back: at one thread, the end of the contention does not make steps slower, and a periodic probe can be 512
-steps away (tens of seconds at 32 streams), so the worker also watches the machine's idle CPU time while its one-
-thread steps run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idle_cpus_to_probe` CPUs sat idle on
-average over `idle_window_steps` steps, it probes at once (the gap between such probes doubles while they confirm
-one thread). Contended, the other core is busy and this rarely fires. The trigger is low (0.2 CPUs) and so is the
-hysteresis (5%) because fp32 packed products keep all threads when torch runs on one (`model/kernels/fp32.py`):
-quiet, a one-thread step then leaves only ~0.3 CPUs idle and is only ~12% slower than an all-thread one (measured:
-fp32, 32 streams; contended one-thread steps showed a median of 0.0 idle CPUs, 0.12 at the 90th percentile). With
-that meter working, the periodic probe of all threads from one thread comes every `max_probe_interval` steps from
-the start: beside a CPU-bound process each 2-thread probe step costs 2-4 one-thread steps, so 3 probe steps every 32
-steps would cost about 10-25% of the contended steps (arithmetic, not a measurement; the A/B in docs/benchmarks.md
-measured the change); the idle trigger already answers the contention ending, and the rare periodic probe still
-catches a competitor that would yield its core (a niced one) without leaving a CPU idle.
+Coming back: at one thread, the end of the contention does not make steps slower, and a periodic probe can be
+`max_probe_interval` steps away, so the worker also watches the machine's idle CPU time while its one-thread steps
+run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idle_cpus_to_probe` CPUs sat idle on average over
+`idle_window_steps` steps, it probes at once (the gap between such probes doubles while they confirm one thread).
+Contended, the other cores are busy and this rarely fires. The trigger and the hysteresis are low because fp32
+packed products keep all threads busy when torch runs on one (`model/kernels/fp32.py`): a quiet one-thread step
+then leaves little CPU idle and is only a little slower than an all-thread one. With that meter working, the
+periodic probe of all threads from one thread comes every `max_probe_interval` steps from the start (beside a
+CPU-bound process each multi-thread probe step costs several one-thread steps); the idle trigger answers the
+contention ending, and the rare periodic probe still catches a competitor that would yield its core (a niced one)
+without leaving a CPU idle.
 """
 
 from __future__ import annotations

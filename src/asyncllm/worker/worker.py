@@ -12,8 +12,8 @@ from typing import cast
 
 import torch
 
-from asyncllm.config import EngineConfig
 from asyncllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from asyncllm.engine_config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.lora.manager import LoRAManager
 from asyncllm.messages.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -101,6 +101,10 @@ class Worker:
             max_num_seqs, max_model_len, cache.block_size, bytes_per_block, available_memory_bytes()
         )
 
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+        """One layer's KV cache on this rank: [num_blocks, 2 (K, V), block_size, num_kv_heads / tp_size, head_dim]."""
+        return (num_blocks, 2, self.config.cache.block_size, self.num_local_kv_heads, self.arch.head_dim)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads / tp_size, head_dim] float32 tensor per
         layer (this rank's KV heads only), on lazily committed memory (`kv_cache_sizing.allocate_zeroed`).
@@ -109,7 +113,7 @@ class Worker:
             ConfigError: the operating system refuses that much memory (names the size and what is available).
         """
         arch = self.arch
-        shape = (num_blocks, 2, self.config.cache.block_size, self.num_local_kv_heads, arch.head_dim)
+        shape = self._kv_cache_shape(num_blocks)
         try:
             self.model_runner.kv_caches = [allocate_zeroed(shape) for _ in range(arch.num_hidden_layers)]
         except (OSError, MemoryError, RuntimeError) as e:
@@ -128,8 +132,7 @@ class Worker:
         torch's one-time kernel set-up (seconds on a busy 2-core machine). The real KV cache is untouched."""
         arch, block_size = self.arch, self.config.cache.block_size
         num_blocks = -(-(num_tokens + 1) // block_size)
-        shape = (num_blocks, 2, block_size, self.num_local_kv_heads, arch.head_dim)
-        scratch = [torch.zeros(shape) for _ in range(arch.num_hidden_layers)]
+        scratch = [torch.zeros(self._kv_cache_shape(num_blocks)) for _ in range(arch.num_hidden_layers)]
         table = [list(range(num_blocks))]
         prefill = build_attention_metadata([num_tokens], [num_tokens], table, block_size)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), scratch, prefill)

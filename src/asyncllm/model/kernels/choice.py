@@ -25,15 +25,10 @@ kernel per kind with `EngineArgs(linear_kernels={"int8": "int_mm"})` or `ASYNCLL
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import math
 import os
 import pathlib
-import platform
-import re
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -43,6 +38,8 @@ import torch
 
 from asyncllm.engine_config import LINEAR_KERNEL_ENV, parse_linear_kernels
 from asyncllm.errors import ConfigError
+from asyncllm.model.kernels.choice_cache import ChoiceCache, host_fingerprint, kernel_cache_dir
+from asyncllm.utils.cpu_load import OtherCpuLoad
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +52,6 @@ TIME_BUDGET_S = 0.03  # seconds of calls per candidate and row count, at least `
 MIN_CALLS, MAX_CALLS = 3, 25
 BUSY_CPUS = 0.3  # other processes' average CPU use during a measurement above which it is measured again later
 BUSY_PROBE_S = 0.2  # seconds of looking at the machine's load before a busy measurement is used again
-CACHE_VERSION = 1  # bump when the measuring or the candidates change meaning
 
 W = TypeVar("W")
 
@@ -141,8 +137,31 @@ class KernelChoice:
             parts.append(f"{rows} {name}{timing}")
         return f"{self.shape[0]}x{self.shape[1]}: " + ", ".join(parts)
 
+    @property
+    def cache_name(self) -> str:
+        return cache_name(self.kind, self.shape)
+
     def to_json(self) -> dict[str, Any]:
         return {"kernels": list(self.kernels), "times_ms": list(self.times_ms), "busy_cpus": self.busy_cpus}
+
+    @classmethod
+    def from_json(cls, kind: str, shape: tuple[int, int], entry: Mapping[str, Any]) -> KernelChoice | None:
+        """The choice a cache entry holds ("cached"), or None for an entry of another form."""
+        try:
+            kernels = tuple(str(name) for name in entry["kernels"])
+            times = tuple({str(k): float(v) for k, v in t.items()} for t in entry["times_ms"])
+            busy_cpus = float(entry["busy_cpus"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        if len(kernels) != len(ROW_CLASSES):
+            return None
+        how = f"cached, measured beside {busy_cpus:.1f} busy CPUs" if busy_cpus > BUSY_CPUS else "cached"
+        return cls(kind, shape, kernels, how, times, busy_cpus)
+
+
+def cache_name(kind: str, shape: tuple[int, int]) -> str:
+    """A choice's name in the cache file: "int8 576x960"."""
+    return f"{kind} {shape[0]}x{shape[1]}"
 
 
 class KernelChooser(Generic[W]):
@@ -232,7 +251,8 @@ class KernelChooser(Generic[W]):
     def _cached(self, shape: tuple[int, int]) -> KernelChoice | None:
         """The cached choice, unless it names a kernel missing here or was measured beside busy processes while the
         machine is quiet now (then it is measured again)."""
-        choice = self.cache.get(self.kind.name, shape)
+        entry = self.cache.get(cache_name(self.kind.name, shape))
+        choice = KernelChoice.from_json(self.kind.name, shape, entry) if entry is not None else None
         if choice is None or any(name not in self._by_name for name in choice.kernels):
             return None
         if choice.busy_cpus > BUSY_CPUS and not self._machine_busy():
@@ -262,7 +282,7 @@ class KernelChooser(Generic[W]):
         busy_cpus = other_load.cpus() or 0.0
         how = f"measured beside {busy_cpus:.1f} busy CPUs" if busy_cpus > BUSY_CPUS else "measured"
         choice = KernelChoice(self.kind.name, shape, tuple(kernels), how, tuple(times), round(busy_cpus, 2))
-        self.cache.put(choice)
+        self.cache.put(choice.cache_name, choice.to_json())
         return choice
 
     def _time_row_class(
@@ -345,123 +365,6 @@ def _time_call(run: Callable[[torch.Tensor, Any], torch.Tensor], x: torch.Tensor
     start = time.perf_counter()
     run(x, operand)
     return time.perf_counter() - start
-
-
-class OtherCpuLoad:
-    """From its creation to `cpus()`, the CPUs that processes other than this one kept busy on average: the
-    machine's busy time (Linux `/proc/stat`, proc(5): the first `cpu` line, all but idle and iowait, in
-    `sysconf(SC_CLK_TCK)` ticks) minus this process's CPU time, over the wall time between."""
-
-    def __init__(self, path: str = "/proc/stat") -> None:
-        self.path = path
-        self.start = (time.perf_counter(), time.process_time(), self._machine_busy_s())
-
-    def cpus(self) -> float | None:
-        """Average busy CPUs of other processes since creation; None where `/proc/stat` cannot be read."""
-        wall, own, busy = self.start
-        now_busy = self._machine_busy_s()
-        if busy is None or now_busy is None:
-            return None
-        elapsed = max(time.perf_counter() - wall, 1e-3)
-        return max(0.0, (now_busy - busy) - (time.process_time() - own)) / elapsed
-
-    def _machine_busy_s(self) -> float | None:
-        try:
-            with open(self.path, "rb") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-            tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, AttributeError, ZeroDivisionError):
-            return None
-        if len(fields) < 5:
-            return None
-        return (sum(fields[:8]) - fields[3] - fields[4]) * tick_s  # user .. steal, less idle and iowait
-
-
-class ChoiceCache:
-    """The choices measured on one host, in `<directory>/linear-kernels-<digest of key>.json`.
-
-    The file holds the key (for a person reading it) and one entry per kind and shape. Reads that fail (missing,
-    unreadable, another key) find nothing; writes merge with what another process wrote meanwhile and replace the
-    file atomically; a write that fails is logged once and the choice lives in this process only.
-    """
-
-    def __init__(self, directory: pathlib.Path, key: Mapping[str, str]) -> None:
-        self.key = dict(key)
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = directory / f"linear-kernels-{digest}.json"
-
-    def get(self, kind: str, shape: tuple[int, int]) -> KernelChoice | None:
-        """The cached choice of `kind` for `shape`, or None."""
-        entry = self._read().get(f"{kind} {shape[0]}x{shape[1]}")
-        if not isinstance(entry, dict):
-            return None
-        try:
-            kernels = tuple(str(name) for name in entry["kernels"])
-            times = tuple({str(k): float(v) for k, v in t.items()} for t in entry["times_ms"])
-            busy_cpus = float(entry["busy_cpus"])
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
-        if len(kernels) != len(ROW_CLASSES):
-            return None
-        how = f"cached, measured beside {busy_cpus:.1f} busy CPUs" if busy_cpus > BUSY_CPUS else "cached"
-        return KernelChoice(kind, shape, kernels, how, times, busy_cpus)
-
-    def put(self, choice: KernelChoice) -> None:
-        """Add `choice` to the file (merged with its current contents)."""
-        choices = self._read()
-        choices[f"{choice.kind} {choice.shape[0]}x{choice.shape[1]}"] = choice.to_json()
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
-                json.dump({"version": CACHE_VERSION, "key": self.key, "choices": choices}, f, indent=1)
-            os.replace(f.name, self.path)
-        except OSError as exc:
-            logger.warning(
-                "could not cache linear kernel choices in %s (%s); they are measured each start", self.path, exc
-            )
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or data.get("key") != self.key:
-            return {}
-        choices = data.get("choices")
-        return choices if isinstance(choices, dict) else {}
-
-
-def kernel_cache_dir() -> pathlib.Path:
-    """`$XDG_CACHE_HOME/asyncllm/kernels` (default `~/.cache/asyncllm/kernels`), where the row kernels build too."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
-    return pathlib.Path(base) / "asyncllm" / "kernels"
-
-
-@functools.cache
-def host_fingerprint() -> dict[str, str]:
-    """What makes a kernel's speed differ between hosts: CPU model and ISA flags (Linux `/proc/cpuinfo`), torch,
-    oneDNN and MKL versions (from `torch.__config__.show()`), and torch's thread count when first called."""
-    model, flags = platform.processor() or platform.machine(), ""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == (platform.processor() or platform.machine()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    config = torch.__config__.show()
-    onednn = re.search(r"MKL-DNN (v[\d.]+)", config)
-    mkl = re.search(r"Math Kernel Library Version ([\w.-]+)", config)
-    return {
-        "cpu": model,
-        "machine": platform.machine(),
-        "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
-        "torch": torch.__version__,
-        "onednn": onednn[1] if onednn else "none",
-        "mkl": mkl[1] if mkl else "none",
-        "threads": str(torch.get_num_threads()),
-    }
 
 
 def forced_kernels_from_env() -> dict[str, str]:

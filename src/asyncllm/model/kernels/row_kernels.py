@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.model.kernels.int8 import quantize_rows
+from asyncllm.model.kernels.rotary import apply_rotary
 
 logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
@@ -302,7 +303,6 @@ def _compare(kernels: RowKernels, x: torch.Tensor, weight: torch.Tensor, residua
 
 
 def _compare_rotary(kernels: RowKernels, x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> str:
-    from asyncllm.model.layers.rotary import apply_rotary  # the model's rotary, which the kernel must equal
 
     head_dim = 64 if x.shape[1] % 64 == 0 else 2  # some whole heads, some columns left unrotated (like V)
     heads = x.shape[1] // head_dim - 1

@@ -42,7 +42,7 @@ def arch_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cos and sin tables `llama.apply_rotary` takes, from `[head_dim // 2]` inverse frequencies.
+    """The cos and sin tables `kernels.rotary.apply_rotary` takes, from `[head_dim // 2]` inverse frequencies.
 
     Returns:
         `[cos, cos]` and `[-sin, sin]` (halves concatenated on the last axis), each [max_positions, head_dim]
@@ -51,19 +51,3 @@ def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Te
     angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
     cos, sin = angles.cos().float(), angles.sin().float()
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of each head ("rotate half" layout, as HF Llama): `x * cos + rotate_half(x) * sin`.
-
-    `rotate_half(x) * sin` is computed as `roll(x, head_dim // 2) * [-sin, sin]`, which is the same values bit for
-    bit (negation is exact), in 4 ops instead of 7.
-
-    Args:
-        x: [num_tokens, num_heads, head_dim].
-        cos: [num_tokens, 1, head_dim], the cos table repeated twice ([cos, cos]).
-        sin: [num_tokens, 1, head_dim], the sin table with its first half negated ([-sin, sin]).
-    Returns:
-        [num_tokens, num_heads, head_dim].
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

@@ -1,5 +1,5 @@
 // float32 products with a weight packed once into MKL's internal layout, in column chunks shared out to threads
-// on demand (asyncllm/model/packed_fp32.py uses them; row_kernels.cpp exports them).
+// on demand (asyncllm/model/kernels/fp32.py uses them; row_kernels.cpp exports them).
 //
 // The weight [in, out] is packed as independent column chunks (`cblas_sgemm_pack` per chunk). A product runs the
 // chunks on `num_threads` threads (the caller and a pool of helpers), each thread taking the next unstarted chunk

@@ -1,9 +1,9 @@
-// Fused row kernels of the decoder layer (asyncllm/model/row_kernels.py builds and loads this file).
+// Fused row kernels of the decoder layer (asyncllm/model/kernels/row_kernels.py builds and loads this file).
 //
 // Each kernel does in one pass over a row what the eager path does in 2-12 torch ops, so a decode step runs
 // far fewer ops between its matrix products. The arithmetic is the eager ops', operation for operation, so the
 // values are the same bit for bit: per-row symmetric int8 quantization `scale = max(max|y|, 1e-30) / 127`,
-// `q = round_half_even(y / scale)` (model/quant.py `quantize_rows`); RMSNorm `x * rsqrt(mean(x^2) + eps) * w`
+// `q = round_half_even(y / scale)` (model/kernels/int8.py `quantize_rows`); RMSNorm `x * rsqrt(mean(x^2) + eps) * w`
 // (Zhang & Sennrich, 2019) with the sum of squares added in ATen's order (`sum_squares`); SiLU
 // `a / (1 + exp(-a))` with ATen's vectorized exp; rotary `y * cos + roll(y) * sin`; the K/V stores are copies.
 // Built with -ffp-contract=off (no fused multiply-adds). Rows are independent: a row's result never depends on its

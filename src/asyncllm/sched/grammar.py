@@ -1,6 +1,8 @@
-"""`StructuredOutputManager`: the engine core's side of structured outputs.
+"""`StructuredOutputManager` and `GrammarState`: the grammar state of structured outputs, beside the scheduler.
 
-Where the grammar state lives (as vLLM v1): in the engine core, next to the scheduler, not in the workers.
+Where the grammar state lives (as vLLM v1): in the engine core, next to the scheduler, not in the workers. The
+submission-time checks and the xgrammar compiler are `structured_outputs/backend.py`; the packed bitmask the
+workers apply is `structured_outputs/bitmask.py`.
 - Compilation runs in a thread pool, never in the step loop. Compiled grammars are cached by constraint key
   (requests with the same schema share one compilation, even while it is running).
 - A constrained request waits in `pending` (status WAITING_FOR_GRAMMAR, no KV blocks) until its grammar is

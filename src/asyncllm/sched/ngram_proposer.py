@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from asyncllm.config import SpeculativeConfig
+from asyncllm.engine_config import SpeculativeConfig
 
 
 def propose_ngram(token_ids: np.ndarray, num_tokens: int, min_n: int, max_n: int) -> list[int]:

@@ -1,7 +1,7 @@
 """How many n-gram draft tokens a request should verify this step: only as many as pay for their rows.
 
-On a CPU a forward's cost grows with its rows: `step_seconds ≈ fixed + per_token * num_tokens` (measured on
-the 2-core development host, fp32: a 5-row verification of one sequence costs 2.2 decode steps). With B
+On a CPU a forward's cost grows with its rows: `step_seconds ≈ fixed + per_token * num_tokens` (a measured
+case: `benchmarks/analysis.md`, "Draft policy"). With B
 decoding rows, a produced token costs `(fixed + per_token * B) / B` seconds, and a draft token costs
 `per_token` seconds and yields a token only when it and every draft before it are accepted. So the j-th draft is
 worth verifying when `P(accept drafts 1..j) > break_even = per_token * B / (fixed + per_token * B)`: at batch 1

@@ -1,22 +1,25 @@
-"""`Drafter`: the scheduler's speculative-decoding side: which drafts each decoding request verifies, and what
-the verification did to the request's counters and the draft policy.
+"""`Drafter`: the scheduler's speculative-decoding side: which n-gram drafts each decoding request verifies
+this step (room left by the token budget, `max_tokens` and `max_model_len`; the draft policy;
+`disable_by_batch_size`), and what each verification did to the request's counters and the draft policy.
 
-The scheduler calls `start_request` when a request arrives, `propose` for each decoding request it schedules,
-`observe_step` with each step's execute time, and `observe_verification` when the sampler's result comes back.
+The scheduler calls `start_request` when a request arrives, `propose` for each running request it schedules,
+`observe_verification` when the sampler's result comes back (the scheduler itself takes the rejected drafts back
+from `num_computed_tokens`), and the engine core calls `observe_step` with each step's execute time.
+Verification itself runs in the worker (`worker/rejection_sampler.py`).
 """
 
 from __future__ import annotations
 
-from asyncllm.config import SpeculativeConfig
+from asyncllm.engine_config import SpeculativeConfig
 from asyncllm.messages.engine import SpecDecodeMetrics
 from asyncllm.messages.scheduler import SchedulerOutput
+from asyncllm.sched.draft_policy import AcceptanceEstimate, StepCostModel
+from asyncllm.sched.ngram_proposer import NgramProposer
 from asyncllm.sched.request import Request
-from asyncllm.spec_decode.draft_policy import AcceptanceEstimate, StepCostModel
-from asyncllm.spec_decode.ngram_proposer import NgramProposer
 
 
 class Drafter:
-    """N-gram drafts under the draft policy (`spec_decode/draft_policy.py`) and `disable_by_batch_size`.
+    """N-gram drafts under the draft policy (`sched/draft_policy.py`) and `disable_by_batch_size`.
 
     Args:
         config: the speculative config (k, n-gram sizes, `disable_by_batch_size`, `adaptive`).
@@ -37,9 +40,25 @@ class Drafter:
         if self.step_cost is not None:
             req.draft_acceptance = AcceptanceEstimate()
 
-    def propose(self, req: Request, room: int, num_running: int, num_waiting: int) -> list[int]:
-        """Draft tokens (at most `room`) for a decoding request; none when `disable_by_batch_size` is exceeded
-        by `num_running + num_waiting` requests, or when the policy finds no draft worth its row."""
+    def propose(self, req: Request, budget: int, max_model_len: int, num_running: int, num_waiting: int) -> list[int]:
+        """The n-gram drafts to verify after a decoding request's last token.
+
+        Empty for a prefill chunk, a structured-output or embedding request, when the token budget, `max_tokens`
+        or `max_model_len` leave no room, when `num_running + num_waiting` exceeds `disable_by_batch_size`, or when
+        the draft policy finds no draft worth its row.
+
+        Args:
+            budget: tokens left in this step's budget.
+            max_model_len: prompt + output tokens per request at most.
+            num_running, num_waiting: the scheduler's queue lengths (`disable_by_batch_size`, draft policy).
+        """
+        structured = req.sampling_params.structured_outputs is not None
+        if req.num_tokens_to_compute != 1 or structured or req.pooling_params is not None:
+            return []
+        room = min(budget, max_model_len - req.num_tokens) - 1
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
         limit = self.config.disable_by_batch_size
         if room <= 0 or (limit is not None and num_running + num_waiting > limit):
             return []

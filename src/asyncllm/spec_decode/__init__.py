@@ -1,1 +1,0 @@
-"""Speculative decoding: the n-gram proposer (engine core), rejection sampling (worker), metrics."""

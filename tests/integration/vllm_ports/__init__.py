@@ -1,0 +1,1 @@
+"""vLLM example scripts ported with only their imports and model name changed (run by `test_vllm_compat.py`)."""
