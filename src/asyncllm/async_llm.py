@@ -33,7 +33,7 @@ from asyncllm.metrics.prometheus import PrometheusStatLogger
 from asyncllm.output_handler import OutputHandler
 from asyncllm.outputs import PoolingRequestOutput, RequestOutput
 from asyncllm.pooling_params import PoolingParams
-from asyncllm.processing.input_processor import InputProcessor, PromptType
+from asyncllm.processing.input_processor import InputProcessor, PromptType, RequestOptions
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.tool_calling import ToolChoice, plan_chat
 from asyncllm.sampling_params import SamplingParams
@@ -206,17 +206,8 @@ class AsyncLLM:
         loop = self._bind_to_current_loop()
         submitter = self._submitter
         stream = submitter.stream_later if loop is not None and is_long_prompt(prompt) else submitter.stream_now
-        return stream(
-            prompt,
-            sampling_params,
-            request_id,
-            priority,
-            cache_salt,
-            data_parallel_rank,
-            lora_request,
-            self._next_output,
-            loop,
-        )
+        options = RequestOptions(request_id, priority, cache_salt, data_parallel_rank, lora_request)
+        return stream(prompt, sampling_params, options, self._next_output, loop)
 
     async def encode(
         self,

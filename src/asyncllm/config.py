@@ -249,18 +249,23 @@ class EngineArgs:
             )
 
     def create_engine_config(self) -> EngineConfig:
-        """Validate, resolve the model to a local path (fetching the default model once), and split.
+        """Validate, resolve the model to a local path (fetching the default model once), read and check its
+        config (every config.json / GGUF metadata key read or known not to change the math: see
+        `model/loading/arch_config.py`), and split. All of it before any engine process starts.
 
         Raises:
-            ConfigError: bad values.
+            ConfigError: bad values, or a checkpoint config this engine cannot honour (naming the key and value).
             ModelNotFoundError: the model cannot be resolved or fetched.
         """
+        from asyncllm.model.loading.arch_config import check_max_model_len, read_arch_config
         from asyncllm.model.loading.resolve import resolve_model_path
 
         self.validate()
+        model_path = resolve_model_path(self.model)
+        check_max_model_len(read_arch_config(model_path), self.max_model_len)
         model = ModelConfig(
             model=os.fspath(self.model),
-            model_path=str(resolve_model_path(self.model)),
+            model_path=str(model_path),
             load_format=self.load_format,
             max_model_len=self.max_model_len,
             seed=self.seed,

@@ -10,12 +10,12 @@ submitted and awaited here too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import InvalidRequestError, StreamIncompleteError
-from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.output_handler import OutputHandler
 from asyncllm.outputs import PoolingRequestOutput, RequestOutput
@@ -23,6 +23,7 @@ from asyncllm.pooling_params import PoolingParams
 from asyncllm.processing.input_processor import (
     InputProcessor,
     PromptType,
+    RequestOptions,
     make_internal_request_id,
     validate_request_id,
 )
@@ -66,11 +67,7 @@ class RequestSubmitter:
         self,
         prompt: PromptType,
         sampling_params: SamplingParams | None,
-        request_id: str | None,
-        priority: int,
-        cache_salt: str | None,
-        data_parallel_rank: int | None,
-        lora_request: LoRARequest | None,
+        options: RequestOptions,
         next_output: NextOutput,
         loop: Any,
     ) -> GenerateOutputStream:
@@ -80,11 +77,9 @@ class RequestSubmitter:
             InvalidRequestError: bad input (nothing reaches the engine), naming the field.
             EngineDeadError: the engine died or was shut down.
         """
-        prompt_text, request = self._input_processor.process(
-            prompt, sampling_params, request_id, priority, cache_salt=cache_salt, lora_request=lora_request
-        )
+        prompt_text, request = self._input_processor.process(prompt, sampling_params, options)
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self.submit(prompt_text, request, collector, data_parallel_rank)
+        self.submit(prompt_text, request, collector, options.data_parallel_rank)
         abort = self.stream_aborter(request.request_id)
         return GenerateOutputStream(request.external_req_id or "", collector, abort, next_output, loop)
 
@@ -92,11 +87,7 @@ class RequestSubmitter:
         self,
         prompt: PromptType,
         sampling_params: SamplingParams | None,
-        request_id: str | None,
-        priority: int,
-        cache_salt: str | None,
-        data_parallel_rank: int | None,
-        lora_request: LoRARequest | None,
+        options: RequestOptions,
         next_output: NextOutput,
         loop: Any,
     ) -> GenerateOutputStream:
@@ -106,24 +97,18 @@ class RequestSubmitter:
         Raises:
             InvalidRequestError: a bad `request_id` (here); bad input (from the stream's first await).
         """
-        external_id = validate_request_id(request_id)
+        external_id = validate_request_id(options.request_id)
         internal_id = make_internal_request_id(external_id)
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams()
         kind = params.output_kind
         collector = RequestOutputCollector(kind)
 
         async def submit_off_the_loop() -> None:
-            process = functools.partial(
-                self._input_processor.process,
-                cache_salt=cache_salt,
-                internal_id=internal_id,
-                lora_request=lora_request,
-            )
-            processed = await run_in_daemon_thread(
-                process, prompt, sampling_params, external_id, priority, name="asyncllm-tokenize"
-            )
+            process = functools.partial(self._input_processor.process, internal_id=internal_id)
+            resolved = dataclasses.replace(options, request_id=external_id)
+            processed = await run_in_daemon_thread(process, prompt, sampling_params, resolved, name="asyncllm-tokenize")
             self._handler.ensure_running()
-            self.submit(processed.prompt, processed.request, collector, data_parallel_rank)
+            self.submit(processed.prompt, processed.request, collector, options.data_parallel_rank)
 
         abort = self.stream_aborter(internal_id)
         return GenerateOutputStream(external_id, collector, abort, next_output, loop, start=submit_off_the_loop)
@@ -207,7 +192,7 @@ class RequestSubmitter:
         ids = [request_id] if single or request_id is None else [f"{request_id}-{i}" for i in range(len(prompts))]
         ids = ids * len(prompts) if len(ids) == 1 else ids
         return [
-            self._input_processor.process(p, None, rid, priority, pooling_params=params).request
+            self._input_processor.process(p, None, RequestOptions(rid, priority), pooling_params=params).request
             for p, rid in zip(prompts, ids, strict=True)
         ]
 

@@ -219,9 +219,10 @@ async def test_sigkill_with_two_live_streams_raises_engine_dead_within_5s(model_
 
 
 @module_loop
-async def test_bad_model_file_error_reaches_the_user(tmp_path: Path) -> None:
-    bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"GGUF" + os.urandom(256))
+async def test_bad_model_file_error_reaches_the_user(tmp_path: Path, model_path: str) -> None:
+    bad = tmp_path / "broken.gguf"  # a whole header (the frontend reads and checks it), then truncated weights
+    data = await asyncio.to_thread(Path(model_path).read_bytes)
+    await asyncio.to_thread(bad.write_bytes, data[: int(len(data) * 0.6)])
     args = EngineArgs(model=str(bad), engine_process=True)
     config = args.create_engine_config()
     with pytest.raises(EngineDeadError, match=r"failed to start: \w+Error: \S"):

@@ -49,9 +49,10 @@ def test_handshake_failure_leaves_nothing(temp_dir: pathlib.Path) -> None:
     assert _leftovers(temp_dir) == []
 
 
-def test_broken_model_file_leaves_nothing(temp_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"GGUF" + os.urandom(256))
+def test_broken_model_file_leaves_nothing(temp_dir: pathlib.Path, tmp_path: pathlib.Path, model_path: str) -> None:
+    bad = tmp_path / "broken.gguf"  # a whole header (the frontend reads and checks it), then truncated weights
+    data = pathlib.Path(model_path).read_bytes()
+    bad.write_bytes(data[: int(len(data) * 0.6)])
     config = EngineArgs(model=str(bad)).create_engine_config()
     with pytest.raises(EngineDeadError, match="failed to start"):  # the engine process fails to load it
         EngineCoreClient(config)

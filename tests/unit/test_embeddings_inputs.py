@@ -11,7 +11,7 @@ from asyncllm import InvalidRequestError, PoolingParams, SamplingParams
 from asyncllm.engine.core import check_request
 from asyncllm.messages.engine import EngineCoreRequest, EngineReadyInfo
 from asyncllm.messages.serial import MsgpackDecoder, MsgpackEncoder
-from asyncllm.processing.input_processor import InputProcessor
+from asyncllm.processing.input_processor import InputProcessor, RequestOptions
 from asyncllm.sampling_params import RequestOutputKind
 from asyncllm.sched.kv_cache_manager import KVCacheManager
 from asyncllm.sched.request import Request
@@ -31,7 +31,7 @@ def processor(model_path: str) -> InputProcessor:
 
 def test_pooling_request_carries_params_and_a_placeholder_that_never_samples(processor: InputProcessor) -> None:
     params = PoolingParams(pooling="mean", dimensions=64)
-    _, request = processor.process("Hello world", request_id="e", pooling_params=params)
+    _, request = processor.process("Hello world", options=RequestOptions(request_id="e"), pooling_params=params)
     assert request.pooling_params == params
     assert request.sampling_params.max_tokens == 1
     assert request.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncllm import InvalidRequestError, SamplingParams
-from asyncllm.processing.input_processor import InputProcessor
+from asyncllm.processing.input_processor import InputProcessor, RequestOptions
 
 MAX_MODEL_LEN = 32
 VOCAB = 49152
@@ -30,7 +30,7 @@ def test_text_prompt(processor: InputProcessor) -> None:
 
 
 def test_internal_ids_are_unique_even_for_one_user_id(processor: InputProcessor) -> None:
-    ids = [processor.process("Hi", request_id="same").request for _ in range(3)]
+    ids = [processor.process("Hi", options=RequestOptions(request_id="same")).request for _ in range(3)]
     assert {r.external_req_id for r in ids} == {"same"}
     assert len({r.request_id for r in ids}) == 3
 
@@ -80,7 +80,7 @@ def test_bad_params_and_ids_raise(processor: InputProcessor) -> None:
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         processor.process("Hi", SamplingParams(stop_token_ids=[VOCAB]))
     with pytest.raises(InvalidRequestError, match="request_id"):
-        processor.process("Hi", request_id="")
+        processor.process("Hi", options=RequestOptions(request_id=""))
     with pytest.raises(InvalidRequestError, match="sampling_params"):
         processor.process("Hi", {"max_tokens": 3})  # type: ignore[arg-type]
 
@@ -126,6 +126,6 @@ def test_generated_request_ids_are_unique(processor: InputProcessor) -> None:
 )
 def test_priority_and_cache_salt_are_checked(processor: InputProcessor, kwargs: dict, match: str) -> None:
     with pytest.raises(InvalidRequestError, match=match):
-        processor.process("Hi", **kwargs)
-    request = processor.process("Hi", priority=-(2**63), cache_salt="tenant").request
+        processor.process("Hi", options=RequestOptions(**kwargs))
+    request = processor.process("Hi", options=RequestOptions(priority=-(2**63), cache_salt="tenant")).request
     assert (request.priority, request.cache_salt) == (-(2**63), "tenant")

@@ -74,12 +74,15 @@ def _kind(calls: dict[str, int], slow_s: float = 0.02) -> ProductKind[torch.Tens
         reference=lambda x, w, columns: (x.double() @ w[:, columns].double()).float(),
         agrees=FP32_PRODUCT.agrees,
         out_features=lambda w: w.shape[1],
+        itemsize=4,
     )
 
 
-def _chooser(tmp_path, calls: dict[str, int], host: dict[str, str] = HOST, **kwargs: Any) -> KernelChooser:  # type: ignore[no-untyped-def]
+def _chooser(  # type: ignore[no-untyped-def]
+    tmp_path, calls: dict[str, int], host: dict[str, str] = HOST, slow_s: float = 0.02, **kwargs: Any
+) -> KernelChooser:
     kwargs.setdefault("other_load", QuietLoad)
-    return KernelChooser(_kind(calls), cache_dir=tmp_path, fingerprint=host, **kwargs)
+    return KernelChooser(_kind(calls, slow_s), cache_dir=tmp_path, fingerprint=host, **kwargs)
 
 
 def test_the_chooser_picks_neither_the_slow_nor_the_wrong_kernel(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -128,15 +131,15 @@ def test_a_forced_kernel_is_honoured_without_measuring(tmp_path) -> None:  # typ
 
 def test_the_cache_is_keyed_by_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
     calls: dict[str, int] = {}
-    first = _chooser(tmp_path, calls).choose(64, 48)
+    first = _chooser(tmp_path, calls, slow_s=0.001).choose(64, 48)
     measured_calls = calls["right"]
-    again = _chooser(tmp_path, calls).choose(64, 48)  # a later start on the same host
+    again = _chooser(tmp_path, calls, slow_s=0.001).choose(64, 48)  # a later start on the same host
     assert again.how == "cached"
     assert again.kernels == first.kernels
     assert calls["right"] == measured_calls  # nothing was run
     for changed in ({"cpu": "Other CPU"}, {"cpu_flags": "abd"}, {"torch": "2.14.0"}, {"onednn": "v3.13.0"}):
         before = calls["right"]
-        choice = _chooser(tmp_path, calls, host={**HOST, **changed}).choose(64, 48)
+        choice = _chooser(tmp_path, calls, host={**HOST, **changed}, slow_s=0.001).choose(64, 48)
         assert choice.how == "measured", changed
         assert calls["right"] > before
     files = sorted(tmp_path.glob("linear-kernels-*.json"))
@@ -148,13 +151,17 @@ def test_the_cache_is_keyed_by_host(tmp_path) -> None:  # type: ignore[no-untype
 
 def test_a_measurement_on_a_busy_machine_is_measured_again_when_quiet(tmp_path) -> None:  # type: ignore[no-untyped-def]
     calls: dict[str, int] = {}
-    busy = _chooser(tmp_path, calls, other_load=BusyLoad).choose(64, 48)
+    busy = _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.001).choose(64, 48)
     assert busy.how == "measured beside 1.5 busy CPUs"
     assert busy.kernels == ("right",) * len(ROW_CLASSES)
-    again_busy = _chooser(tmp_path, calls, other_load=BusyLoad).choose(64, 48)  # still busy: not measured again
+    again_busy = _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.001).choose(
+        64, 48
+    )  # still busy: not measured again
     assert again_busy.how == "cached, measured beside 1.5 busy CPUs"
-    assert _chooser(tmp_path, calls).choose(64, 48).how == "measured"  # quiet now: measured again
-    assert _chooser(tmp_path, calls, other_load=BusyLoad).choose(64, 48).how == "cached"  # a quiet measurement
+    assert _chooser(tmp_path, calls, slow_s=0.001).choose(64, 48).how == "measured"  # quiet now: measured again
+    assert (
+        _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.001).choose(64, 48).how == "cached"
+    )  # a quiet measurement
 
 
 def test_other_cpu_load_reads_proc_stat(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "asyncllm.sampling_params",
             "asyncllm.pooling_params",
             "asyncllm.engine_config",
+            "asyncllm.model.arch",  # the checkpoint's hyper-parameters: a frozen record, no torch
             "asyncllm.lora.request",
             "asyncllm.structured_outputs.params",
             "asyncllm.messages",

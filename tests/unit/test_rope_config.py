@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.layers.rotary import Llama3RopeScaling, read_hf_rope, rope_inv_freq
-from asyncllm.model.loading.loader import read_arch_config
+from asyncllm.errors import ConfigError
+from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
+from asyncllm.model.layers.rotary import arch_inv_freq, rope_inv_freq
+from asyncllm.model.loading.arch_config import _check_gguf_rope, read_arch_config, read_hf_rope
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,10 +76,12 @@ def test_both_config_generations_read_the_same_rope() -> None:
         ({}, "no rope_theta"),
         ({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 5e5}}, "disagree"),
         ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}, "lacks"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
+        ({"rope_theta": 1e4, "rope_scaling": {"type": "default", "factor": 2.0}}, "rope_scaling.factor=2.0"),
     ],
 )
 def test_unreadable_rope_settings_raise(cfg: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         read_hf_rope(cfg)
 
 
@@ -102,7 +105,7 @@ def test_missing_required_hf_key_raises(tmp_path: pathlib.Path, missing: str) ->
     cfg = _tiny_config(rope_theta=1e4)
     del cfg[missing]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=missing):
+    with pytest.raises(ConfigError, match=missing):
         read_arch_config(tmp_path)
 
 
@@ -110,7 +113,7 @@ def test_hf_llama3_config_reaches_the_arch(tmp_path: pathlib.Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(_tiny_config(rope_parameters={"rope_theta": 5e5, **LLAMA31})))
     arch = read_arch_config(tmp_path)
     assert arch.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
-    torch.testing.assert_close(arch.rope_inv_freq(), rope_inv_freq(16, 5e5, arch.rope_scaling))
+    torch.testing.assert_close(arch_inv_freq(arch), rope_inv_freq(16, 5e5, arch.rope_scaling))
 
 
 def test_gguf_rope_freq_divisors_divide_the_frequencies() -> None:
@@ -128,8 +131,8 @@ def test_gguf_rope_freq_divisors_divide_the_frequencies() -> None:
         max_position_embeddings=8,
         tie_word_embeddings=True,
     )
-    plain = ModelArchConfig(**base).rope_inv_freq()
-    divided = ModelArchConfig(**base, rope_freq_divisors=(1.0, 2.0, 4.0, 8.0)).rope_inv_freq()
+    plain = arch_inv_freq(ModelArchConfig(**base))
+    divided = arch_inv_freq(ModelArchConfig(**base, rope_freq_divisors=(1.0, 2.0, 4.0, 8.0)))
     torch.testing.assert_close(divided, plain / torch.tensor([1.0, 2.0, 4.0, 8.0], dtype=torch.float64))
 
 
@@ -142,8 +145,6 @@ def test_gguf_rope_freq_divisors_divide_the_frequencies() -> None:
     ],
 )
 def test_gguf_rope_that_cannot_be_honoured_raises(meta: dict[str, Any], message: str) -> None:
-    from asyncllm.model.loading.loader import _check_gguf_rope
-
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         _check_gguf_rope(meta, "llama", 64)
     _check_gguf_rope({"llama.rope.scaling.type": "none", "llama.rope.dimension_count": 64}, "llama", 64)

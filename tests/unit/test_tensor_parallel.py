@@ -16,7 +16,7 @@ from asyncllm.lora.request import LoRARequest
 from asyncllm.lora.weights import LayerLoRA, LoRABatch, load_adapter
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
-from asyncllm.model.layers.rotary import rotary_cos_sin
+from asyncllm.model.layers.rotary import arch_inv_freq, rotary_cos_sin
 from asyncllm.model.llama import LlamaDecoderLayer
 from tests.lora_adapters import write_peft_adapter
 
@@ -74,7 +74,7 @@ def attention_and_mlp(
     num_blocks = 2
     cache = torch.zeros(num_blocks, 2, block_size, layer.kv_size // ARCH.head_dim, ARCH.head_dim)
     meta = build_attention_metadata([n], [n], [[0, 1]], block_size)
-    cos, sin = rotary_cos_sin(ARCH.rope_inv_freq(), ARCH.max_position_embeddings)
+    cos, sin = rotary_cos_sin(arch_inv_freq(ARCH), ARCH.max_position_embeddings)
     positions = torch.arange(n)
     with torch.inference_mode():
         attn = layer._attention(x, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1), cache, meta, lora)

@@ -61,7 +61,7 @@ def _make_lora_checker(config: EngineConfig) -> LoRAChecker:
     if config.lora is None:
         return LoRAChecker(None)
     from asyncllm.lora.weights import arch_module_shapes
-    from asyncllm.model.loading.loader import read_arch_config
+    from asyncllm.model.loading.arch_config import read_arch_config
 
     arch = read_arch_config(config.model.model_path)
     return LoRAChecker(config.lora, arch_module_shapes(arch), arch.num_hidden_layers)

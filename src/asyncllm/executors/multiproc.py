@@ -57,7 +57,7 @@ class MultiprocExecutor(Executor):
     """
 
     def _init_executor(self) -> None:
-        from asyncllm.model.loading.loader import read_arch_config
+        from asyncllm.model.loading.arch_config import read_arch_config
 
         self.world_size = self.config.parallel.tensor_parallel_size
         arch = read_arch_config(self.config.model.model_path)

@@ -49,7 +49,7 @@ class RayExecutor(Executor):
     """
 
     def _init_executor(self) -> None:
-        from asyncllm.model.loading.loader import read_arch_config
+        from asyncllm.model.loading.arch_config import read_arch_config
 
         ray = self._ray = _import_ray()
         parallel = self.config.parallel

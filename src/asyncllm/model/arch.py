@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
-from asyncllm.model.layers.rotary import Llama3RopeScaling, rope_inv_freq
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3 RoPE frequency scaling (`rope_type: "llama3"`; applied by `layers/rotary.py`).
+
+    Fields:
+        factor: divisor of the low frequencies (e.g. 8.0 for Llama 3.1, 32.0 for Llama 3.2).
+        low_freq_factor, high_freq_factor: wavelength band edges, as fractions of the original context.
+        original_max_position_embeddings: the context length the model was pre-trained with, tokens.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,12 @@ class ModelArchConfig:
         rope_scaling: Llama 3 frequency scaling (HF `rope_type: "llama3"`), None for plain RoPE.
         rope_freq_divisors: per-frequency divisors, [head_dim // 2] (a GGUF `rope_freqs` tensor, which
             llama.cpp's converter writes for Llama 3 scaling), None when absent.
+        sliding_window: the attention window of the checkpoint's windowed layers, tokens (a query sees itself and
+            the `sliding_window - 1` tokens before it), None when no layer has one. The model attends to the whole
+            sequence: `loading/arch_config.check_max_model_len` accepts a window only when it covers every
+            sequence.
+
+    Torch-free: the frontend reads it before any engine process starts.
     """
 
     architecture: str
@@ -48,13 +66,7 @@ class ModelArchConfig:
     eos_token_id: int | None = None
     rope_scaling: Llama3RopeScaling | None = None
     rope_freq_divisors: tuple[float, ...] | None = None
-
-    def rope_inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies, [head_dim // 2] float64, radians per token, with any scaling applied."""
-        inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
-        if self.rope_freq_divisors is not None:
-            inv_freq = inv_freq / torch.tensor(self.rope_freq_divisors, dtype=torch.float64)
-        return inv_freq
+    sliding_window: int | None = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV cache block over all layers (float32 K and V)."""

@@ -1,7 +1,7 @@
 """Architecture name -> model class.
 
 Names are those of `ModelArchConfig.architecture` (GGUF `general.architecture`, or HF `model_type` mapped
-through `HF_MODEL_TYPES`).
+through `loading/arch_config.HF_MODEL_TYPES`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
 }
-
-# HF config.json `model_type` -> architecture name used above.
-HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

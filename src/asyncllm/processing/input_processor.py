@@ -27,6 +27,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
@@ -53,6 +54,27 @@ class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's options besides its prompt and parameters, built once at the door (`AsyncLLM.generate`,
+    `encode`) and read by every step of the request path.
+
+    Fields:
+        request_id: the user's id (`external_req_id`); None makes one (uuid4 hex).
+        priority: lower runs first with `scheduling_policy="priority"`; a signed 64-bit integer.
+        cache_salt: None, or a non-empty str mixed into the first KV block's hash (tenant isolation).
+        data_parallel_rank: the engine rank to run on with data parallelism; None lets the load balancer pick.
+        lora_request: the PEFT LoRA adapter to run with, or None for the base model.
+    Invalid values raise `InvalidRequestError` from `InputProcessor.process`, not here.
+    """
+
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+    lora_request: LoRARequest | None = None
 
 
 class ProcessedRequest(NamedTuple):
@@ -100,25 +122,20 @@ class InputProcessor:
         self,
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        options: RequestOptions = RequestOptions(),
         internal_id: str | None = None,
         pooling_params: PoolingParams | None = None,
-        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Build the engine request for one prompt.
 
         Args:
             prompt: one of the forms in the module docstring.
             sampling_params: None means `SamplingParams()`; never mutated (a copy is sent when max_tokens is None).
-            request_id: the user's id (`external_req_id`); None makes one (uuid4 hex).
-            priority: lower runs first; a signed 64-bit integer.
-            cache_salt: None, or a non-empty str mixed into the first KV block's hash (tenant isolation).
+            options: the request's id, priority, cache salt and LoRA adapter (its directory is read and checked
+                here); `data_parallel_rank` is the client's, not read here.
             internal_id: the internal id (`make_internal_request_id(request_id)`); None makes one.
             pooling_params: set for an embedding request (`AsyncLLM.encode`); `sampling_params` must then be
                 None (a `max_tokens=1` FINAL_ONLY placeholder is sent; the engine never samples it).
-            lora_request: the adapter to run with (its directory is read and checked here), or None.
         Returns:
             The prompt text and the `EngineCoreRequest` (eos id from the tokenizer, max_tokens set when None).
         Raises:
@@ -130,11 +147,12 @@ class InputProcessor:
         params = self._validate_params(sampling_params)
         if pooling_params is not None:
             params = self._pooling_placeholder(pooling_params, sampling_params)
-        request_id = validate_request_id(request_id)
+        request_id = validate_request_id(options.request_id)
+        priority, cache_salt = options.priority, options.cache_salt
         _validate_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} is invalid: must be None or a non-empty str")
-        lora = None if lora_request is None else self._lora_checker.check(lora_request)
+        lora = None if options.lora_request is None else self._lora_checker.check(options.lora_request)
         embeds = None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
             if pooling_params is not None:

@@ -10,7 +10,8 @@ float32 (docs/kernels.md). So, for each weight shape, the first time it is asked
 1. runs every available candidate on a random weight of that shape at each timed row count, against an exact
    reference (float64 sums); a candidate that disagrees is never used in this process (a warning says so);
 2. times the candidates that agree, interleaved, at one row count per row class (`ROW_CLASSES`), best of several
-   calls; a candidate `SLOW_FACTOR` times slower than the best is not timed again in this process;
+   passes over copies of the weight (`STREAM_BYTES` of them, so the weights come from memory as in a step, not
+   from the CPU's caches); a candidate `SLOW_FACTOR` times slower than the best is not timed again in this process;
 3. picks per row class the fastest; within `TIE_MARGIN` of it, the candidate earlier in the kind's order wins.
 
 Choices are kept in a JSON file beside the built kernels (`$XDG_CACHE_HOME/asyncllm/kernels/`), one file per host
@@ -48,7 +49,9 @@ TIMED_ROWS = (1, 8, 32, 128)  # the row count each class is timed at
 SLOW_FACTOR = 10.0  # a candidate this much slower than the best is not timed again (a reference kernel)
 SLOW_MIN_S = 0.002  # ... and at least this much slower in seconds, so timer noise on tiny products drops nothing
 TIE_MARGIN = 0.03  # within 3% of the fastest, the earlier candidate of the kind's order wins
-TIME_BUDGET_S = 0.03  # seconds of calls per candidate and row count, at least `MIN_CALLS` calls
+TIME_BUDGET_S = 0.03  # seconds of products per candidate and row count, at least `MIN_CALLS` passes
+STREAM_BYTES = 32 << 20  # a timing pass goes over this many bytes of weights of one shape (past the L2 caches)
+MAX_COPIES = 16
 MIN_CALLS, MAX_CALLS = 3, 25
 BUSY_CPUS = 0.3  # other processes' average CPU use during a measurement above which it is measured again later
 BUSY_PROBE_S = 0.2  # seconds of looking at the machine's load before a busy measurement is used again
@@ -91,6 +94,7 @@ class ProductKind(Generic[W]):
             computed with exact (float64) sums.
         agrees: (output, reference) -> whether a candidate's output is right (exactly, or within float32 rounding).
         out_features: a plain weight's output columns.
+        itemsize: bytes per weight value (4 for float32, 1 for int8).
     """
 
     name: str
@@ -100,6 +104,7 @@ class ProductKind(Generic[W]):
     reference: Callable[[torch.Tensor, W, torch.Tensor], torch.Tensor]
     agrees: Callable[[torch.Tensor, torch.Tensor], bool]
     out_features: Callable[[W], int]
+    itemsize: int
 
 
 @dataclass(frozen=True)
@@ -270,13 +275,15 @@ class KernelChooser(Generic[W]):
         """Check, time and pick per row class; store the choice in the cache."""
         other_load = self.other_load()
         generator = torch.Generator().manual_seed(0)
-        weight = self.kind.make_weight(*shape, generator)
         candidates = [c for c in self.available if c.name not in self._dropped]
-        operands = prepare_operands(self.kind, weight, [c.name for c in candidates])
+        names = [c.name for c in candidates]
+        weights = [self.kind.make_weight(*shape, generator) for _ in range(num_copies(shape, self.kind.itemsize))]
+        copies = [prepare_operands(self.kind, w, names) for w in weights]
         kernels, times = [], []
         for rows in TIMED_ROWS:
             x = self.kind.make_input(rows, shape[0], generator)
-            best = self._time_row_class(x, weight, [c for c in candidates if c.name not in self._dropped], operands)
+            live = [c for c in candidates if c.name not in self._dropped]
+            best = self._time_row_class(x, weights[0], live, copies)
             times.append(best)
             kernels.append(self._pick(best))
         busy_cpus = other_load.cpus() or 0.0
@@ -286,18 +293,21 @@ class KernelChooser(Generic[W]):
         return choice
 
     def _time_row_class(
-        self, x: torch.Tensor, weight: W, candidates: list[Candidate[W]], operands: dict[str, Any]
+        self, x: torch.Tensor, weight: W, candidates: list[Candidate[W]], copies: list[dict[str, Any]]
     ) -> dict[str, float]:
-        """Best time in ms of each candidate that agrees with the reference on `x`; drops the ones that disagree
-        or are `SLOW_FACTOR` times slower than the fastest."""
-        agreeing = [c for c in candidates if self._agrees(c, x, weight, operands[c.name])]  # also the warm-up
+        """Best time in ms of one product of each candidate that agrees with the reference on `x` (`weight`, whose
+        operands are `copies[0]`); drops the ones that disagree or are `SLOW_FACTOR` times slower than the fastest.
+        A timed call is a pass over all `copies`, as a step passes over its layers' weights."""
+        agreeing = [c for c in candidates if self._agrees(c, x, weight, copies[0][c.name])]  # also the warm-up
         if not agreeing:
             raise ConfigError(f"every {self.kind.name} linear kernel disagrees with the exact reference here")
+        for c in agreeing:  # first calls of the other copies (a kernel's first call of a shape may build it)
+            _time_pass(c.run, x, [operands[c.name] for operands in copies[1:]])
         best = {c.name: math.inf for c in agreeing}
         for call in range(MAX_CALLS):  # interleaved, so a slow spell of the machine falls on every candidate alike
             for c in agreeing:
-                best[c.name] = min(best[c.name], _time_call(c.run, x, operands[c.name]))
-            if call + 1 >= MIN_CALLS and (call + 1) * sum(best.values()) >= TIME_BUDGET_S:
+                best[c.name] = min(best[c.name], _time_pass(c.run, x, [operands[c.name] for operands in copies]))
+            if call + 1 >= MIN_CALLS and (call + 1) * len(copies) * sum(best.values()) >= TIME_BUDGET_S:
                 break
         fastest = min(best.values())
         for name, seconds in best.items():
@@ -361,10 +371,19 @@ def prepare_operands(kind: ProductKind[W], weight: W, names: Iterable[str]) -> d
     return operands
 
 
-def _time_call(run: Callable[[torch.Tensor, Any], torch.Tensor], x: torch.Tensor, operand: Any) -> float:
+def num_copies(shape: tuple[int, int], itemsize: int) -> int:
+    """How many weights of `shape` a timing pass goes over: enough for `STREAM_BYTES` (a step streams its layers'
+    weights from memory; one weight timed again and again would sit in the CPU's caches), 1 to `MAX_COPIES`."""
+    weight_bytes = max(1, shape[0] * shape[1] * itemsize)
+    return max(1, min(MAX_COPIES, -(-STREAM_BYTES // weight_bytes)))
+
+
+def _time_pass(run: Callable[[torch.Tensor, Any], torch.Tensor], x: torch.Tensor, operands: list[Any]) -> float:
+    """Seconds per product of `run(x, operand)` over `operands` in turn (0.0 for none)."""
     start = time.perf_counter()
-    run(x, operand)
-    return time.perf_counter() - start
+    for operand in operands:
+        run(x, operand)
+    return (time.perf_counter() - start) / max(1, len(operands))
 
 
 def forced_kernels_from_env() -> dict[str, str]:

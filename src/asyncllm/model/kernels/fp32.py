@@ -179,6 +179,7 @@ FP32_PRODUCT = ProductKind[torch.Tensor](
     reference=_float64_product,
     agrees=_within_float32_rounding,
     out_features=lambda weight: weight.shape[1],
+    itemsize=4,
 )
 _FP32_RUN = {candidate.name: candidate.run for candidate in FP32_PRODUCT.candidates}
 

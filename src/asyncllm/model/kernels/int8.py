@@ -143,6 +143,7 @@ INT8_PRODUCT = ProductKind[Int8Weight](
     reference=_exact_int8_product,
     agrees=torch.equal,
     out_features=lambda weight: weight.qweight.shape[1],
+    itemsize=1,
 )
 _INT8_RUN = {candidate.name: candidate.run for candidate in INT8_PRODUCT.candidates}
 

@@ -8,13 +8,11 @@ layout, and `_unpermute` undoes it (the inverse of `permute` in llama.cpp's conv
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import pathlib
 import re
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +22,9 @@ from asyncllm.engine_config import ModelConfig
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.kernels.fp32 import fp32_chooser
 from asyncllm.model.kernels.int8 import int8_chooser
-from asyncllm.model.layers.rotary import read_hf_rope
-from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
-from asyncllm.model.registry import HF_MODEL_TYPES, get_model_class
+from asyncllm.model.loading.arch_config import check_max_model_len, read_arch_config
+from asyncllm.model.loading.gguf_metadata import read_gguf_header
+from asyncllm.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -45,131 +43,6 @@ _GGUF_LAYER_NAMES = {
 _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
-    """Architecture hyper-parameters from a `.gguf` file's metadata or an HF directory's config.json.
-
-    A hyper-parameter the checkpoint lacks is an error unless the format itself defines its value (GGUF spec:
-    `head_count_kv` = `head_count`, `key_length` = `embedding_length / head_count`; llama.cpp: `rope.freq_base`
-    = 10000; HF `LlamaConfig`/`Qwen2Config`: `num_key_value_heads` = `num_attention_heads`, `head_dim` =
-    `hidden_size / num_attention_heads`). HF `tie_word_embeddings`, when absent, is read from the checkpoint:
-    tied exactly when no `lm_head.weight` is stored.
-
-    Raises:
-        ValueError: the path is neither, a required key is missing, or a RoPE variant that cannot be honoured.
-    """
-    path = pathlib.Path(model_path)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        metadata, tensors = read_gguf_header(path)
-        return _arch_from_gguf(metadata, tensors, path)
-    if (path / "config.json").is_file():
-        cfg = json.loads((path / "config.json").read_text())
-        if "tie_word_embeddings" not in cfg:
-            cfg["tie_word_embeddings"] = "lm_head.weight" not in _safetensors_names(path)
-        return _arch_from_hf(cfg)
-    raise ValueError(f"{model_path}: not a .gguf file or a directory with config.json")
-
-
-def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: pathlib.Path) -> ModelArchConfig:
-    arch = meta["general.architecture"]
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    hidden, heads = get("embedding_length"), get("attention.head_count")
-    head_dim = get("attention.key_length", hidden // heads)
-    _check_gguf_rope(meta, arch, head_dim)
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return ModelArchConfig(
-        architecture=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
-        num_attention_heads=heads,
-        num_key_value_heads=get("attention.head_count_kv", heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),  # llama.cpp's default when the key is absent
-        max_position_embeddings=get("context_length"),
-        tie_word_embeddings=all(t.name != "output.weight" for t in tensors),  # no LM head: tied to token_embd
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        rope_freq_divisors=_read_rope_freqs(tensors, path, head_dim),
-    )
-
-
-def _check_gguf_rope(meta: dict[str, Any], arch: str, head_dim: int) -> None:
-    """Reject GGUF RoPE metadata this model cannot honour (ggml docs: `rope.scaling.type`, `rope.dimension_count`).
-
-    Llama 3 scaling is stored by llama.cpp's converter as a `rope_freqs` tensor (read by `_read_rope_freqs`), with
-    no scaling type; linear/YaRN scaling types and partial rotary dimensions are rejected.
-    """
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type != "none":
-        raise ValueError(f"GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported (only 'none')")
-    dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if dims != head_dim:
-        raise ValueError(f"GGUF {arch}.rope.dimension_count {dims} != head_dim {head_dim}: partial RoPE unsupported")
-
-
-def _read_rope_freqs(tensors: list[GGUFTensorInfo], path: pathlib.Path, head_dim: int) -> tuple[float, ...] | None:
-    """The float32 `rope_freqs.weight` tensor ([head_dim // 2] per-frequency divisors) if the file has one."""
-    info = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
-    if info is None:
-        return None
-    if info.ggml_type != 0 or info.shape != (head_dim // 2,):  # 0: GGML_TYPE_F32
-        raise ValueError(
-            f"GGUF rope_freqs.weight: type {info.ggml_type}, shape {info.shape}; need F32 [{head_dim // 2}]"
-        )
-    data = np.fromfile(path, dtype="<f4", count=head_dim // 2, offset=info.offset)
-    return tuple(float(x) for x in data)
-
-
-def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
-    def need(key: str) -> Any:
-        if cfg.get(key) is None:
-            raise ValueError(f"config.json lacks required key {key!r}")
-        return cfg[key]
-
-    model_type = need("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
-    heads = need("num_attention_heads")
-    rope_theta, rope_scaling = read_hf_rope(cfg)
-    eos = cfg.get("eos_token_id")
-    return ModelArchConfig(
-        architecture=HF_MODEL_TYPES[model_type],
-        vocab_size=need("vocab_size"),
-        hidden_size=need("hidden_size"),
-        intermediate_size=need("intermediate_size"),
-        num_hidden_layers=need("num_hidden_layers"),
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
-        rms_norm_eps=float(need("rms_norm_eps")),
-        rope_theta=rope_theta,
-        max_position_embeddings=need("max_position_embeddings"),
-        tie_word_embeddings=bool(need("tie_word_embeddings")),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        rope_scaling=rope_scaling,
-    )
-
-
-def _safetensors_names(path: pathlib.Path) -> set[str]:
-    """Tensor names stored in an HF directory's *.safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names.update(f.keys())
-    return names
-
-
 def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Module:
     """Build the model for `model_config.model_path` and fill its weights.
 
@@ -184,12 +57,15 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
         The model in eval mode, float32, with attributes `arch: ModelArchConfig` and `linear_kernels: str` (the
         log line saying which kernel runs each product; "" when the weights are neither packed nor quantized).
     Raises:
+        ConfigError: a config key the model does not implement, a sliding window shorter than
+            `model_config.max_model_len` (`loading/arch_config.py`), or a forced linear kernel that is not available
+            here or gives wrong results.
         ValueError: unsupported architecture or file layout.
         KeyError: a checkpoint tensor the model does not know.
-        ConfigError: a forced linear kernel is not available here or gives wrong results.
     """
     path = pathlib.Path(model_config.model_path)
     arch = read_arch_config(path)
+    check_max_model_len(arch, model_config.max_model_len)
     weights: Iterable[tuple[str, torch.Tensor]] = ()
     if model_config.load_format != "dummy":
         weights = _iter_gguf_weights(path, arch) if path.suffix.lower() == ".gguf" else _iter_safetensors_weights(path)

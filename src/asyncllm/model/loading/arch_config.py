@@ -1,0 +1,471 @@
+"""A checkpoint's architecture config from GGUF metadata or an HF config.json: every key read, on a short list of keys
+that do not change the math, or refused with a `ConfigError` naming it.
+
+Torch-free, so the frontend reads and checks the config before any engine process starts (`EngineArgs.
+create_engine_config`); the worker reads it again when it builds the model (`loader.load_model`).
+
+A key is one of:
+- read: it sets a field of `ModelArchConfig` (or is checked against one, as GGUF `rope.dimension_count`);
+- accepted only at the one value the model implements (`_HF_ONLY_AT`, `_GGUF_ONLY_AT`: `hidden_act` "silu",
+  `attention_bias` false, ...), refused at any other;
+- on the no-math lists (`HF_NO_MATH_KEYS`, `GGUF_NO_MATH_PREFIXES`, `GGUF_NO_MATH_ARCH_KEYS`), each with its reason;
+- anything else: refused. A sliding attention window is read and accepted only when it covers every sequence
+  (`check_max_model_len`): the model attends to the whole sequence.
+
+Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config` (transformers 5: `layer_types`, `rope_parameters`);
+GGUF keys as llama.cpp's `gguf` package names them (`gguf.constants.Keys`).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+from typing import Any
+
+import numpy as np
+
+from asyncllm.errors import ConfigError
+from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
+from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
+
+# HF config.json `model_type` -> architecture name (`model/registry.py`).
+HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values())
+
+_HF_READ_COMMON = frozenset(
+    {
+        "model_type",
+        "architectures",  # must name a ...ForCausalLM (the LM head this model has)
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    }
+)
+# Keys read only for some families: how HF's modeling code for that family applies a sliding window.
+_HF_READ_FAMILY: dict[str, frozenset[str]] = {
+    "llama": frozenset(),
+    "mistral": frozenset({"sliding_window"}),
+    "qwen2": frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
+}
+# Keys accepted only at the one value this model implements; any other value changes the math.
+_HF_ONLY_AT_COMMON: dict[str, Any] = {
+    "hidden_act": "silu",  # the MLP's activation: SiLU(gate) * up
+    "is_encoder_decoder": False,
+    "rope_interleaved": False,  # nanotron's export flag (SmolLM2): rotary in HF's "rotate half" layout
+}
+_HF_ONLY_AT_FAMILY: dict[str, dict[str, Any]] = {
+    "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
+    "qwen2": {},  # q/k/v biases always (read from the checkpoint), no others
+}
+# Keys that do not change the logits, whatever their value.
+HF_NO_MATH_KEYS = frozenset(
+    {
+        # Provenance and bookkeeping.
+        "transformers_version",
+        "_name_or_path",
+        "is_llama_config",  # nanotron's export marker (SmolLM2)
+        "transformers.js_config",  # transformers.js's own settings (SmolLM2)
+        # Storage dtype: weights are read as stored and computed in float32 (or requantized to int8).
+        "torch_dtype",
+        "dtype",
+        # What HF's forward returns or caches, not the values it computes.
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        # Training only: weight initialization, and dropout (inactive at inference).
+        "initializer_range",
+        "attention_dropout",
+        # The padding token: asyncllm never pads a sequence with tokens.
+        "pad_token_id",
+        # Classification heads only (`architectures` must name a ...ForCausalLM).
+        "id2label",
+        "label2id",
+        "problem_type",
+        # HF's chunked feed-forward computes the same values in pieces (and HF's Llama does not use it).
+        "chunk_size_feed_forward",
+    }
+)
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_ROPE_KEYS = {"default": frozenset({"rope_theta", "rope_type", "type"})}
+_ROPE_KEYS["llama3"] = _ROPE_KEYS["default"] | frozenset(_LLAMA3_ROPE_KEYS)
+
+# GGUF keys after "{arch}." read into `ModelArchConfig` (or checked against it).
+GGUF_READ_KEYS = frozenset(
+    {
+        "vocab_size",
+        "context_length",
+        "embedding_length",
+        "block_count",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "attention.key_length",
+        "attention.value_length",  # must equal key_length (head_dim)
+        "attention.layer_norm_rms_epsilon",
+        "attention.sliding_window",
+        "rope.freq_base",
+        "rope.dimension_count",  # must equal head_dim: partial rotary is refused
+        "rope.scaling.type",  # must be "none": Llama 3 scaling comes as the rope_freqs tensor
+    }
+)
+# GGUF keys after "{arch}." accepted only at values that leave the math unchanged.
+_GGUF_ONLY_AT: dict[str, tuple[Any, ...]] = {
+    "rope.scaling.factor": (0.0, 1.0),  # llama.cpp reads 0 as 1
+    "expert_count": (0,),  # a dense model
+    "expert_used_count": (0,),
+    "attention.causal": (True,),
+}
+# GGUF keys after "{arch}." that do not change the logits: they only parametrize a scaling type other than "none",
+# which is refused.
+GGUF_NO_MATH_ARCH_KEYS = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetuned"})
+# Whole GGUF namespaces that do not change the logits: file description (`general.alignment` is read by the header
+# reader), the tokenizer (read by `tokenizer.py`), and how the weights were quantized (they are what they are).
+GGUF_NO_MATH_PREFIXES = ("general.", "tokenizer.", "quantize.")
+# A split GGUF: only a file that is the whole model is accepted.
+_GGUF_SPLIT_ONLY_AT: dict[str, tuple[Any, ...]] = {"split.count": (1,), "split.no": (0,)}
+_GGUF_SPLIT_NO_MATH = frozenset({"split.tensors.count"})
+
+
+def hf_read_keys(model_type: str) -> frozenset[str]:
+    """The config.json keys `read_arch_config` reads for an HF `model_type` (any value accepted if well-formed)."""
+    return _HF_READ_COMMON | _HF_READ_FAMILY.get(model_type, frozenset())
+
+
+def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
+    """Architecture hyper-parameters from a `.gguf` file's metadata or an HF directory's config.json.
+
+    A hyper-parameter the checkpoint lacks is an error unless the format itself defines its value (GGUF spec:
+    `head_count_kv` = `head_count`, `key_length` = `embedding_length / head_count`; llama.cpp: `rope.freq_base`
+    = 10000; HF `LlamaConfig`/`Qwen2Config`: `num_key_value_heads` = `num_attention_heads`, `head_dim` =
+    `hidden_size / num_attention_heads`). HF `tie_word_embeddings`, when absent, is read from the checkpoint:
+    tied exactly when no `lm_head.weight` is stored. Every other key is checked as the module docstring says.
+
+    Raises:
+        ConfigError: the path is neither, a required key is missing, a key this model does not implement (named,
+            with its value), or a RoPE variant that cannot be honoured.
+    """
+    path = pathlib.Path(model_path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        try:
+            metadata, tensors = read_gguf_header(path)
+        except ValueError as e:  # not GGUF, or a truncated header
+            raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from e
+        return _arch_from_gguf(metadata, tensors, path)
+    if (path / "config.json").is_file():
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path / 'config.json'}: not JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path / 'config.json'}: not a JSON object")
+        if "tie_word_embeddings" not in cfg:
+            cfg["tie_word_embeddings"] = "lm_head.weight" not in _safetensors_names(path)
+        return _arch_from_hf(cfg)
+    raise ConfigError(f"{model_path}: not a .gguf file or a directory with config.json")
+
+
+def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> None:
+    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow.
+
+    The model attends to the whole sequence. With a window of `w` tokens (a query sees itself and the `w - 1`
+    tokens before it, as HF's `sliding_window_overlay`), that is the same math while no sequence is longer than
+    `w`. `max_model_len` None means the model's context length, as the worker resolves it.
+
+    Raises:
+        ConfigError: naming the window and the sequence length it does not cover.
+    """
+    context = arch.max_position_embeddings
+    length = min(max_model_len or context, context)
+    if arch.sliding_window is not None and arch.sliding_window < length:
+        raise ConfigError(
+            f"sliding_window={arch.sliding_window} < max_model_len {length}: asyncllm has no sliding-window "
+            f"attention, so tokens beyond the window would attend to more than the model was trained to; "
+            f"set EngineArgs.max_model_len <= {arch.sliding_window}"
+        )
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------------
+
+
+def check_gguf_keys(meta: dict[str, Any]) -> None:
+    """Every GGUF metadata key is read, accepted at its harmless value, or not math; RoPE metadata is honoured.
+
+    Raises:
+        ConfigError: an unsupported architecture, or a key this model does not implement (named, with its value).
+    """
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(
+            f"GGUF general.architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    for key, value in meta.items():
+        if key.startswith(GGUF_NO_MATH_PREFIXES) or key in _GGUF_SPLIT_NO_MATH:
+            continue
+        if key in _GGUF_SPLIT_ONLY_AT:
+            if value not in _GGUF_SPLIT_ONLY_AT[key]:
+                raise ConfigError(f"GGUF {key}={value!r}: a split GGUF file is not supported (only the whole model)")
+            continue
+        name = key.removeprefix(f"{arch}.")
+        if name == key:
+            raise ConfigError(
+                f"GGUF metadata key {key}={_short(value)} is not read by asyncllm (it may change the math)"
+            )
+        if name in GGUF_READ_KEYS or name in GGUF_NO_MATH_ARCH_KEYS:
+            continue
+        if name in _GGUF_ONLY_AT:
+            if value not in _GGUF_ONLY_AT[name]:
+                raise ConfigError(f"GGUF {key}={value!r} is not supported (only {list(_GGUF_ONLY_AT[name])})")
+            continue
+        raise ConfigError(f"GGUF metadata key {key}={_short(value)} is not read by asyncllm (it may change the math)")
+    hidden, heads = meta.get(f"{arch}.embedding_length"), meta.get(f"{arch}.attention.head_count")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+        value_length = meta.get(f"{arch}.attention.value_length", head_dim)
+        if value_length != head_dim:
+            raise ConfigError(f"GGUF {arch}.attention.value_length={value_length} != key_length {head_dim}")
+        _check_gguf_rope(meta, arch, head_dim)
+
+
+def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: pathlib.Path) -> ModelArchConfig:
+    check_gguf_keys(meta)
+    arch = meta["general.architecture"]
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ConfigError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // heads)
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    if not vocab:
+        raise ConfigError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
+    return ModelArchConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),  # llama.cpp's default when the key is absent
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings=all(t.name != "output.weight" for t in tensors),  # no LM head: tied to token_embd
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        rope_freq_divisors=_read_rope_freqs(tensors, path, head_dim),
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+    )
+
+
+def _check_gguf_rope(meta: dict[str, Any], arch: str, head_dim: int) -> None:
+    """Reject GGUF RoPE metadata this model cannot honour (ggml docs: `rope.scaling.type`, `rope.dimension_count`).
+
+    Llama 3 scaling is stored by llama.cpp's converter as a `rope_freqs` tensor (read by `_read_rope_freqs`), with
+    no scaling type; linear/YaRN scaling types and partial rotary dimensions are rejected.
+    """
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none":
+        raise ConfigError(f"GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported (only 'none')")
+    dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
+    if dims != head_dim:
+        raise ConfigError(f"GGUF {arch}.rope.dimension_count {dims} != head_dim {head_dim}: partial RoPE unsupported")
+
+
+def _read_rope_freqs(tensors: list[GGUFTensorInfo], path: pathlib.Path, head_dim: int) -> tuple[float, ...] | None:
+    """The float32 `rope_freqs.weight` tensor ([head_dim // 2] per-frequency divisors) if the file has one."""
+    info = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    if info is None:
+        return None
+    if info.ggml_type != 0 or info.shape != (head_dim // 2,):  # 0: GGML_TYPE_F32
+        raise ConfigError(
+            f"GGUF rope_freqs.weight: type {info.ggml_type}, shape {info.shape}; need F32 [{head_dim // 2}]"
+        )
+    data = np.fromfile(path, dtype="<f4", count=head_dim // 2, offset=info.offset)
+    return tuple(float(x) for x in data)
+
+
+# ---- HF config.json ------------------------------------------------------------------------------------
+
+
+def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ConfigError(f"config.json lacks required key {key!r}")
+        return cfg[key]
+
+    model_type = need("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
+    _check_hf_keys(cfg, model_type)
+    _check_layer_types(cfg)
+    heads = need("num_attention_heads")
+    rope_theta, rope_scaling = read_hf_rope(cfg)
+    eos = cfg.get("eos_token_id")
+    return ModelArchConfig(
+        architecture=HF_MODEL_TYPES[model_type],
+        vocab_size=need("vocab_size"),
+        hidden_size=need("hidden_size"),
+        intermediate_size=need("intermediate_size"),
+        num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
+        rms_norm_eps=float(need("rms_norm_eps")),
+        rope_theta=rope_theta,
+        max_position_embeddings=need("max_position_embeddings"),
+        tie_word_embeddings=bool(need("tie_word_embeddings")),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        rope_scaling=rope_scaling,
+        sliding_window=_hf_sliding_window(cfg, model_type),
+    )
+
+
+def _check_hf_keys(cfg: dict[str, Any], model_type: str) -> None:
+    """Every key is read, accepted at its one implemented value, or not math; else a ConfigError naming it."""
+    read = hf_read_keys(model_type)
+    only_at = {**_HF_ONLY_AT_COMMON, **_HF_ONLY_AT_FAMILY[model_type]}
+    for key, value in cfg.items():
+        if key in read or key in HF_NO_MATH_KEYS:
+            continue
+        if key in only_at:
+            if value != only_at[key] or type(value) is not type(only_at[key]):
+                raise ConfigError(
+                    f"config.json {key}={value!r} is not supported (only {only_at[key]!r}): it would change the math"
+                )
+            continue
+        raise ConfigError(
+            f"config.json key {key}={_short(value)} is not read by asyncllm for model_type {model_type!r} "
+            "(it may change the math)"
+        )
+    architectures = cfg.get("architectures")
+    if architectures is not None and (
+        not isinstance(architectures, list)
+        or not all(isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures)
+    ):
+        raise ConfigError(f"config.json architectures={architectures!r}: only ...ForCausalLM models are supported")
+
+
+def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    """The attention window of the windowed layers, or None when no layer has one, as HF's modeling applies it.
+
+    Mistral: `sliding_window` on every layer (null: none). Qwen2: only with `use_sliding_window`, on the layers
+    `layer_types` marks "sliding_attention", or when that is absent on layers from `max_window_layers` on.
+    """
+    if model_type == "llama":
+        return None
+    window = cfg.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"config.json sliding_window={window!r}: must be null or an integer >= 1")
+    if model_type == "mistral" or window is None:
+        return window
+    use = cfg.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise ConfigError(f"config.json use_sliding_window={use!r}: must be true or false")
+    if not use:
+        return None
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", layers)
+        return window if isinstance(first, int) and first < layers else None
+    return window if "sliding_attention" in types else None
+
+
+def _check_layer_types(cfg: dict[str, Any]) -> None:
+    types = cfg.get("layer_types")
+    if types is None:
+        return
+    allowed = ("full_attention", "sliding_attention")
+    if (
+        not isinstance(types, list)
+        or len(types) != cfg.get("num_hidden_layers")
+        or any(t not in allowed for t in types)
+    ):
+        raise ConfigError(
+            f"config.json layer_types={_short(types)}: must list {allowed} once per layer "
+            f"({cfg.get('num_hidden_layers')} layers)"
+        )
+
+
+def read_hf_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """Rotary base and scaling from an HF config.json, in either generation.
+
+    Current transformers writes `"rope_parameters": {"rope_theta": ..., "rope_type": ..., ...}` and no top-level
+    `rope_theta`; older versions write a top-level `rope_theta` and an optional `rope_scaling` dict (whose type key
+    is `rope_type`, or `type` in the oldest files).
+
+    Returns:
+        (rope_theta, the Llama 3 scaling or None for plain RoPE).
+    Raises:
+        ConfigError: no rotary base in either place, the two places disagree, a `rope_type` other than
+            "default"/"llama3", a llama3 parameter missing, or a key the rope type does not have (e.g.
+            `partial_rotary_factor`).
+    """
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError(f"config.json: rope_parameters/rope_scaling must be objects, got {params!r}, {scaling!r}")
+    thetas = {float(v) for v in (cfg.get("rope_theta"), params.get("rope_theta")) if v is not None}
+    if not thetas:
+        raise ConfigError("config.json has no rope_theta (neither top-level nor in rope_parameters)")
+    if len(thetas) > 1:
+        raise ConfigError(f"config.json: rope_theta and rope_parameters.rope_theta disagree: {sorted(thetas)}")
+    merged = {**scaling, **params}
+    key = "rope_parameters" if params else "rope_scaling"
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"config.json: {key}.rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    for name, value in merged.items():
+        if name not in _ROPE_KEYS[rope_type] and value is not None:
+            raise ConfigError(f"config.json {key}.{name}={value!r} is not read for rope_type {rope_type!r}")
+    if rope_type == "default":
+        return thetas.pop(), None
+    missing = [n for n in _LLAMA3_ROPE_KEYS if merged.get(n) is None]
+    if missing:
+        raise ConfigError(f"config.json: {key} with rope_type 'llama3' lacks {missing}")
+    return thetas.pop(), Llama3RopeScaling(
+        factor=float(merged["factor"]),
+        low_freq_factor=float(merged["low_freq_factor"]),
+        high_freq_factor=float(merged["high_freq_factor"]),
+        original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+    )
+
+
+def _safetensors_names(path: pathlib.Path) -> set[str]:
+    """Tensor names stored in an HF directory's *.safetensors files, from their headers (safetensors format: a
+    little-endian uint64 header length, then the JSON header; torch-free)."""
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            names.update(k for k in json.loads(f.read(length)) if k != "__metadata__")
+    return names
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
