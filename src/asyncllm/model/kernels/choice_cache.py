@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
-CACHE_VERSION = 1  # bump when the measuring or the candidates change meaning
+CACHE_VERSION = 2  # bump when the measuring or the candidates change meaning (2: passes over weight copies)
 
 
 class ChoiceCache:
