@@ -23,7 +23,7 @@ DataParallelBackend = Literal["mp", "ray"]
 # they are preferred on a tie.
 LINEAR_KERNEL_NAMES: dict[str, tuple[str, ...]] = {
     "int8": ("onednn", "int_mm"),
-    "fp32": ("matmul", "mkl_packed", "onednn"),
+    "fp32": ("mkl_packed", "matmul", "onednn"),
 }
 LINEAR_KERNEL_ENV = "ASYNCLLM_LINEAR_KERNELS"
 

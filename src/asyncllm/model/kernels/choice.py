@@ -12,7 +12,7 @@ float32 (docs/kernels.md). So, for each weight shape, the first time it is asked
 2. times the candidates that agree, interleaved, at one row count per row class (`ROW_CLASSES`), best of several
    passes over copies of the weight (`STREAM_BYTES` of them, so the weights come from memory as in a step, not
    from the CPU's caches); a candidate `SLOW_FACTOR` times slower than the best is not timed again in this process;
-3. picks per row class the fastest; within `TIE_MARGIN` of it, the candidate earlier in the kind's order wins.
+3. picks per row class the fastest; within the kind's `tie_margin` of it, the candidate earlier in its order wins.
 
 Choices are kept in a JSON file beside the built kernels (`$XDG_CACHE_HOME/asyncllm/kernels/`), one file per host
 fingerprint (CPU model and flags, torch, oneDNN and MKL versions, torch threads, the kind's available candidates), so
@@ -48,7 +48,6 @@ ROW_CLASSES = ((1, 1), (2, 16), (17, 64), (65, None))  # (first, last) rows of e
 TIMED_ROWS = (1, 8, 32, 128)  # the row count each class is timed at
 SLOW_FACTOR = 10.0  # a candidate this much slower than the best is not timed again (a reference kernel)
 SLOW_MIN_S = 0.002  # ... and at least this much slower in seconds, so timer noise on tiny products drops nothing
-TIE_MARGIN = 0.03  # within 3% of the fastest, the earlier candidate of the kind's order wins
 TIME_BUDGET_S = 0.03  # seconds of products per candidate and row count, at least `MIN_CALLS` passes
 STREAM_BYTES = 32 << 20  # a timing pass goes over this many bytes of weights of one shape (past the L2 caches)
 MAX_COPIES = 16
@@ -95,6 +94,7 @@ class ProductKind(Generic[W]):
         agrees: (output, reference) -> whether a candidate's output is right (exactly, or within float32 rounding).
         out_features: a plain weight's output columns.
         itemsize: bytes per weight value (4 for float32, 1 for int8).
+        tie_margin: a candidate this close to the fastest (fraction) wins if it comes earlier in `candidates`.
     """
 
     name: str
@@ -105,6 +105,7 @@ class ProductKind(Generic[W]):
     agrees: Callable[[torch.Tensor, torch.Tensor], bool]
     out_features: Callable[[W], int]
     itemsize: int
+    tie_margin: float = 0.03
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,7 @@ class KernelChooser(Generic[W]):
     def _pick(self, times_ms: dict[str, float]) -> str:
         fastest = min(times_ms.values())
         order = [c.name for c in self.kind.candidates if c.name in times_ms]
-        return next(name for name in order if times_ms[name] <= fastest * (1 + TIE_MARGIN))
+        return next(name for name in order if times_ms[name] <= fastest * (1 + self.kind.tie_margin))
 
     def _disagreeing(self, shape: tuple[int, int], candidate: Candidate[W]) -> bool:
         """Whether `candidate` disagrees with the reference at any timed row count on a random weight of `shape`."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
-CACHE_VERSION = 2  # bump when the measuring or the candidates change meaning (2: passes over weight copies)
+CACHE_VERSION = 3  # bump when the measuring or the choosing changes (2: passes over weight copies; 3: fp32 order)
 
 
 class ChoiceCache:
