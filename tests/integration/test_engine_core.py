@@ -221,6 +221,8 @@ class _SumModel:
     """Writes (position + 1) * token as each token's "key"; a query's hidden state is the sum of the keys it
     may attend to (per the metadata's block tables and mask); the logits are one-hot at that sum mod vocab."""
 
+    decode_reads_cache = False  # decode steps get the runner's K/V mirror plan, as the torch attention path does
+
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from asyncllm.model.kernels import row_kernels
 from asyncllm.model.kernels.int8 import quantize_rows
 from asyncllm.model.kernels.rotary import apply_rotary
-from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
+from asyncllm.model.kernels.row_kernels import RowKernels, decode_attention_reference, load_kernels
+from asyncllm.model.layers import attention
 from asyncllm.model.layers.attention import write_kv_cache
 from asyncllm.model.layers.rotary import rotary_cos_sin
 from tests.kernels import require_kernels
@@ -215,7 +216,7 @@ def test_the_switch_turns_them_off(kernels: RowKernels, monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize(("quantization", "qkv_bias"), [(None, False), ("int8", False), (None, True), ("int8", True)])
 def test_models_give_the_same_logits_with_and_without_them(
-    kernels: RowKernels, tmp_path, quantization: str | None, qkv_bias: bool
+    kernels: RowKernels, tmp_path, quantization: str | None, qkv_bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
     model = _tiny_model(tmp_path, quantization)
     if qkv_bias:  # Qwen2's q/k/v biases, through the kernel's bias add
@@ -225,12 +226,18 @@ def test_models_give_the_same_logits_with_and_without_them(
     assert model.fused_kernels is load_kernels()  # one instance per process
     assert all(layer.fused_kernels is model.fused_kernels for layer in model.layers)
     chunks = [[[5, 9, 200, 31, 7, 7, 1], [7, 1, 3]], [[3], [8]], [[11], [12]]]  # a prefill of two, then decodes
-    fused = _logits(model, chunks)
+    with_cache_attention = _logits(model, chunks)
+    with monkeypatch.context() as patch:  # the row kernels alone: bit for bit
+        patch.setattr(attention, "decode_reads_cache", lambda kernels, head_dim: False)
+        fused = _logits(model, chunks)
     for module in (model, *model.layers):
         module.fused_kernels = None
     eager = _logits(model, chunks)
     assert eager.abs().max() > 0.1  # the random weights give logits that are not all zero
     assert torch.equal(fused, eager)
+    # decode attention read from the cache sums in another order than SDPA: equal within float32 rounding
+    assert attention.decode_reads_cache(kernels, model.arch.head_dim)
+    torch.testing.assert_close(with_cache_attention, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -275,3 +282,49 @@ def test_the_self_check_names_a_kernel_that_differs(kernels: RowKernels) -> None
     wrong.rms_norm = lambda x, weight, eps: x.clone()  # forgets to normalize
     assert row_kernels.self_check(cast(RowKernels, wrong)).startswith("rms_norm differs from F.rms_norm")
     assert row_kernels.self_check(kernels) == ""
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (8, 8, 16), (2, 1, 128)])
+@pytest.mark.parametrize("window", [0, 1, 20])
+def test_decode_attention_reads_the_cache_like_gathered_sdpa(
+    kernels: RowKernels, num_heads: int, num_kv_heads: int, head_dim: int, window: int
+) -> None:
+    """GQA shapes of SmolLM2 (9/3 x 64), Gemma 3 270M (4/1 x 256), MHA and Llama-like heads; sequences of 1 token,
+    a partial block, a whole block and a long one, through shuffled block tables; with and without a window."""
+    gen = torch.Generator().manual_seed(head_dim + window)
+    block_size, max_blocks = 16, 40
+    kv_cache = torch.randn(170, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    seq_lens = torch.tensor([1, 7, 16, 600])
+    tables = torch.randperm(170, generator=gen)[: 4 * max_blocks].view(4, max_blocks).contiguous()
+    query = torch.randn(4, num_heads, head_dim, generator=gen) * 3
+    got = kernels.paged_decode_attention(query, kv_cache, tables, seq_lens, head_dim**-0.5, window)
+    want = decode_attention_reference(query, kv_cache, tables, seq_lens, window)
+    assert got.shape == (4, num_heads * head_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    solo = kernels.paged_decode_attention(query[3:], kv_cache, tables[3:], seq_lens[3:], head_dim**-0.5, window)
+    assert torch.equal(solo, got[3:])  # a sequence's output does not depend on its batch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(
+            kernels.paged_decode_attention(query, kv_cache, tables, seq_lens, head_dim**-0.5, window), got
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_attention_refuses_bad_tables_and_shapes(kernels: RowKernels) -> None:
+    cache = torch.zeros(4, 2, 16, 1, 64)
+    query = torch.zeros(1, 2, 64)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernels.paged_decode_attention(query, cache, torch.tensor([[4]]), torch.tensor([3]), 0.125, 0)
+    with pytest.raises(IndexError, match="block table holds 16"):
+        kernels.paged_decode_attention(query, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="multiple of the cache's K/V heads"):
+        kernels.paged_decode_attention(
+            torch.zeros(1, 3, 64), torch.zeros(4, 2, 16, 2, 64), torch.tensor([[0]]), torch.tensor([3]), 0.125, 0
+        )
+    with pytest.raises(RuntimeError, match="is not 1, 2, 4, 8"):
+        kernels.paged_decode_attention(
+            torch.zeros(1, 2, 24), torch.zeros(4, 2, 16, 1, 24), torch.tensor([[0]]), torch.tensor([3]), 0.125, 0
+        )

@@ -33,7 +33,7 @@ from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_int8
 from asyncllm.model.kernels.linear import Weight, linear, record_input_absmax
 from asyncllm.model.kernels.rotary import apply_rotary
 from asyncllm.model.kernels.row_kernels import MAX_NORM_COLUMNS, RowKernels, load_kernels
-from asyncllm.model.layers.attention import paged_attention, write_kv_cache
+from asyncllm.model.layers.attention import decode_reads_cache, paged_attention, write_kv_cache
 from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.model.layers.rotary import arch_inv_freq, rotary_cos_sin
 from asyncllm.model.llama_weights import LINEAR_WEIGHTS, LayerWeights
@@ -213,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
         tp_rank, tp_size = get_tp_rank(), get_tp_size()  # from parallel_state: (0, 1) unless a TP group was joined
         check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp_size)
         self.fused_kernels = load_kernels() if arch.hidden_size <= MAX_NORM_COLUMNS else None
+        # decode steps read the paged cache directly: the model runner keeps no dense K/V mirror for them
+        self.decode_reads_cache = decode_reads_cache(self.fused_kernels, arch.head_dim)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, qkv_bias, tp_rank, tp_size, self.fused_kernels)
             for _ in range(arch.num_hidden_layers)

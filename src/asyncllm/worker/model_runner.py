@@ -40,6 +40,7 @@ class CausalLM(Protocol):
     """What the runner needs of a model (`asyncllm.model.llama.LlamaForCausalLM` is one)."""
 
     arch: ModelArchConfig
+    decode_reads_cache: bool  # decode attention reads the paged KV cache directly: no dense K/V mirror needed
 
     def __call__(
         self,
@@ -286,8 +287,10 @@ class ModelRunner:
 
     def _plan_kv_mirror(self, meta: AttentionMetadata, req_ids: list[str], seq_lens: np.ndarray) -> None:
         """Decode-only steps read K/V from the mirror kept since the last step (`model/layers/kv_mirror.py`); any other
-        step forgets it. The mirror may take as much memory as the KV cache itself."""
-        if not (len(meta.groups) == 1 and meta.groups[0].max_query_len == 1 and self.kv_caches):
+        step forgets it. The mirror may take as much memory as the KV cache itself. None when the model's decode
+        attention reads the paged cache directly (`model/layers/attention.decode_reads_cache`)."""
+        decode_only = len(meta.groups) == 1 and meta.groups[0].max_query_len == 1
+        if not (decode_only and self.kv_caches) or self.model.decode_reads_cache:
             self.kv_mirror = None
             return
         if self.kv_mirror is None:

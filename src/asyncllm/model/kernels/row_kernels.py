@@ -17,6 +17,10 @@ in one call per row what took 2-12 torch ops:
 - K/V copies (both paths): `store_kv_cache_` (this step's keys and values into the paged cache at their slots:
   `attention.write_kv_cache`'s permute, stack and indexed write) and `store_kv_rows_` (the new token into the
   decode K/V mirror: two indexed writes). Indexed writes cost 5-20 us each in a step; these are plain copies.
+- `paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, window)`: decode attention read
+  straight from the paged KV cache through the block tables (`csrc/paged_attention.cpp`), instead of gathering
+  every cached token into a dense copy per layer and step. Not bit-exact with SDPA (another summation order):
+  `self_check` compares it with SDPA within `ATTENTION_TOLERANCE`.
 - float32 products with a weight packed once by MKL in column chunks (`sgemm_pack`, `sgemm_packed`, in
   `csrc/packed_gemm.cpp`: the CBLAS packed-GEMM routines of the MKL torch links, where it exports them, with the
   chunks handed out on demand to threads). Not row kernels and not bit-exact with other GEMMs:
@@ -58,8 +62,9 @@ from asyncllm.model.kernels.rotary import apply_rotary
 
 logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("packed_gemm.cpp"))  # compiled together; with packed_gemm.h, in the cache key
-HEADERS = (SOURCE.with_name("packed_gemm.h"),)
+# compiled together; with the headers, in the cache key
+SOURCES = (SOURCE, SOURCE.with_name("packed_gemm.cpp"), SOURCE.with_name("paged_attention.cpp"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("packed_gemm.h", "paged_attention.h", "vec_capability.h"))
 ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
 STALE_LOCK_S = 600.0  # seconds; a build takes about 20
 SLOW_FALLBACK = (
@@ -67,6 +72,8 @@ SLOW_FALLBACK = (
     "an int8 decode step, README 'Speed'). Install a C++ compiler (e.g. g++) and reinstall asyncllm (brings ninja)"
 )
 MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to this many columns
+# |paged_decode_attention - SDPA| at most this x max |value| (float32 sums in another order: ~1e-7 relative seen)
+ATTENTION_TOLERANCE = 1e-5
 
 
 class RowKernels(Protocol):
@@ -135,6 +142,24 @@ class RowKernels(Protocol):
     ) -> None:
         """`key_dst[i, positions[i]] = key[i]` and the same for value, for contiguous `[rows, capacity, heads,
         head_dim]` destinations. Raises IndexError for a position outside the capacity."""
+        ...
+
+    def paged_decode_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int,
+    ) -> torch.Tensor:
+        """Attention of each sequence's one query token over its cached tokens, read through its block table.
+
+        `query` [num_seqs, num_heads, head_dim] contiguous; `kv_cache` [num_blocks, 2, block_size, num_kv_heads,
+        head_dim] contiguous (num_heads a multiple of num_kv_heads: GQA); `block_tables` [num_seqs, max_blocks]
+        int64; `seq_lens` [num_seqs] int64 tokens in the cache (the query's own included). `window` > 0: only the
+        last `window` tokens are seen. Returns [num_seqs, num_heads * head_dim] float32. Raises RuntimeError on a
+        wrong dtype/shape/layout, IndexError on a block outside the cache or a table too short."""
         ...
 
     def has_packed_sgemm(self) -> bool:
@@ -261,6 +286,7 @@ KERNELS = (
     "add_scaled_",
     "store_kv_cache_",
     "store_kv_rows_",
+    "paged_decode_attention",
     "has_packed_sgemm",
     "sgemm_pack",
     "sgemm_packed",
@@ -269,7 +295,8 @@ KERNELS = (
 
 def self_check(kernels: RowKernels) -> str:
     """Compare every kernel with the eager ops it replaces, on rows of 70, 576 and 2048 columns (with a row of
-    zeros); returns "" when all are equal bit for bit, else which kernel differs."""
+    zeros); returns "" when all are equal bit for bit (decode attention: within `ATTENTION_TOLERANCE` of SDPA),
+    else which kernel differs."""
     gen = torch.Generator().manual_seed(0)
     for cols in (70, 576, 2048):
         x = torch.randn(3, cols, generator=gen) * 4
@@ -277,7 +304,7 @@ def self_check(kernels: RowKernels) -> str:
         problem = _compare(kernels, x, torch.rand(cols, generator=gen) + 0.5, torch.randn(3, cols, generator=gen))
         if problem:
             return f"{problem} ({cols} columns)"
-    return ""
+    return _compare_decode_attention(kernels, gen)
 
 
 def _compare(kernels: RowKernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> str:
@@ -333,3 +360,40 @@ def _compare_kv_stores(kernels: RowKernels, x: torch.Tensor) -> str:
     kernels.store_kv_rows_(got[0], got[1], key, value, offsets)
     want[0][torch.arange(rows), offsets], want[1][torch.arange(rows), offsets] = key, value
     return "" if torch.equal(got, want) else "store_kv_rows_ differs from indexed row writes"
+
+
+def decode_attention_reference(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int = 0
+) -> torch.Tensor:
+    """What `paged_decode_attention` computes, by torch ops one sequence at a time: the cached tokens gathered
+    through the block table, SDPA over the query heads (GQA by repeating K/V heads). `[num_seqs, num_heads *
+    head_dim]` float32."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    rows = []
+    for s in range(num_seqs):
+        length = int(seq_lens[s])
+        first = max(0, length - window) if window > 0 else 0
+        blocks = block_tables[s, : -(-length // block_size)]
+        key, value = (kv_cache[blocks, i].reshape(-1, num_kv_heads, head_dim)[first:length] for i in (0, 1))
+        key, value = (t.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0) for t in (key, value))
+        out = F.scaled_dot_product_attention(query[s].unsqueeze(1), key, value)  # [num_heads, 1, head_dim]
+        rows.append(out.reshape(-1))
+    return torch.stack(rows)
+
+
+def _compare_decode_attention(kernels: RowKernels, gen: torch.Generator) -> str:
+    """Decode attention on a shuffled cache: GQA (8 query heads over 2 K/V heads), sequences of 1, 5 and 37
+    tokens (a partial last block), with and without a window."""
+    block_size, head_dim = 4, 16
+    kv_cache = torch.randn(32, 2, block_size, 2, head_dim, generator=gen)
+    seq_lens = torch.tensor([1, 5, 37])
+    block_tables = torch.randperm(32, generator=gen)[:30].view(3, 10).contiguous()
+    query = torch.randn(3, 8, head_dim, generator=gen)
+    bound = ATTENTION_TOLERANCE * float(kv_cache[:, 1].abs().max())
+    for window in (0, 6):
+        got = kernels.paged_decode_attention(query, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
+        want = decode_attention_reference(query, kv_cache, block_tables, seq_lens, window)
+        if got.shape != want.shape or float((got - want).abs().max()) > bound:
+            return f"paged_decode_attention differs from SDPA (window {window})"
+    return ""

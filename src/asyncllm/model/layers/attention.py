@@ -74,6 +74,13 @@ def gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tens
     return gather(0), gather(1)
 
 
+def decode_reads_cache(kernels: RowKernels | None, head_dim: int) -> bool:
+    """Whether decode-only steps read K/V straight from the paged cache (`RowKernels.paged_decode_attention`,
+    for head sizes of 16..256 floats in steps of 16) rather than through a dense copy (`gather_kv` or the K/V mirror).
+    """
+    return kernels is not None and head_dim % 16 == 0 and head_dim <= 256
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -115,11 +122,18 @@ def _decode_attention(
     kernels: RowKernels | None,
 ) -> torch.Tensor:
     """[num_seqs, num_heads * head_dim] attention output of a step whose every sequence has one query token
-    (query row i belongs to sequence i): no padding row, no scatter, and the `[num_seqs, 1, 1, max_seq_len]`
-    mask broadcasts over the query heads of each K/V head (no mask when every sequence has the same length:
-    adding a mask of zeros changes nothing). K/V come from the step's mirror when it has one."""
+    (query row i belongs to sequence i). With the kernels (`decode_reads_cache`), one kernel call reads the cache
+    through the block tables. Otherwise SDPA over a dense copy: no padding row, no scatter, and the
+    `[num_seqs, 1, 1, max_seq_len]` mask broadcasts over the query heads of each K/V head (no mask when every
+    sequence has the same length: adding a mask of zeros changes nothing); K/V come from the step's mirror when it
+    has one."""
     num_seqs, num_heads, head_dim = query.shape
     group = meta.groups[0]
+    if kernels is not None and decode_reads_cache(kernels, head_dim):
+        softmax_scale = head_dim**-0.5 if scale is None else scale
+        return kernels.paged_decode_attention(
+            query.contiguous(), kv_cache, group.block_tables, group.seq_lens, softmax_scale, 0
+        )
     if meta.mirror is not None and meta.slot_blocks is not None:
         dense_key, dense_value = meta.mirror.key_value(kv_cache, meta.slot_blocks, new_kv, kernels)
         key = dense_key[:, : group.max_seq_len].transpose(1, 2)

@@ -10,13 +10,7 @@
 // batch.
 //
 // The float32 products with an MKL-packed weight live in packed_gemm.cpp; this module exports them.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#endif
+#include "vec_capability.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -28,6 +22,7 @@
 #include <vector>
 
 #include "packed_gemm.h"
+#include "paged_attention.h"
 
 namespace {
 
@@ -424,4 +419,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_packed_sgemm", &has_packed_sgemm);
   m.def("sgemm_pack", &sgemm_pack);
   m.def("sgemm_packed", &sgemm_packed);
+  m.def("paged_decode_attention", &paged_decode_attention);
 }

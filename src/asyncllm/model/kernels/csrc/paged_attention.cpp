@@ -1,0 +1,201 @@
+// Decode attention straight from the paged KV cache (asyncllm/model/layers/attention.py `_decode_attention`).
+//
+// Each sequence has one query token (its newest, already written to the cache). For every (sequence, K/V head) the
+// kernel walks the sequence's block table once for the keys and once for the values: scores q.k * scale for the
+// query heads that share the K/V head (grouped-query attention, HF's `repeat_kv` order: query head h reads K/V head
+// h / (num_heads / num_kv_heads)), an exact softmax (max subtracted, ATen's vectorized exp), then the weighted sum of
+// the values. Nothing is gathered into a dense copy first, which is what the torch path does per layer and step.
+// With `window` > 0 a query sees only the last `window` tokens (itself included), as sliding-window layers do.
+//
+// Float32 throughout, in a fixed order per (sequence, head): a sequence's output does not depend on its batch or on
+// the thread count. Not bit-exact with torch's SDPA (another summation order): row_kernels.py checks it against
+// SDPA at start-up with a tolerance.
+//
+// Sources: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
+// grouped-query attention (Ainslie et al., 2023).
+#include "vec_capability.h"
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "paged_attention.h"
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// The sum of a vector's lanes.
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(v);
+#else
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float sum = 0.f;
+  for (int64_t j = 0; j < Vec::size(); ++j) sum += lanes[j];
+  return sum;
+#endif
+}
+
+struct Layout {
+  int64_t block_size, num_kv_heads, head_dim, per_kv, max_blocks;
+  int64_t token_stride() const { return num_kv_heads * head_dim; }
+  int64_t block_stride() const { return 2 * block_size * token_stride(); }  // [2, block_size, kv_heads, head_dim]
+  // Floats from a block's start to token t's row (of the K/V head the caller's base pointer is at).
+  int64_t offset(const int64_t* table, int64_t t) const {
+    return table[t / block_size] * block_stride() + (t % block_size) * token_stride();
+  }
+};
+
+// The score pass and the value pass for one (sequence, K/V head), with NV vectors per head row held in registers
+// (head_dim == NV * Vec::size()).
+template <int NV>
+struct HeadKernel {
+  // scores[h * n + (t - first)] = q_h . k_t * scale for t in [first, last).
+  static void scores(const float* q, const float* keys, const int64_t* table, int64_t first, int64_t last,
+                     const Layout& l, float scale, float* scores) {
+    const int64_t n = last - first;
+    for (int64_t h = 0; h < l.per_kv; ++h) {
+      Vec qv[NV];
+      for (int i = 0; i < NV; ++i) qv[i] = Vec::loadu(q + h * l.head_dim + i * Vec::size());
+      float* out = scores + h * n - first;
+      for (int64_t t = first; t < last; ++t) {
+        const float* k = keys + l.offset(table, t);
+        Vec acc = qv[0] * Vec::loadu(k);
+        for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], Vec::loadu(k + i * Vec::size()), acc);
+        out[t] = hsum(acc) * scale;
+      }
+    }
+  }
+
+  // out[h] = sum_t p[h][t] * v_t * inv[h].
+  static void values(const float* p, const float* values, const int64_t* table, int64_t first, int64_t last,
+                     const Layout& l, const float* inv, float* out) {
+    const int64_t n = last - first;
+    for (int64_t h = 0; h < l.per_kv; ++h) {
+      Vec acc[NV];
+      for (int i = 0; i < NV; ++i) acc[i] = Vec(0.f);
+      const float* ph = p + h * n - first;
+      for (int64_t t = first; t < last; ++t) {
+        const float* v = values + l.offset(table, t);
+        const Vec pv(ph[t]);
+        for (int i = 0; i < NV; ++i) acc[i] = at::vec::fmadd(Vec::loadu(v + i * Vec::size()), pv, acc[i]);
+      }
+      const Vec vinv(inv[h]);
+      for (int i = 0; i < NV; ++i) (acc[i] * vinv).store(out + h * l.head_dim + i * Vec::size());
+    }
+  }
+};
+
+// In place: s[i] = exp(s[i] - max); returns the sum.
+float exp_shifted(float* s, int64_t n, float max) {
+  const Vec vmax(max);
+  Vec vsum(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec e = (Vec::loadu(s + i) - vmax).exp();
+    e.store(s + i);
+    vsum = vsum + e;
+  }
+  float sum = hsum(vsum);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max);
+    sum += s[i];
+  }
+  return sum;
+}
+
+template <int NV>
+void attend(const float* q, const float* cache, const int64_t* table, int64_t first, int64_t last, const Layout& l,
+            int64_t kv_head, float scale, std::vector<float>& scores, float* out) {
+  const int64_t n = last - first;
+  scores.resize(l.per_kv * n);
+  const float* keys = cache + kv_head * l.head_dim;
+  HeadKernel<NV>::scores(q, keys, table, first, last, l, scale, scores.data());
+  std::vector<float> inv(l.per_kv);
+  for (int64_t h = 0; h < l.per_kv; ++h) {
+    float* s = scores.data() + h * n;
+    inv[h] = 1.f / exp_shifted(s, n, *std::max_element(s, s + n));
+  }
+  const float* values = keys + l.block_size * l.token_stride();  // index 1 of each block: the values
+  HeadKernel<NV>::values(scores.data(), values, table, first, last, l, inv.data(), out);
+}
+
+using AttendFn = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, const Layout&, int64_t, float,
+                          std::vector<float>&, float*);
+
+// The instance for head_dim, or nullptr if head_dim is not 1, 2, 4, 8 or 16 vectors wide.
+AttendFn attend_for(int64_t head_dim) {
+  if (head_dim % Vec::size() != 0) return nullptr;
+  switch (head_dim / Vec::size()) {
+    case 1: return attend<1>;
+    case 2: return attend<2>;
+    case 4: return attend<4>;
+    case 8: return attend<8>;
+    case 16: return attend<16>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+// query [num_seqs, num_heads, head_dim] float32 contiguous; kv_cache [num_blocks, 2, block_size, num_kv_heads,
+// head_dim] float32 contiguous; block_tables [num_seqs, max_blocks] int64 contiguous; seq_lens [num_seqs] int64
+// (tokens in the cache, the query's own included; >= 1). Returns [num_seqs, num_heads * head_dim] float32.
+// Raises RuntimeError on a wrong dtype, shape or layout, IndexError on a block id outside the cache or a sequence
+// longer than its table.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
+              "query must be a contiguous float32 [num_seqs, num_heads, head_dim] tensor");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.scalar_type() == at::kFloat &&
+                  kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous float32 [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(0), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "query heads must be a multiple of the cache's K/V heads, with the same head_dim");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous(),
+              "block_tables must be a contiguous int64 [num_seqs, max_blocks] tensor");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.numel() == num_seqs && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous(),
+              "seq_lens must be a contiguous int64 [num_seqs] tensor");
+  const Layout l{kv_cache.size(2), num_kv_heads, head_dim, num_heads / num_kv_heads, block_tables.size(1)};
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK_INDEX(lens[s] >= 1 && lens[s] <= l.max_blocks * l.block_size, "sequence ", s, " has ", lens[s],
+                      " tokens; its block table holds ", l.max_blocks * l.block_size);
+    const int64_t used = (lens[s] + l.block_size - 1) / l.block_size;
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK_INDEX(tables[s * l.max_blocks + b] >= 0 && tables[s * l.max_blocks + b] < num_blocks, "block ",
+                        tables[s * l.max_blocks + b], " of sequence ", s, " is outside the KV cache");
+  }
+  const AttendFn attend_one = attend_for(head_dim);
+  TORCH_CHECK(attend_one != nullptr, "head_dim ", head_dim, " is not 1, 2, 4, 8 or 16 vectors of ", Vec::size(),
+              " floats");
+  at::Tensor out = at::empty({num_seqs, num_heads * head_dim}, query.options());
+  const float* qp = query.data_ptr<float>();
+  const float* cache = kv_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t last = lens[s], first = window > 0 ? std::max<int64_t>(0, last - window) : 0;
+      const int64_t head0 = kv_head * l.per_kv;
+      attend_one(qp + (s * num_heads + head0) * head_dim, cache, tables + s * l.max_blocks, first, last, l, kv_head,
+                 static_cast<float>(scale), scores, op + (s * num_heads + head0) * head_dim);
+    }
+  });
+  return out;
+}
