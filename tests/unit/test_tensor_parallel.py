@@ -58,7 +58,7 @@ def hf_layer_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def build_layer(weights: dict[str, torch.Tensor], rank: int, tp: int) -> LlamaDecoderLayer:
-    layer = LlamaDecoderLayer(ARCH, qkv_bias=True, tp_rank=rank, tp_size=tp)
+    layer = LlamaDecoderLayer(ARCH, tp_rank=rank, tp_size=tp)
     with torch.no_grad():
         for name, w in weights.items():
             layer.load_weight(name, w)

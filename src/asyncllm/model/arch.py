@@ -26,7 +26,8 @@ class ModelArchConfig:
     """Architecture hyper-parameters (names follow HF `LlamaConfig`).
 
     Fields:
-        architecture: "llama" (SmolLM2, Llama, Mistral) or "qwen2" (q/k/v biases).
+        architecture: "llama" (SmolLM2, Llama, Mistral), "qwen2" (q/k/v biases), "qwen3" (q/k norms) or "phi3"
+            (fused checkpoint modules); its weight layout is `layouts.LAYOUTS[architecture]`.
         vocab_size: logits width.
         hidden_size: model width.
         intermediate_size: MLP width.
@@ -46,6 +47,8 @@ class ModelArchConfig:
             the `sliding_window - 1` tokens before it), None when no layer has one. The model attends to the whole
             sequence: `loading/arch_config.check_max_model_len` accepts a window only when it covers every
             sequence.
+        rotary_dim: dims of each head that rotary rotates (the first ones; HF Phi-3's `partial_rotary_factor *
+            head_dim`, GGUF `rope.dimension_count`), None for the whole head.
 
     Torch-free: the frontend reads it before any engine process starts.
     """
@@ -67,6 +70,7 @@ class ModelArchConfig:
     rope_scaling: Llama3RopeScaling | None = None
     rope_freq_divisors: tuple[float, ...] | None = None
     sliding_window: int | None = None
+    rotary_dim: int | None = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV cache block over all layers (float32 K and V)."""

@@ -34,8 +34,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
 
 def arch_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
     """A checkpoint's RoPE inverse frequencies, [head_dim // 2] float64, radians per token: its Llama 3 scaling,
-    or its GGUF `rope_freqs` divisors, applied."""
-    inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+    or its GGUF `rope_freqs` divisors, applied. Over the rotated dims only (`arch.rotary_dim`, [rotary_dim // 2])
+    when rotary is partial."""
+    inv_freq = rope_inv_freq(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling)
     if arch.rope_freq_divisors is not None:
         inv_freq = inv_freq / torch.tensor(arch.rope_freq_divisors, dtype=torch.float64)
     return inv_freq

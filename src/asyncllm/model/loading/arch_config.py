@@ -12,8 +12,8 @@ A key is one of:
 - anything else: refused. A sliding attention window is read and accepted only when it covers every sequence
   (`check_max_model_len`): the model attends to the whole sequence.
 
-Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config` (transformers 5: `layer_types`, `rope_parameters`);
-GGUF keys as llama.cpp's `gguf` package names them (`gguf.constants.Keys`).
+Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Phi3Config` (transformers 5:
+`layer_types`, `rope_parameters`); GGUF keys as llama.cpp's `gguf` package names them (`gguf.constants.Keys`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
 from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
 # HF config.json `model_type` -> architecture name (`model/registry.py`).
-HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+HF_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+}
 GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values())
 
 _HF_READ_COMMON = frozenset(
@@ -59,6 +65,10 @@ _HF_READ_FAMILY: dict[str, frozenset[str]] = {
     "llama": frozenset(),
     "mistral": frozenset({"sliding_window"}),
     "qwen2": frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
+    "qwen3": frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
+    # Phi-3: a window on every layer; partial rotary (top-level in older files, else in rope_parameters); the
+    # original context, which parametrizes only LongRoPE (refused: `read_hf_rope`).
+    "phi3": frozenset({"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"}),
 }
 # Keys accepted only at the one value this model implements; any other value changes the math.
 _HF_ONLY_AT_COMMON: dict[str, Any] = {
@@ -70,6 +80,9 @@ _HF_ONLY_AT_FAMILY: dict[str, dict[str, Any]] = {
     "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {},  # q/k/v biases always (read from the checkpoint), no others
+    "qwen3": {"attention_bias": False},
+    # Phi-4-mini's config.json carries these three at their no-op values.
+    "phi3": {"attention_bias": False, "mlp_bias": False, "lm_head_bias": False},
 }
 # Keys that do not change the logits, whatever their value.
 HF_NO_MATH_KEYS = frozenset(
@@ -90,6 +103,8 @@ HF_NO_MATH_KEYS = frozenset(
         # Training only: weight initialization, and dropout (inactive at inference).
         "initializer_range",
         "attention_dropout",
+        "resid_pdrop",  # Phi-3
+        "embd_pdrop",  # Phi-3
         # The padding token: asyncllm never pads a sequence with tokens.
         "pad_token_id",
         # Classification heads only (`architectures` must name a ...ForCausalLM).
@@ -121,7 +136,7 @@ GGUF_READ_KEYS = frozenset(
         "attention.layer_norm_rms_epsilon",
         "attention.sliding_window",
         "rope.freq_base",
-        "rope.dimension_count",  # must equal head_dim: partial rotary is refused
+        "rope.dimension_count",  # head_dim, or Phi-3's partial rotary dims
         "rope.scaling.type",  # must be "none": Llama 3 scaling comes as the rope_freqs tensor
     }
 )
@@ -255,6 +270,10 @@ def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: p
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", hidden // heads)
+    rotary_dim = get("rope.dimension_count", head_dim)  # checked by check_gguf_keys
+    longrope = sorted(t.name for t in tensors if t.name.startswith("rope_factors_"))
+    if longrope:
+        raise ConfigError(f"GGUF tensors {longrope}: LongRoPE is not supported")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     if not vocab:
         raise ConfigError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
@@ -275,6 +294,7 @@ def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: p
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         rope_freq_divisors=_read_rope_freqs(tensors, path, head_dim),
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
     )
 
 
@@ -282,13 +302,14 @@ def _check_gguf_rope(meta: dict[str, Any], arch: str, head_dim: int) -> None:
     """Reject GGUF RoPE metadata this model cannot honour (ggml docs: `rope.scaling.type`, `rope.dimension_count`).
 
     Llama 3 scaling is stored by llama.cpp's converter as a `rope_freqs` tensor (read by `_read_rope_freqs`), with
-    no scaling type; linear/YaRN scaling types and partial rotary dimensions are rejected.
+    no scaling type; linear/YaRN scaling types are rejected, and partial rotary dimensions outside Phi-3.
     """
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type != "none":
         raise ConfigError(f"GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported (only 'none')")
     dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if dims != head_dim:
+    partial_ok = arch == "phi3" and isinstance(dims, int) and 0 < dims < head_dim and dims % 2 == 0
+    if dims != head_dim and not partial_ok:
         raise ConfigError(f"GGUF {arch}.rope.dimension_count {dims} != head_dim {head_dim}: partial RoPE unsupported")
 
 
@@ -320,7 +341,8 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     _check_hf_keys(cfg, model_type)
     _check_layer_types(cfg)
     heads = need("num_attention_heads")
-    rope_theta, rope_scaling = read_hf_rope(cfg)
+    rope_theta, rope_scaling = read_hf_rope(cfg, partial_rotary=model_type == "phi3")
+    head_dim = cfg.get("head_dim") or need("hidden_size") // heads
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
         architecture=HF_MODEL_TYPES[model_type],
@@ -330,7 +352,7 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(need("rms_norm_eps")),
         rope_theta=rope_theta,
         max_position_embeddings=need("max_position_embeddings"),
@@ -339,7 +361,28 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         rope_scaling=rope_scaling,
         sliding_window=_hf_sliding_window(cfg, model_type),
+        rotary_dim=_hf_rotary_dim(cfg, head_dim) if model_type == "phi3" else None,
     )
+
+
+def _hf_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
+    """Phi-3's rotated dims per head, `int(head_dim * partial_rotary_factor)` as HF's Phi-3 rotary computes them
+    (the factor top-level or in `rope_parameters`); None for the whole head.
+
+    Raises:
+        ConfigError: the two places disagree, or the factor gives no even width in (0, head_dim].
+    """
+    params = cfg.get("rope_parameters") or {}
+    factors = {
+        float(v) for v in (cfg.get("partial_rotary_factor"), params.get("partial_rotary_factor")) if v is not None
+    }
+    if len(factors) > 1:
+        raise ConfigError(f"config.json: partial_rotary_factor values disagree: {sorted(factors)}")
+    factor = factors.pop() if factors else 1.0
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ConfigError(f"config.json partial_rotary_factor={factor}: {dim} rotated dims of {head_dim} is not even")
+    return None if dim == head_dim else dim
 
 
 def _check_hf_keys(cfg: dict[str, Any], model_type: str) -> None:
@@ -370,15 +413,15 @@ def _check_hf_keys(cfg: dict[str, Any], model_type: str) -> None:
 def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     """The attention window of the windowed layers, or None when no layer has one, as HF's modeling applies it.
 
-    Mistral: `sliding_window` on every layer (null: none). Qwen2: only with `use_sliding_window`, on the layers
-    `layer_types` marks "sliding_attention", or when that is absent on layers from `max_window_layers` on.
+    Mistral, Phi-3: `sliding_window` on every layer (null: none). Qwen2, Qwen3: only with `use_sliding_window`, on
+    the layers `layer_types` marks "sliding_attention", or when that is absent on layers from `max_window_layers` on.
     """
     if model_type == "llama":
         return None
     window = cfg.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"config.json sliding_window={window!r}: must be null or an integer >= 1")
-    if model_type == "mistral" or window is None:
+    if model_type in ("mistral", "phi3") or window is None:  # every layer
         return window
     use = cfg.get("use_sliding_window", False)
     if not isinstance(use, bool):
@@ -409,19 +452,21 @@ def _check_layer_types(cfg: dict[str, Any]) -> None:
         )
 
 
-def read_hf_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def read_hf_rope(cfg: dict[str, Any], partial_rotary: bool = False) -> tuple[float, Llama3RopeScaling | None]:
     """Rotary base and scaling from an HF config.json, in either generation.
 
     Current transformers writes `"rope_parameters": {"rope_theta": ..., "rope_type": ..., ...}` and no top-level
     `rope_theta`; older versions write a top-level `rope_theta` and an optional `rope_scaling` dict (whose type key
     is `rope_type`, or `type` in the oldest files).
 
+    With `partial_rotary` (Phi-3) a `partial_rotary_factor` key is allowed (read by `_hf_rotary_dim`).
+
     Returns:
         (rope_theta, the Llama 3 scaling or None for plain RoPE).
     Raises:
         ConfigError: no rotary base in either place, the two places disagree, a `rope_type` other than
-            "default"/"llama3", a llama3 parameter missing, or a key the rope type does not have (e.g.
-            `partial_rotary_factor`).
+            "default"/"llama3" (Phi-3's "longrope" included), a llama3 parameter missing, or a key the rope type
+            does not have (e.g. `partial_rotary_factor` outside Phi-3).
     """
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
@@ -439,8 +484,9 @@ def read_hf_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         raise ConfigError(
             f"config.json: {key}.rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
+    allowed = _ROPE_KEYS[rope_type] | ({"partial_rotary_factor"} if partial_rotary else set())
     for name, value in merged.items():
-        if name not in _ROPE_KEYS[rope_type] and value is not None:
+        if name not in allowed and value is not None:
             raise ConfigError(f"config.json {key}.{name}={value!r} is not read for rope_type {rope_type!r}")
     if rope_type == "default":
         return thetas.pop(), None
