@@ -80,7 +80,31 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 2,
         },
     ),
+    # Phi-4-mini: as Phi-3, tied, with LongRoPE (short regime: sequences up to original_max_position_embeddings).
+    "phi4mini": (
+        "Phi3Config",
+        {
+            "hidden_size": 96,
+            "intermediate_size": 160,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 64,
+            "rope_scaling": {
+                "type": "longrope",
+                "short_factor": [1.0 + 0.05 * i for i in range(12)],
+                "long_factor": [1.0 + 0.3 * i for i in range(12)],
+            },
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
 }
+ARCHITECTURES = {"phi4mini": "phi3"}  # family -> asyncllm's architecture name, where they differ
+MAX_MODEL_LEN = {"phi4mini": 64}  # LongRoPE's short regime
 
 
 def hf_family_model(family: str, seed: int = 0) -> Any:
@@ -110,3 +134,88 @@ def write_family_checkpoint(family: str, path: pathlib.Path, seed: int = 0) -> A
     model = hf_family_model(family, seed)
     model.save_pretrained(path)
     return model
+
+
+def _llama_cpp_permute(weight: Any, num_heads: int) -> Any:
+    """llama.cpp's converter's Q/K row permutation for its interleaved rotary (`LlamaModel.permute`)."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _llama3_rope_factors(config: Any, head_dim: int) -> Any:
+    """The `rope_freqs` tensor llama.cpp's converter writes for llama3 rope scaling: per frequency, the divisor."""
+    import numpy as np
+
+    rope = config.rope_parameters
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi / (1.0 / base ** (i / head_dim))
+        if wavelength < old / high:
+            factors.append(1.0)
+        elif wavelength > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_family_gguf(family: str, model: Any, path: pathlib.Path) -> pathlib.Path:
+    """Write HF's `model` of `family` as a float32 GGUF file with `gguf`'s writer, llama.cpp's tensor names
+    (`gguf.TensorNameMap`) and metadata keys, Q/K rows permuted for "llama" as llama.cpp's converter does."""
+    import gguf
+
+    config = model.config
+    arch_name = ARCHITECTURES.get(family, family)
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+    arch |= {"phi3": gguf.MODEL_ARCH.PHI3, "phi4mini": gguf.MODEL_ARCH.PHI3}
+    names = gguf.TensorNameMap(arch[family], config.num_hidden_layers)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer = gguf.GGUFWriter(str(path), arch_name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    if family == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch_name == "phi3":
+        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+    if config.rope_parameters.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter writes LongRoPE
+        import numpy as np
+
+        original = config.rope_parameters["original_max_position_embeddings"]
+        factor = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        for kind in ("long", "short"):
+            factors = np.array(config.rope_parameters[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if family == "llama":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(config, head_dim))
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy()
+        if family == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            array = _llama_cpp_permute(array, heads if "q_proj" in hf_name else kv_heads)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise KeyError(f"gguf.TensorNameMap has no name for {hf_name}")
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

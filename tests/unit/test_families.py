@@ -17,9 +17,16 @@ import pytest
 import torch
 
 from asyncllm.config import ModelConfig
+from asyncllm.errors import ConfigError
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.loading.loader import load_model
-from tests.family_checkpoints import FAMILIES, write_family_checkpoint
+from tests.family_checkpoints import (
+    ARCHITECTURES,
+    FAMILIES,
+    MAX_MODEL_LEN,
+    write_family_checkpoint,
+    write_family_gguf,
+)
 
 BLOCK_SIZE = 4
 PROMPT = [5, 17, 42, 8, 8, 90, 1, 33, 150, 64, 7, 120]
@@ -82,13 +89,21 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp(request.param)
     ref = write_family_checkpoint(request.param, path)
-    return request.param, ref, load_model(ModelConfig(model="m", model_path=str(path)))
+    return request.param, ref, load_family(request.param, path)
+
+
+def load_family(family: str, path: pathlib.Path) -> Any:
+    """asyncllm's model of a family's checkpoint, at the family's max_model_len if it needs one."""
+    return load_model(ModelConfig(model="m", model_path=str(path), max_model_len=MAX_MODEL_LEN.get(family)))
 
 
 def test_the_checkpoint_has_the_family_features(family: tuple[str, Any, Any]) -> None:
     name, _, model = family
     arch = model.arch
-    assert arch.architecture == name
+    assert arch.architecture == ARCHITECTURES.get(name, name)
+    if name == "phi4mini":
+        assert arch.rope_scaling is not None
+        assert arch.rotary_dim == 24
     if name == "qwen3":
         assert arch.head_dim == 32 != arch.hidden_size // arch.num_attention_heads
         assert model.layers[0].q_norm is not None
@@ -138,10 +153,58 @@ def test_int8_within_its_error_and_equal_to_its_own_solo_runs(
     name, ref, model = family
     path = tmp_path / name
     write_family_checkpoint(name, path)
-    int8 = load_model(ModelConfig(model="m", model_path=str(path)))
+    int8 = load_family(name, path)
     int8.quantize_int8([(37 * i + 11) % model.arch.vocab_size for i in range(96)])
     tokens, _ = hf_greedy(ref, PROMPT, 8)
     fp32, quantized = prefill_then_decode(model, PROMPT, tokens), prefill_then_decode(int8, PROMPT, tokens)
     relative = ((quantized - fp32).abs().max() / fp32.abs().max()).item()
     assert relative < INT8_REL_ERROR, f"{name}: int8 max abs logit error {relative:.3g} of the largest logit"
     _batch_and_chunks(int8)
+
+
+def test_gguf_with_llama_cpp_names_matches_hf(family: tuple[str, Any, Any], tmp_path: pathlib.Path) -> None:
+    """The same weights as a GGUF file (`gguf`'s writer, llama.cpp's names and metadata, Q/K permuted for llama):
+    asyncllm's logits equal HF's over a prefill and 32 decode steps. LongRoPE from GGUF is refused."""
+    pytest.importorskip("gguf")
+    name, ref, _ = family
+    path = write_family_gguf(name, ref, tmp_path / f"{name}.gguf")
+    if name == "phi4mini":
+        with pytest.raises(ConfigError, match=r"phi3\.rope\.scaling\.attn_factor"):
+            load_model(ModelConfig(model="m", model_path=str(path), max_model_len=64))
+        return
+    model = load_model(ModelConfig(model="m", model_path=str(path)))
+    assert model.arch.architecture == name
+    tokens, expected = hf_greedy(ref, PROMPT, DECODE_STEPS)
+    error = (prefill_then_decode(model, PROMPT, tokens) - expected).abs().max().item()
+    assert error < LOGIT_ATOL, f"{name} GGUF: max abs logit error {error:.3g} over {DECODE_STEPS + 1} steps"
+
+
+def test_phi4mini_longrope_is_refused_beyond_its_short_regime(tmp_path: pathlib.Path) -> None:
+    """HF switches to LongRoPE's long factors past original_max_position_embeddings; asyncllm does not have them,
+    so a max_model_len beyond it is a ConfigError naming the limit."""
+    pytest.importorskip("transformers")
+    write_family_checkpoint("phi4mini", tmp_path)
+    with pytest.raises(ConfigError, match="LongRoPE: max_model_len 128 > original_max_position_embeddings 64"):
+        load_model(ModelConfig(model="m", model_path=str(tmp_path)))
+
+
+def test_qwen2_used_sliding_window_is_refused_unless_it_covers_every_sequence(tmp_path: pathlib.Path) -> None:
+    """Qwen2.5 with `use_sliding_window` on its upper layers: HF windows their attention, asyncllm attends to the
+    whole sequence, so the checkpoint loads only with a max_model_len the window covers, and then equals HF."""
+    transformers = pytest.importorskip("transformers")
+    from tests.family_checkpoints import COMMON
+
+    keys = {**FAMILIES["qwen2"][1], "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}
+    config = transformers.Qwen2Config(**COMMON, **keys)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ref.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="sliding_window=24 < max_model_len 128"):
+        load_model(ModelConfig(model="m", model_path=str(tmp_path)))
+    model = load_model(ModelConfig(model="m", model_path=str(tmp_path), max_model_len=24))
+    ids = (PROMPT + OTHER + PROMPT)[:24]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    error = (Cache(model, 1, 24).step([0], [ids], [0]) - expected).abs().max().item()
+    assert error < LOGIT_ATOL, f"qwen2 windowed: max abs logit error {error:.3g}"

@@ -22,6 +22,24 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class LongRopeScaling:
+    """Phi-3's LongRoPE (`rope_type: "longrope"`; applied by `layers/rotary.py`), in its short regime only: HF uses
+    the short factors while a sequence is at most `original_max_position_embeddings` tokens, and
+    `loading/arch_config.check_max_model_len` refuses longer sequences (the long factors are not implemented).
+
+    Fields:
+        short_factor: per-frequency divisors, [rotary_dim // 2].
+        original_max_position_embeddings: the pre-training context, tokens; the short regime's limit.
+        attention_factor: multiplies the cos and sin tables (HF: `sqrt(1 + ln(factor) / ln(original context))`,
+            factor = `max_position_embeddings / original_max_position_embeddings`, unless given).
+    """
+
+    short_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+@dataclass(frozen=True)
 class ModelArchConfig:
     """Architecture hyper-parameters (names follow HF `LlamaConfig`).
 
@@ -40,7 +58,8 @@ class ModelArchConfig:
         max_position_embeddings: the model's context length, tokens.
         tie_word_embeddings: LM head shares the token embedding.
         bos_token_id, eos_token_id: special ids (None when absent).
-        rope_scaling: Llama 3 frequency scaling (HF `rope_type: "llama3"`), None for plain RoPE.
+        rope_scaling: Llama 3 frequency scaling (HF `rope_type: "llama3"`), Phi-3's LongRoPE in its short regime,
+            None for plain RoPE.
         rope_freq_divisors: per-frequency divisors, [head_dim // 2] (a GGUF `rope_freqs` tensor, which
             llama.cpp's converter writes for Llama 3 scaling), None when absent.
         sliding_window: the attention window of the checkpoint's windowed layers, tokens (a query sees itself and
@@ -67,7 +86,7 @@ class ModelArchConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | LongRopeScaling | None = None
     rope_freq_divisors: tuple[float, ...] | None = None
     sliding_window: int | None = None
     rotary_dim: int | None = None

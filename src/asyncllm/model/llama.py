@@ -37,7 +37,7 @@ from asyncllm.model.kernels.row_kernels import MAX_NORM_COLUMNS, RowKernels, loa
 from asyncllm.model.layers.attention import paged_attention, write_kv_cache
 from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.model.layers.head_norm import head_rms_norm
-from asyncllm.model.layers.rotary import arch_inv_freq, rotary_cos_sin
+from asyncllm.model.layers.rotary import arch_cos_sin
 from asyncllm.model.layouts import layout_of
 from asyncllm.model.llama_weights import LINEAR_WEIGHTS, LayerWeights
 from asyncllm.model.smoothquant import smoothing_scale
@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Parameter | None = (
             None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
         )
-        cos, sin = rotary_cos_sin(arch_inv_freq(arch), arch.max_position_embeddings)
+        cos, sin = arch_cos_sin(arch)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

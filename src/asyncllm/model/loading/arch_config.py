@@ -19,6 +19,7 @@ Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Phi3C
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import struct
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import ConfigError
-from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
+from asyncllm.model.arch import Llama3RopeScaling, LongRopeScaling, ModelArchConfig
 from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
 # HF config.json `model_type` -> architecture name (`model/registry.py`).
@@ -67,7 +68,7 @@ _HF_READ_FAMILY: dict[str, frozenset[str]] = {
     "qwen2": frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
     "qwen3": frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
     # Phi-3: a window on every layer; partial rotary (top-level in older files, else in rope_parameters); the
-    # original context, which parametrizes only LongRoPE (refused: `read_hf_rope`).
+    # original context, which parametrizes only LongRoPE (`read_hf_rope`).
     "phi3": frozenset({"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"}),
 }
 # Keys accepted only at the one value this model implements; any other value changes the math.
@@ -81,8 +82,15 @@ _HF_ONLY_AT_FAMILY: dict[str, dict[str, Any]] = {
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {},  # q/k/v biases always (read from the checkpoint), no others
     "qwen3": {"attention_bias": False},
-    # Phi-4-mini's config.json carries these three at their no-op values.
-    "phi3": {"attention_bias": False, "mlp_bias": False, "lm_head_bias": False},
+    # Phi-4-mini's config.json carries full_attn_mod and interpolate_factor at 1 (for its own modeling code); HF's
+    # Phi-3 class, the implementation asyncllm is checked against, does not read them: other values are refused.
+    "phi3": {
+        "attention_bias": False,
+        "mlp_bias": False,
+        "lm_head_bias": False,
+        "full_attn_mod": 1,
+        "interpolate_factor": 1,
+    },
 }
 # Keys that do not change the logits, whatever their value.
 HF_NO_MATH_KEYS = frozenset(
@@ -120,6 +128,8 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _ROPE_KEYS = {"default": frozenset({"rope_theta", "rope_type", "type"})}
 _ROPE_KEYS["llama3"] = _ROPE_KEYS["default"] | frozenset(_LLAMA3_ROPE_KEYS)
+_LONGROPE_KEYS = ("short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings")
+_ROPE_KEYS["longrope"] = _ROPE_KEYS["default"] | frozenset(_LONGROPE_KEYS)
 
 # GGUF keys after "{arch}." read into `ModelArchConfig` (or checked against it).
 GGUF_READ_KEYS = frozenset(
@@ -197,17 +207,24 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
 
 
 def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> None:
-    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow.
+    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow, and a LongRoPE
+    checkpoint whose sequences could outgrow its short regime.
 
     The model attends to the whole sequence. With a window of `w` tokens (a query sees itself and the `w - 1`
     tokens before it, as HF's `sliding_window_overlay`), that is the same math while no sequence is longer than
     `w`. `max_model_len` None means the model's context length, as the worker resolves it.
 
     Raises:
-        ConfigError: naming the window and the sequence length it does not cover.
+        ConfigError: naming the window (or LongRoPE's original context) and the sequence length it does not cover.
     """
     context = arch.max_position_embeddings
     length = min(max_model_len or context, context)
+    if isinstance(arch.rope_scaling, LongRopeScaling) and arch.rope_scaling.original_max_position_embeddings < length:
+        original = arch.rope_scaling.original_max_position_embeddings
+        raise ConfigError(
+            f"LongRoPE: max_model_len {length} > original_max_position_embeddings {original}: asyncllm implements "
+            f"only the short factors HF uses up to {original} tokens; set EngineArgs.max_model_len <= {original}"
+        )
     if arch.sliding_window is not None and arch.sliding_window < length:
         raise ConfigError(
             f"sliding_window={arch.sliding_window} < max_model_len {length}: asyncllm has no sliding-window "
@@ -341,8 +358,14 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     _check_hf_keys(cfg, model_type)
     _check_layer_types(cfg)
     heads = need("num_attention_heads")
-    rope_theta, rope_scaling = read_hf_rope(cfg, partial_rotary=model_type == "phi3")
+    rope_theta, rope_scaling = read_hf_rope(cfg, phi3=model_type == "phi3")
     head_dim = cfg.get("head_dim") or need("hidden_size") // heads
+    rotary_dim = _hf_rotary_dim(cfg, head_dim) if model_type == "phi3" else None
+    if isinstance(rope_scaling, LongRopeScaling) and len(rope_scaling.short_factor) != (rotary_dim or head_dim) // 2:
+        raise ConfigError(
+            f"config.json: LongRoPE short_factor has {len(rope_scaling.short_factor)} values; the model rotates "
+            f"{rotary_dim or head_dim} dims of each head, so needs {(rotary_dim or head_dim) // 2}"
+        )
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
         architecture=HF_MODEL_TYPES[model_type],
@@ -361,7 +384,7 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         rope_scaling=rope_scaling,
         sliding_window=_hf_sliding_window(cfg, model_type),
-        rotary_dim=_hf_rotary_dim(cfg, head_dim) if model_type == "phi3" else None,
+        rotary_dim=rotary_dim,
     )
 
 
@@ -452,21 +475,24 @@ def _check_layer_types(cfg: dict[str, Any]) -> None:
         )
 
 
-def read_hf_rope(cfg: dict[str, Any], partial_rotary: bool = False) -> tuple[float, Llama3RopeScaling | None]:
+def read_hf_rope(cfg: dict[str, Any], phi3: bool = False) -> tuple[float, Llama3RopeScaling | LongRopeScaling | None]:
     """Rotary base and scaling from an HF config.json, in either generation.
 
     Current transformers writes `"rope_parameters": {"rope_theta": ..., "rope_type": ..., ...}` and no top-level
     `rope_theta`; older versions write a top-level `rope_theta` and an optional `rope_scaling` dict (whose type key
     is `rope_type`, or `type` in the oldest files).
 
-    With `partial_rotary` (Phi-3) a `partial_rotary_factor` key is allowed (read by `_hf_rotary_dim`).
+    With `phi3`, a `partial_rotary_factor` key is allowed (read by `_hf_rotary_dim`), and so is the rope type
+    "longrope" (or its old name "su"), as HF's Phi-3 applies it: the short factors (what HF uses while a sequence
+    is at most `original_max_position_embeddings` tokens; `check_max_model_len` refuses longer ones) and the
+    attention factor.
 
     Returns:
-        (rope_theta, the Llama 3 scaling or None for plain RoPE).
+        (rope_theta, the Llama 3 or LongRoPE scaling, or None for plain RoPE).
     Raises:
         ConfigError: no rotary base in either place, the two places disagree, a `rope_type` other than
-            "default"/"llama3" (Phi-3's "longrope" included), a llama3 parameter missing, or a key the rope type
-            does not have (e.g. `partial_rotary_factor` outside Phi-3).
+            "default"/"llama3" (and Phi-3's "longrope"), a parameter of the type missing or malformed, or a key the
+            rope type does not have (e.g. `partial_rotary_factor` outside Phi-3).
     """
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
@@ -480,16 +506,20 @@ def read_hf_rope(cfg: dict[str, Any], partial_rotary: bool = False) -> tuple[flo
     merged = {**scaling, **params}
     key = "rope_parameters" if params else "rope_scaling"
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if phi3 and rope_type == "su":  # LongRoPE's first name (HF's Phi3Config renames it)
+        rope_type = "longrope"
+    if rope_type not in SUPPORTED_ROPE_TYPES + (("longrope",) if phi3 else ()):
         raise ConfigError(
             f"config.json: {key}.rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
-    allowed = _ROPE_KEYS[rope_type] | ({"partial_rotary_factor"} if partial_rotary else set())
+    allowed = _ROPE_KEYS[rope_type] | ({"partial_rotary_factor"} if phi3 else set())
     for name, value in merged.items():
         if name not in allowed and value is not None:
             raise ConfigError(f"config.json {key}.{name}={value!r} is not read for rope_type {rope_type!r}")
     if rope_type == "default":
         return thetas.pop(), None
+    if rope_type == "longrope":
+        return thetas.pop(), _longrope(cfg, merged, key)
     missing = [n for n in _LLAMA3_ROPE_KEYS if merged.get(n) is None]
     if missing:
         raise ConfigError(f"config.json: {key} with rope_type 'llama3' lacks {missing}")
@@ -499,6 +529,23 @@ def read_hf_rope(cfg: dict[str, Any], partial_rotary: bool = False) -> tuple[flo
         high_freq_factor=float(merged["high_freq_factor"]),
         original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
     )
+
+
+def _longrope(cfg: dict[str, Any], merged: dict[str, Any], key: str) -> LongRopeScaling:
+    """LongRoPE's short regime as HF's `_compute_longrope_parameters` computes it: `factor` (default
+    `max_position_embeddings / original_max_position_embeddings`) gives the attention factor
+    `sqrt(1 + ln(factor) / ln(original))` (1 when factor <= 1) unless `attention_factor` is given."""
+    short, long = merged.get("short_factor"), merged.get("long_factor")
+    original = merged.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not isinstance(short, list) or not isinstance(long, list) or len(short) != len(long) or not short:
+        raise ConfigError(f"config.json: {key} with rope_type 'longrope' needs short_factor and long_factor lists")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"config.json: LongRoPE needs original_max_position_embeddings, got {original!r}")
+    factor = merged.get("factor") or cfg["max_position_embeddings"] / original
+    attention = merged.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRopeScaling(tuple(float(f) for f in short), original, float(attention))
 
 
 def _safetensors_names(path: pathlib.Path) -> set[str]:
