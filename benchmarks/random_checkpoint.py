@@ -16,7 +16,6 @@ Presets (published config.json values): qwen3-0.6b, qwen2.5-0.5b, llama-3.2-1b, 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import pathlib
 import sys
@@ -112,30 +111,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tests.family_checkpoints import COMMON, FAMILIES, write_word_tokenizer  # noqa: E402
+
+
 def _tiny_presets() -> dict[str, tuple[str, dict[str, Any]]]:
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from tests.family_checkpoints import COMMON, FAMILIES
-
     return {f"tiny-{family}": (cls, {**COMMON, **keys}) for family, (cls, keys) in FAMILIES.items()}
-
-
-def write_word_tokenizer(path: pathlib.Path, vocab_size: int, config: dict[str, Any]) -> None:
-    """A word-level tokenizer.json of `vocab_size` words and a tokenizer_config.json naming BOS/EOS/padding (the
-    padding token: the config's, else EOS, else "w0")."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    names = {}
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = config.get(key)
-        if isinstance(value, int) and value < vocab_size:
-            names[key.removesuffix("_id")] = f"w{value}"
-    names.setdefault("pad_token", names.get("eos_token", "w0"))  # HF's batched generate pads the prompts
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20, **names})
-    )
 
 
 def main() -> None:

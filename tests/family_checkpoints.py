@@ -129,11 +129,36 @@ def hf_family_model(family: str, seed: int = 0) -> Any:
     return model
 
 
-def write_family_checkpoint(family: str, path: pathlib.Path, seed: int = 0) -> Any:
-    """Write `family`'s HF directory (config.json + model.safetensors) to `path`; returns HF's model."""
+def write_family_checkpoint(family: str, path: pathlib.Path, seed: int = 0, tokenizer: bool = False) -> Any:
+    """Write `family`'s HF directory (config.json + model.safetensors; with `tokenizer` also a word-level
+    tokenizer, so an engine can serve it) to `path`; returns HF's model."""
     model = hf_family_model(family, seed)
     model.save_pretrained(path)
+    if tokenizer:
+        write_word_tokenizer(path, model.config.vocab_size, model.config.to_dict())
     return model
+
+
+def write_word_tokenizer(path: pathlib.Path, vocab_size: int, config: dict[str, Any]) -> None:
+    """A word-level tokenizer.json of `vocab_size` words ("w0", "w1", ...; whitespace-separated, unknown words are
+    "w0") and a tokenizer_config.json naming BOS/EOS/padding (the padding token: the config's, else EOS, else
+    "w0")."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    names = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        if isinstance(value, int) and value < vocab_size:
+            names[key.removesuffix("_id")] = f"w{value}"
+    names.setdefault("pad_token", names.get("eos_token", "w0"))  # HF's batched generate pads the prompts
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20, **names})
+    )
 
 
 def _llama_cpp_permute(weight: Any, num_heads: int) -> Any:

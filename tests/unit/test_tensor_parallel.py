@@ -214,3 +214,43 @@ def test_phi3_packed_modules_load_and_shard_like_the_split_ones(tmp_path: pathli
     torch.testing.assert_close(sum(s[0] for s in shards), full_attn, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(sum(s[1] for s in shards), full_mlp, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(attention_and_mlp(build_arch_layer(PHI3, packed, 0, 1), x)[0], full_attn, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        dataclasses.replace(ARCH, architecture="qwen3", head_dim=16),  # q/k norms; head_dim != hidden / heads
+        dataclasses.replace(ARCH, architecture="phi3", rotary_dim=6),  # partial rotary
+    ],
+    ids=["qwen3", "phi3"],
+)
+def test_tp3_shards_of_qwen3_and_phi3_layers_sum_to_the_unsharded_layer(arch: ModelArchConfig) -> None:
+    gen = torch.Generator().manual_seed(5)
+    h, d, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    modules = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h)}
+    modules |= {"self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h)}
+    modules |= {"mlp.down_proj": (h, inter)}
+    weights = {f"{m}.weight": torch.randn(*shape, generator=gen) * 0.2 for m, shape in modules.items()}
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    norms += ["self_attn.q_norm", "self_attn.k_norm"] if arch.architecture == "qwen3" else []
+    for norm in norms:
+        width = d if norm.startswith("self_attn") else h  # q/k norms are per head
+        weights[f"{norm}.weight"] = 1 + 0.3 * torch.randn(width, generator=gen)
+    if arch.architecture == "phi3":
+        weights = packed_phi3_weights(weights)
+    x = torch.randn(5, h, generator=gen)
+
+    def run(rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = build_arch_layer(arch, weights, rank, tp)
+        n, cache = x.shape[0], torch.zeros(2, 2, 4, layer.kv_size // d, d)
+        meta = build_attention_metadata([n], [n], [[0, 1]], 4)
+        cos, sin = rotary_cos_sin(arch_inv_freq(arch), arch.max_position_embeddings)
+        with torch.inference_mode():
+            attn = layer._attention(x, cos[:n].unsqueeze(1), sin[:n].unsqueeze(1), cache, meta)
+            return attn, layer._mlp(x)
+
+    full_attn, full_mlp = run(0, 1)
+    shards = [run(rank, 3) for rank in range(3)]
+    torch.testing.assert_close(sum(s[0] for s in shards), full_attn, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sum(s[1] for s in shards), full_mlp, rtol=1e-5, atol=1e-5)
