@@ -208,3 +208,16 @@ def test_qwen2_used_sliding_window_is_refused_unless_it_covers_every_sequence(tm
         expected = ref(torch.tensor([ids])).logits[0]
     error = (Cache(model, 1, 24).step([0], [ids], [0]) - expected).abs().max().item()
     assert error < LOGIT_ATOL, f"qwen2 windowed: max abs logit error {error:.3g}"
+
+
+def test_a_checkpoint_missing_a_tensor_the_layout_needs_is_refused(tmp_path: pathlib.Path) -> None:
+    """A Qwen3 checkpoint without one layer's k_norm: an error naming it, never a parameter left unfilled."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    write_family_checkpoint("qwen3", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) the model needs: model\.layers\.1\.self_attn\.k_norm"):
+        load_model(ModelConfig(model="m", model_path=str(tmp_path)))

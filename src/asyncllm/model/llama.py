@@ -357,9 +357,30 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             KeyError: for a tensor name this model does not have.
+            ValueError: the checkpoint lacks a tensor the model needs (named; an unfilled parameter would hold
+                whatever memory it was given).
         """
+        loaded = set()
         for name, tensor in weights:
             self._load_one(name, tensor.to(torch.float32))
+            loaded.add(name)
+        missing = sorted(self.expected_weights() - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+
+    def expected_weights(self) -> set[str]:
+        """The HF names a checkpoint must hold for this model: the embedding, final norm, the LM head when untied,
+        and every layer's norms, modules and biases as the architecture's layout lists them."""
+        layout = layout_of(self.arch.architecture)
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        names |= set() if self.arch.tie_word_embeddings else {"lm_head.weight"}
+        per_layer = {f"{norm}.weight" for norm in layout.norms}
+        for module, parts in layout.modules.items():
+            per_layer.add(f"{module}.weight")
+            if set(parts) & layout.biased_parts:
+                per_layer.add(f"{module}.bias")
+        return names | {f"model.layers.{i}.{n}" for i in range(self.arch.num_hidden_layers) for n in per_layer}
 
     def _load_one(self, name: str, w: torch.Tensor) -> None:
         if name == "model.embed_tokens.weight":

@@ -48,7 +48,7 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
         ConfigError: a config key the model does not implement, a sliding window shorter than
             `model_config.max_model_len` (`loading/arch_config.py`), or a forced linear kernel that is not available
             here or gives wrong results.
-        ValueError: unsupported architecture or file layout.
+        ValueError: unsupported architecture or file layout, or a tensor the model needs is not in the checkpoint.
         KeyError: a checkpoint tensor the model does not know.
     """
     path = pathlib.Path(model_config.model_path)
