@@ -12,7 +12,12 @@ three one right after the other, in `--rounds` rounds (default 3): a shared mach
 over minutes, and this way every ratio compares runs made under the same conditions. The tables show each
 configuration's median over the rounds; the JSON keeps every round's value.
 
-    .venv/bin/python benchmarks/throughput.py [--quick] [--contended] [--rounds N] [--json PATH]
+    .venv/bin/python benchmarks/throughput.py [--model NAME|PATH] [--quick] [--contended] [--rounds N] [--json PATH]
+
+`--model` takes a known name, a `.gguf` file or an HF directory of any supported family (Llama, Qwen2.5, Qwen3,
+Phi-3; `benchmarks/random_checkpoint.py` writes random-weight ones with published shapes); HF loads the same file
+or directory. `--max-model-len` caps the engines' sequence length (needed for LongRoPE or sliding-window checkpoints
+whose limit is below the model's context).
 
 Needs the dev extra (transformers + accelerate) for the reference column (`--skip-hf` to run without).
 """
@@ -134,9 +139,13 @@ def run_transformers_best(hf: tuple[Any, Any], prompts: list[str], max_tokens: i
 
 
 def load_transformers(path: str) -> tuple[Any, Any]:
+    """HF's tokenizer and float32 model of a `.gguf` file or an HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = pathlib.Path(path)
+    if p.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(p)
+        return AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval(), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
     model = AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32).eval()
     return model, tokenizer
@@ -168,7 +177,13 @@ async def measure_round(
 
 
 async def measure(
-    path: str, streams: list[int], max_tokens: int, modes: list[str], rounds: int, with_hf: bool
+    path: str,
+    streams: list[int],
+    max_tokens: int,
+    modes: list[str],
+    rounds: int,
+    with_hf: bool,
+    max_model_len: int | None = None,
 ) -> tuple[dict[str, dict[str, dict[int, list[float]]]], dict[str, str]]:
     """Every round of every mode, {engine: {mode: {streams: [tok/s of each round]}}} for fp32, int8 and hf, and
     the linear kernels each asyncllm engine runs ({"fp32": log line, "int8": log line})."""
@@ -180,7 +195,9 @@ async def measure(
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for name, quantization in (("fp32", None), ("int8", "int8")):
-            args = EngineArgs(model=path, quantization=quantization, max_num_seqs=max(streams))
+            args = EngineArgs(
+                model=path, quantization=quantization, max_num_seqs=max(streams), max_model_len=max_model_len
+            )
             engines[name] = await stack.enter_async_context(AsyncLLM.create(args))
             kernels[name] = (await engines[name].collective_rpc("linear_kernels"))[0]
             await run_asyncllm(engines[name], make_prompts(2), 8)  # warm-up
@@ -229,6 +246,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of all measurements; the tables show medians")
     parser.add_argument("--json", default="benchmarks/results/throughput.json")
+    parser.add_argument("--max-model-len", type=int, help="the engines' longest sequence, tokens")
     args = parser.parse_args()
     max_tokens = 64 if args.quick else args.max_tokens
     path = str(resolve_model_path(args.model))
@@ -236,6 +254,7 @@ def main() -> None:
         "benchmark": "throughput",
         "machine": machine_info(),
         "load_before": [round(x, 2) for x in os.getloadavg()],
+        "model": path,
         "max_tokens": max_tokens,
         "streams": args.streams,
         "modes": ["quiet", "contended"] if args.contended else ["quiet"],
@@ -243,7 +262,7 @@ def main() -> None:
         "transformers": {},
     }
     samples, result["linear_kernels"] = asyncio.run(
-        measure(path, args.streams, max_tokens, result["modes"], args.rounds, not args.skip_hf)
+        measure(path, args.streams, max_tokens, result["modes"], args.rounds, not args.skip_hf, args.max_model_len)
     )
     result["rounds"] = {"count": args.rounds, "samples": samples}
     medians = {name: {m: {n: statistics.median(v) for n, v in by_n.items()} for m, by_n in by_mode.items()}

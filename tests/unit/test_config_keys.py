@@ -144,7 +144,13 @@ def _changed(value: Any) -> Any:
     return 1  # None
 
 
-FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+FAMILIES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "mistral": "MistralConfig",
+    "qwen3": "Qwen3Config",
+    "phi3": "Phi3Config",
+}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

@@ -122,6 +122,22 @@ def test_shapes_and_layers_are_checked_against_the_model(adapter: pathlib.Path) 
         read_adapter(adapter, 8, SHAPES, 1)
 
 
+def test_a_module_of_another_layout_is_refused(tmp_path: pathlib.Path) -> None:
+    """Phi-3's fused qkv_proj is a module PEFT can target, but a Llama model has q/k/v_proj instead."""
+    save_file(
+        {
+            f"{PREFIX}.0.self_attn.qkv_proj.lora_A.weight": torch.ones(4, 8),
+            f"{PREFIX}.0.self_attn.qkv_proj.lora_B.weight": torch.ones(16, 4),
+        },
+        str(tmp_path / "adapter_model.safetensors"),
+    )
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    assert read_adapter(tmp_path, 8).in_out == {"self_attn.qkv_proj": (8, 16)}  # without the model: a known module
+    with pytest.raises(InvalidRequestError, match=r"adapts self_attn\.qkv_proj, which this model does not have"):
+        read_adapter(tmp_path, 8, SHAPES, 2)
+
+
 def test_missing_and_malformed_files_are_invalid_requests(tmp_path: pathlib.Path, adapter: pathlib.Path) -> None:
     with pytest.raises(InvalidRequestError, match=r"no adapter_config\.json"):
         read_adapter(tmp_path / "absent", 8)

@@ -9,8 +9,9 @@ Anything that would change that math and is not honoured here is refused, never 
 scale alpha / sqrt(r)), DoRA (`use_dora`, `lora_magnitude_vector` keys), `modules_to_save` (fully trained copies of
 other layers), biases (`bias` != "none", `lora_bias`), per-module ranks or alphas (`rank_pattern`, `alpha_pattern`),
 `fan_in_fan_out`, initialisations that change the base weights (PiSSA, OLoRA, CorDA, LoftQ, EVA: convert those to
-plain LoRA first), token or embedding adapters, any module other than q/k/v/o and gate/up/down, and any config key
-this module does not know whose value is set. Metadata keys (`base_model_name_or_path`, `task_type`,
+plain LoRA first), token or embedding adapters, any module other than q/k/v/o and gate/up/down (or Phi-3's fused
+qkv and gate_up: the model's layout, `model/layouts.py`, decides which it has), and any config key this module does
+not know whose value is set. Metadata keys (`base_model_name_or_path`, `task_type`,
 `lora_dropout`, ...) are read past.
 """
 
@@ -24,21 +25,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.model.layouts import ALL_LORA_MODULES, LAYOUTS, part_inputs, part_widths
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 MAX_LORA_RANK = 64  # the largest `max_lora_rank` an engine accepts
 
-# PEFT module name -> the module's path inside a decoder layer (HF Llama names).
-MODULE_PATHS = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
+# PEFT module name -> the module's path inside a decoder layer: Llama's, and every architecture's (`model/layouts.py`;
+# the model's own layout decides once the adapter is checked against it).
+MODULE_PATHS = dict(LAYOUTS["llama"].lora_modules)
+_ANY_MODULE_PATHS = ALL_LORA_MODULES
 _KEY = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|mlp)\.[a-z_]+)\.lora_([AB])\.weight",
 )
@@ -75,17 +71,22 @@ class AdapterSpec:
 def model_module_shapes(
     hidden_size: int, intermediate_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int
 ) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each adaptable module of a Llama-family decoder layer (unsharded)."""
-    q, kv = num_attention_heads * head_dim, num_key_value_heads * head_dim
-    return {
-        "self_attn.q_proj": (hidden_size, q),
-        "self_attn.k_proj": (hidden_size, kv),
-        "self_attn.v_proj": (hidden_size, kv),
-        "self_attn.o_proj": (q, hidden_size),
-        "mlp.gate_proj": (hidden_size, intermediate_size),
-        "mlp.up_proj": (hidden_size, intermediate_size),
-        "mlp.down_proj": (intermediate_size, hidden_size),
-    }
+    """(in_features, out_features) of each adaptable module of a Llama decoder layer (unsharded; the layout's)."""
+    dims = {"hidden_size": hidden_size, "intermediate_size": intermediate_size, "head_dim": head_dim}
+    dims |= {"num_attention_heads": num_attention_heads, "num_key_value_heads": num_key_value_heads}
+    out, inputs = part_widths(_Dims(**dims)), part_inputs(_Dims(**dims))
+    return {m: (inputs[parts[0]], sum(out[p] for p in parts)) for m, parts in LAYOUTS["llama"].modules.items()}
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """The dimensions `layouts.part_widths` reads of a `ModelArchConfig`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
 
 
 def read_adapter(
@@ -115,7 +116,11 @@ def read_adapter(
     modules, in_out = _check_tensors(shapes, rank, where)
     if module_shapes is not None:
         for module, dims in in_out.items():
-            if module_shapes.get(module) != dims:
+            if module not in module_shapes:
+                raise InvalidRequestError(
+                    f"{where}: adapts {module}, which this model does not have; its modules: {sorted(module_shapes)}"
+                )
+            if module_shapes[module] != dims:
                 raise InvalidRequestError(
                     f"{where}: {module} has [in, out] = {list(dims)}; the model's is {list(module_shapes[module])}"
                 )
@@ -161,13 +166,15 @@ def _check_config(config: dict[str, Any], max_lora_rank: int, where: str) -> tup
     if refused:
         raise InvalidRequestError(
             f"{where}: {', '.join(f'{k}={config[k]!r}' for k in refused)} not supported (plain LoRA on "
-            f"{'/'.join(MODULE_PATHS)} only)"
+            f"{'/'.join(_ANY_MODULE_PATHS)} only)"
         )
     targets = config.get("target_modules")
     if isinstance(targets, list):  # a str is a regex or "all-linear": the weights file says what is adapted
-        unknown = sorted(str(t) for t in targets if str(t).rsplit(".", 1)[-1] not in MODULE_PATHS)
+        unknown = sorted(str(t) for t in targets if str(t).rsplit(".", 1)[-1] not in _ANY_MODULE_PATHS)
         if unknown:
-            raise InvalidRequestError(f"{where}: target_modules {unknown} not supported; only {list(MODULE_PATHS)}")
+            raise InvalidRequestError(
+                f"{where}: target_modules {unknown} not supported; only {list(_ANY_MODULE_PATHS)}"
+            )
     return rank, alpha / rank
 
 
@@ -193,8 +200,8 @@ def _check_tensors(
     features: dict[tuple[str, str], int] = {}  # (module, "A") -> in_features, (module, "B") -> out_features
     for name, (dtype, shape) in shapes.items():
         match = _KEY.fullmatch(name)
-        if match is None or match[2] not in MODULE_PATHS.values():
-            raise InvalidRequestError(f"{where}: tensor {name!r} is not a LoRA A/B of {list(MODULE_PATHS)}")
+        if match is None or match[2] not in _ANY_MODULE_PATHS.values():
+            raise InvalidRequestError(f"{where}: tensor {name!r} is not a LoRA A/B of {list(_ANY_MODULE_PATHS)}")
         if dtype not in _DTYPES or len(shape) != 2:
             raise InvalidRequestError(f"{where}: tensor {name!r} is {dtype} {shape}; a 2-D float tensor is needed")
         layer, module, side = int(match[1]), match[2], match[3]

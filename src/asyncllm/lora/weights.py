@@ -24,9 +24,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from asyncllm.lora.peft import WEIGHTS_NAME, AdapterSpec, model_module_shapes, read_adapter
+from asyncllm.lora.peft import WEIGHTS_NAME, AdapterSpec, read_adapter
 from asyncllm.lora.request import LoRARequest
 from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.layouts import layout_of
 
 Rows = slice | torch.Tensor  # the flat token rows of one adapter: a range, or [num_rows] int64 indices
 
@@ -35,11 +36,13 @@ class LoRALayerLike(Protocol):
     """What loading needs of a decoder layer (`model.llama.LlamaDecoderLayer` is one)."""
 
     def fused_slots(self) -> dict[str, tuple[str, int, int]]:
-        """HF module path -> (fused weight name, first output column, width) of this rank's shard."""
+        """Part (`model.layouts.FUSED_PARTS`) -> (fused weight name, first output column, width) of this rank."""
         ...
 
-    def shard_lora(self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (A, B) of a module's `[r, in]` / `[out, r]` pair."""
+    def shard_lora(
+        self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """This rank's (part, A, B) of a module's `[r, in]` / `[out, r]` pair, split by the module's parts."""
         ...
 
 
@@ -66,10 +69,8 @@ class AdapterWeights:
 
 
 def arch_module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
-    """The model's (in, out) of each adaptable module (`peft.model_module_shapes`)."""
-    return model_module_shapes(
-        arch.hidden_size, arch.intermediate_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
-    )
+    """The model's (in, out) of each adaptable module, unsharded (its architecture's layout, `model/layouts.py`)."""
+    return layout_of(arch.architecture).module_shapes(arch)
 
 
 def load_adapter(
@@ -96,12 +97,13 @@ def _fuse_layer(
     """The `FusedLoRA` of each fused weight of layer `index` that the adapter touches."""
     by_fused: dict[str, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {}
     slots = layer.fused_slots()
-    for module, (fused, start, width) in slots.items():
-        keys = spec.modules.get((index, module))
-        if keys is not None:
-            a, b = (tensors[k].to(torch.float32) for k in keys)
-            a, b = layer.shard_lora(module, a, b)
-            by_fused.setdefault(fused, []).append((a, b * spec.scale, start, width))
+    for (layer_index, module), keys in spec.modules.items():
+        if layer_index != index:
+            continue
+        a, b = (tensors[k].to(torch.float32) for k in keys)
+        for part, a_part, b_part in layer.shard_lora(module, a, b):
+            fused, start, width = slots[part]
+            by_fused.setdefault(fused, []).append((a_part, b_part * spec.scale, start, width))
     out_widths: dict[str, int] = {}
     for fused, start, width in slots.values():
         out_widths[fused] = max(out_widths.get(fused, 0), start + width)

@@ -22,11 +22,30 @@ class Llama3RopeScaling:
 
 
 @dataclass(frozen=True)
+class LongRopeScaling:
+    """Phi-3's LongRoPE (`rope_type: "longrope"`; applied by `layers/rotary.py`), in its short regime only: HF uses
+    the short factors while a sequence is at most `original_max_position_embeddings` tokens, and
+    `loading/arch_config.check_max_model_len` refuses longer sequences (the long factors are not implemented).
+
+    Fields:
+        short_factor: per-frequency divisors, [rotary_dim // 2].
+        original_max_position_embeddings: the pre-training context, tokens; the short regime's limit.
+        attention_factor: multiplies the cos and sin tables (HF: `sqrt(1 + ln(factor) / ln(original context))`,
+            factor = `max_position_embeddings / original_max_position_embeddings`, unless given).
+    """
+
+    short_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
+
+
+@dataclass(frozen=True)
 class ModelArchConfig:
     """Architecture hyper-parameters (names follow HF `LlamaConfig`).
 
     Fields:
-        architecture: "llama" (SmolLM2, Llama, Mistral) or "qwen2" (q/k/v biases).
+        architecture: "llama" (SmolLM2, Llama, Mistral), "qwen2" (q/k/v biases), "qwen3" (q/k norms) or "phi3"
+            (fused checkpoint modules); its weight layout is `layouts.LAYOUTS[architecture]`.
         vocab_size: logits width.
         hidden_size: model width.
         intermediate_size: MLP width.
@@ -39,13 +58,16 @@ class ModelArchConfig:
         max_position_embeddings: the model's context length, tokens.
         tie_word_embeddings: LM head shares the token embedding.
         bos_token_id, eos_token_id: special ids (None when absent).
-        rope_scaling: Llama 3 frequency scaling (HF `rope_type: "llama3"`), None for plain RoPE.
+        rope_scaling: Llama 3 frequency scaling (HF `rope_type: "llama3"`), Phi-3's LongRoPE in its short regime,
+            None for plain RoPE.
         rope_freq_divisors: per-frequency divisors, [head_dim // 2] (a GGUF `rope_freqs` tensor, which
             llama.cpp's converter writes for Llama 3 scaling), None when absent.
         sliding_window: the attention window of the checkpoint's windowed layers, tokens (a query sees itself and
             the `sliding_window - 1` tokens before it), None when no layer has one. The model attends to the whole
             sequence: `loading/arch_config.check_max_model_len` accepts a window only when it covers every
             sequence.
+        rotary_dim: dims of each head that rotary rotates (the first ones; HF Phi-3's `partial_rotary_factor *
+            head_dim`, GGUF `rope.dimension_count`), None for the whole head.
 
     Torch-free: the frontend reads it before any engine process starts.
     """
@@ -64,9 +86,10 @@ class ModelArchConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: Llama3RopeScaling | LongRopeScaling | None = None
     rope_freq_divisors: tuple[float, ...] | None = None
     sliding_window: int | None = None
+    rotary_dim: int | None = None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV cache block over all layers (float32 K and V)."""

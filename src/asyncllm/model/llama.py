@@ -1,4 +1,5 @@
-"""Llama-family decoder (SmolLM2, Llama, Mistral; Qwen2 with q/k/v biases) for CPU inference in float32.
+"""Llama-family decoder for CPU inference in float32: SmolLM2, Llama, Mistral; Qwen2 (q/k/v biases), Qwen3 (per-head
+q/k RMSNorm), Phi-3 (fused checkpoint modules, partial rotary), as each architecture's layout (`layouts.py`) says.
 
 Linear weights are stored `[in, out]` contiguous and applied as `x @ W` (about twice the weight-streaming
 speed of `F.linear` for matrix-vector products on this CPU); q/k/v are one fused matmul and gate/up another.
@@ -35,7 +36,9 @@ from asyncllm.model.kernels.rotary import apply_rotary
 from asyncllm.model.kernels.row_kernels import MAX_NORM_COLUMNS, RowKernels, load_kernels
 from asyncllm.model.layers.attention import decode_reads_cache, paged_attention, write_kv_cache
 from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_attention_metadata
-from asyncllm.model.layers.rotary import arch_inv_freq, rotary_cos_sin
+from asyncllm.model.layers.head_norm import head_rms_norm
+from asyncllm.model.layers.rotary import arch_cos_sin
+from asyncllm.model.layouts import layout_of
 from asyncllm.model.llama_weights import LINEAR_WEIGHTS, LayerWeights
 from asyncllm.model.smoothquant import smoothing_scale
 
@@ -55,9 +58,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaDecoderLayer(nn.Module, LayerWeights):
     """Pre-norm attention + SwiGLU MLP block with fused [in, out] weights, holding this TP rank's shard.
 
+    What the architecture's layout (`layouts.py`) has, the layer has: q/k/v biases (Qwen2), per-head RMSNorm on q
+    and k before rotary (Qwen3); rotary on the first `arch.rotary_dim` dims of each head (Phi-3's partial rotary).
+
     Args:
         arch: the model's hyper-parameters.
-        qkv_bias: q/k/v projections have biases (Qwen2).
         tp_rank, tp_size: this rank's shard (`num_*_heads` and `intermediate_size` divisible by `tp_size`).
         kernels: the fused row kernels (`model/kernels/row_kernels.py`), or None for torch ops only (same values).
     """
@@ -65,13 +70,13 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
     def __init__(
         self,
         arch: ModelArchConfig,
-        qkv_bias: bool,
         tp_rank: int = 0,
         tp_size: int = 1,
         kernels: RowKernels | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
+        self.layout = layout_of(arch.architecture)
         self.fused_kernels = kernels
         self.tp_rank, self.tp_size = tp_rank, tp_size
         h, d = arch.hidden_size, arch.head_dim
@@ -80,7 +85,11 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
         self.inter_size = arch.intermediate_size // tp_size
         self.input_norm = _param(h)
         self.qkv_proj: Weight = _param(h, self.q_size + 2 * self.kv_size)
-        self.qkv_bias: nn.Parameter | None = _param(self.q_size + 2 * self.kv_size) if qkv_bias else None
+        biased = bool(self.layout.biased_parts)
+        self.qkv_bias: nn.Parameter | None = _param(self.q_size + 2 * self.kv_size) if biased else None
+        self.q_norm: nn.Parameter | None = _param(d) if self.layout.qk_norm else None
+        self.k_norm: nn.Parameter | None = _param(d) if self.layout.qk_norm else None
+        self.rotary_dim = arch.rotary_dim or d
         self.o_proj: Weight = _param(self.q_size, h)
         self.post_attention_norm = _param(h)
         self.gate_up_proj: Weight = _param(h, 2 * self.inter_size)
@@ -167,21 +176,33 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
         `kv_cache`, paged attention."""
         n, d = qkv.shape[0], self.arch.head_dim
         rotated = self.q_size + self.kv_size  # q and k heads rotated in one pass
-        if self.fused_kernels is not None:
+        kernels = self.fused_kernels
+        if kernels is not None and self.q_norm is None and self.rotary_dim == d:
             qkv = qkv.contiguous()
-            self.fused_kernels.scale_bias_rotate_(qkv, row_scale, self.qkv_bias, cos, sin, rotated)
+            kernels.scale_bias_rotate_(qkv, row_scale, self.qkv_bias, cos, sin, rotated)
             qk = qkv[:, :rotated].view(n, -1, d)
         else:
             if row_scale is not None:
                 qkv.mul_(row_scale)
             if self.qkv_bias is not None:
                 qkv = qkv + self.qkv_bias
-            qk = apply_rotary(qkv[:, :rotated].view(n, -1, d), cos, sin)
+            qk = qkv[:, :rotated].view(n, -1, d)
+            if self.q_norm is not None and self.k_norm is not None:
+                eps, q_heads = self.arch.rms_norm_eps, self.q_size // d
+                q_normed = head_rms_norm(qk[:, :q_heads], self.q_norm, eps, kernels)
+                qk = torch.cat([q_normed, head_rms_norm(qk[:, q_heads:], self.k_norm, eps, kernels)], dim=1)
+            qk = self._rotate(qk, cos, sin)
         q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
         v = qkv[:, rotated:].view(n, -1, d)
-        kernels = self.fused_kernels
         write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks, kernels)
         return paged_attention(q, kv_cache, meta, new_kv=(k, v), kernels=kernels)
+
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary on the first `rotary_dim` dims of each [num_tokens, heads, head_dim] head (the tables are that
+        wide); the rest pass through (Phi-3's partial rotary, as HF's `apply_rotary_pos_emb` on `[..., :dim]`)."""
+        if self.rotary_dim == qk.shape[-1]:
+            return apply_rotary(qk, cos, sin)
+        return torch.cat([apply_rotary(qk[..., : self.rotary_dim], cos, sin), qk[..., self.rotary_dim :]], dim=-1)
 
     def _mlp(self, x: torch.Tensor, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
@@ -209,15 +230,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         self.arch = arch
-        qkv_bias = arch.architecture == "qwen2"
         tp_rank, tp_size = get_tp_rank(), get_tp_size()  # from parallel_state: (0, 1) unless a TP group was joined
         check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp_size)
         self.fused_kernels = load_kernels() if arch.hidden_size <= MAX_NORM_COLUMNS else None
         # decode steps read the paged cache directly: the model runner keeps no dense K/V mirror for them
         self.decode_reads_cache = decode_reads_cache(self.fused_kernels, arch.head_dim)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, qkv_bias, tp_rank, tp_size, self.fused_kernels)
-            for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, tp_rank, tp_size, self.fused_kernels) for _ in range(arch.num_hidden_layers)
         )
         self.norm = _param(arch.hidden_size)
         self.lm_head: Weight = _param(arch.hidden_size, arch.vocab_size)  # [in, out]
@@ -225,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Parameter | None = (
             None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
         )
-        cos, sin = rotary_cos_sin(arch_inv_freq(arch), arch.max_position_embeddings)
+        cos, sin = arch_cos_sin(arch)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -340,9 +359,30 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             KeyError: for a tensor name this model does not have.
+            ValueError: the checkpoint lacks a tensor the model needs (named; an unfilled parameter would hold
+                whatever memory it was given).
         """
+        loaded = set()
         for name, tensor in weights:
             self._load_one(name, tensor.to(torch.float32))
+            loaded.add(name)
+        missing = sorted(self.expected_weights() - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {shown}")
+
+    def expected_weights(self) -> set[str]:
+        """The HF names a checkpoint must hold for this model: the embedding, final norm, the LM head when untied,
+        and every layer's norms, modules and biases as the architecture's layout lists them."""
+        layout = layout_of(self.arch.architecture)
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        names |= set() if self.arch.tie_word_embeddings else {"lm_head.weight"}
+        per_layer = {f"{norm}.weight" for norm in layout.norms}
+        for module, parts in layout.modules.items():
+            per_layer.add(f"{module}.weight")
+            if set(parts) & layout.biased_parts:
+                per_layer.add(f"{module}.bias")
+        return names | {f"model.layers.{i}.{n}" for i in range(self.arch.num_hidden_layers) for n in per_layer}
 
     def _load_one(self, name: str, w: torch.Tensor) -> None:
         if name == "model.embed_tokens.weight":

@@ -1,6 +1,7 @@
-"""Where a Llama decoder layer's weights go: HF tensors into the fused `[in, out]` parameters of this TP rank's
-shard, LoRA pairs sharded like their modules, SmoothQuant factors folded in, and the four linear weights converted
-to int8 or to both fp32 layouts. Mixed into `llama.LlamaDecoderLayer`, which owns the attributes declared here.
+"""Where a decoder layer's weights go, as its architecture's layout (`layouts.py`) says: HF tensors into the fused
+`[in, out]` parameters of this TP rank's shard, LoRA pairs sharded like their modules, SmoothQuant factors folded in,
+and the four linear weights converted to int8 or to both fp32 layouts. Mixed into `llama.LlamaDecoderLayer`, which
+owns the attributes declared here.
 
 Source: tensor-parallel shards after Megatron-LM (Shoeybi et al., 2019); SmoothQuant (Xiao et al., 2023).
 """
@@ -18,6 +19,7 @@ from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, quantize_int8
 from asyncllm.model.kernels.linear import Weight
+from asyncllm.model.layouts import COLUMN_PARALLEL, FUSED_PARTS, WeightLayout, part_inputs, part_widths
 from asyncllm.model.smoothquant import smoothing_scale
 
 LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -27,6 +29,7 @@ class LayerWeights:
     """Weight placement methods of a decoder layer (this TP rank's shard; `[in, out]` fused weights)."""
 
     arch: ModelArchConfig
+    layout: WeightLayout
     tp_rank: int
     tp_size: int
     q_size: int  # this rank's query columns
@@ -84,56 +87,77 @@ class LayerWeights:
             setattr(self, name, convert(weight))
 
     def fused_slots(self) -> dict[str, tuple[str, int, int]]:
-        """HF module path ("self_attn.q_proj") -> (fused param, first output column, width) on this rank."""
-        q, kv, inter = self.q_size, self.kv_size, self.inter_size
-        return {
-            "self_attn.q_proj": ("qkv_proj", 0, q),
-            "self_attn.k_proj": ("qkv_proj", q, kv),
-            "self_attn.v_proj": ("qkv_proj", q + kv, kv),
-            "self_attn.o_proj": ("o_proj", 0, self.arch.hidden_size),
-            "mlp.gate_proj": ("gate_up_proj", 0, inter),
-            "mlp.up_proj": ("gate_up_proj", inter, inter),
-            "mlp.down_proj": ("down_proj", 0, self.arch.hidden_size),
-        }
+        """Part ("q", "k", ..., `layouts.FUSED_PARTS`) -> (fused param, first output column, width) on this rank."""
+        widths = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size, "o": self.arch.hidden_size}
+        widths |= {"gate": self.inter_size, "up": self.inter_size, "down": self.arch.hidden_size}
+        slots = {}
+        for fused, parts in FUSED_PARTS.items():
+            start = 0
+            for part in parts:
+                slots[part] = (fused, start, widths[part])
+                start += widths[part]
+        return slots
 
-    def shard_lora(self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of a module's LoRA pair (A `[r, in]`, B `[out, r]`), sharded like the module: q/k/v/gate/up
-        (column-parallel) keep A whole and shard B's output rows; o/down (row-parallel) shard A's input columns and
-        keep B whole."""
-        if module in ("self_attn.o_proj", "mlp.down_proj"):
-            return self._shard(f"{module}.weight", lora_a), lora_b
-        return lora_a, self._shard(f"{module}.weight", lora_b)
+    def shard_lora(
+        self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """This rank's (part, A, B) of a module's LoRA pair (A `[r, in]`, B `[out, r]`), split by the module's parts
+        and sharded like them: q/k/v/gate/up (column-parallel) share A whole and shard B's output rows; o/down
+        (row-parallel) shard A's input columns and keep B whole.
+
+        Raises:
+            KeyError: the layout has no such module.
+        """
+        parts = self.layout.module_parts(module)
+        if parts[0] in COLUMN_PARALLEL:
+            return [(part, lora_a, self._shard(part, b)) for part, b in self._split(parts, lora_b)]
+        return [(parts[0], self._shard(parts[0], lora_a), lora_b)]
 
     def load_weight(self, name: str, w: torch.Tensor) -> None:
-        """Place one HF layer tensor (name after `model.layers.N.`, `[out, in]`) into the fused [in, out] params."""
-        w = self._shard(name, w)
-        slots = self.fused_slots()  # weights are transposed to [in, out]
-        if name == "input_layernorm.weight":
-            self.input_norm.copy_(w)
-        elif name == "post_attention_layernorm.weight":
-            self.post_attention_norm.copy_(w)
-        elif name.endswith(".bias") and name[: -len(".bias")] in slots and self.qkv_bias is not None:
-            _, start, width = slots[name[: -len(".bias")]]
-            self.qkv_bias[start : start + width].copy_(w)
-        elif name.endswith(".weight") and name[: -len(".weight")] in slots:
-            param, start, width = slots[name[: -len(".weight")]]
-            target = getattr(self, param)
-            if not isinstance(target, torch.Tensor):
-                raise RuntimeError(f"{param} is already quantized; load weights before quantizing")
-            target[:, start : start + width].copy_(w.t())
-        else:
-            raise KeyError(f"unexpected layer weight {name!r}")
+        """Place one HF layer tensor (name after `model.layers.N.`, `[out, in]` or `[out]`) into this rank's params:
+        a norm whole, a module split into its parts (`layouts.py`), each part sharded into its fused slot (weights
+        transposed to `[in, out]`).
 
-    def _shard(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        """This rank's part of an HF `[out, in]` tensor (or `[out]` bias): rows of q/k/v/gate/up, columns of
-        o_proj/down_proj; norms whole."""
-        if self.tp_size == 1 or "layernorm" in name:
+        Raises:
+            KeyError: a tensor the layout does not have (or a bias on a part without one).
+        """
+        base, _, kind = name.rpartition(".")
+        if base in self.layout.norms and kind == "weight":
+            cast(torch.Tensor, getattr(self, self.layout.norms[base])).copy_(w)
+            return
+        if base not in self.layout.modules or kind not in ("weight", "bias"):
+            raise KeyError(f"unexpected layer weight {name!r}")
+        slots = self.fused_slots()
+        for part, piece in self._split(self.layout.modules[base], w):
+            fused, start, width = slots[part]
+            shard = self._shard(part, piece)
+            if kind == "bias":
+                if part not in self.layout.biased_parts or self.qkv_bias is None:
+                    raise KeyError(f"unexpected layer weight {name!r}")
+                self.qkv_bias[start : start + width].copy_(shard)
+                continue
+            target = getattr(self, fused)
+            if not isinstance(target, torch.Tensor):
+                raise RuntimeError(f"{fused} is already quantized; load weights before quantizing")
+            target[:, start : start + width].copy_(shard.t())
+
+    def _split(self, parts: tuple[str, ...], w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """An unsharded module tensor's rows by part (one part: the tensor itself)."""
+        if len(parts) == 1:
+            return [(parts[0], w)]
+        widths = part_widths(self.arch)
+        if w.shape[0] != sum(widths[p] for p in parts):
+            raise ValueError(f"a tensor of parts {parts} has {w.shape[0]} rows, not {sum(widths[p] for p in parts)}")
+        return list(zip(parts, w.split([widths[p] for p in parts]), strict=True))
+
+    def _shard(self, part: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of one part's unsharded `[out, in]` tensor (or `[out]` bias; or a LoRA A `[r, in]` of a
+        row-parallel part): output rows of a column-parallel part, input columns of a row-parallel one."""
+        if self.tp_size == 1:
             return w
-        rank, d = self.tp_rank, self.arch.head_dim
-        rows = {"self_attn.q_proj": self.q_size, "self_attn.k_proj": self.kv_size, "self_attn.v_proj": self.kv_size}
-        rows |= {"mlp.gate_proj": self.inter_size, "mlp.up_proj": self.inter_size}
-        base = name.rsplit(".", 1)[0]
-        if base in rows:
-            return w[rank * rows[base] : (rank + 1) * rows[base]]
-        cols = {"self_attn.o_proj": self.arch.num_attention_heads // self.tp_size * d, "mlp.down_proj": self.inter_size}
-        return w[:, rank * cols[base] : (rank + 1) * cols[base]] if base in cols else w
+        rank = self.tp_rank
+        if part in COLUMN_PARALLEL:
+            rows = part_widths(self.arch)[part] // self.tp_size
+            return w[rank * rows : (rank + 1) * rows]
+        cols = part_inputs(self.arch)[part] // self.tp_size
+        return w[:, rank * cols : (rank + 1) * cols]

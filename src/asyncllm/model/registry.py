@@ -13,6 +13,8 @@ from asyncllm.model.llama import LlamaForCausalLM
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
 }
 
 

@@ -1,5 +1,6 @@
-"""Rotary position embedding tables: plain RoPE and Llama 3 frequency scaling (read from the config by
-`loading/arch_config.py`).
+"""Rotary position embedding tables: plain RoPE, Llama 3 frequency scaling and Phi-3's LongRoPE in its short regime
+(read from the config by `loading/arch_config.py`; LongRoPE as HF's `_compute_longrope_parameters`: frequencies
+divided by the short factors, cos and sin times the attention factor).
 
 Sources: RoFormer (Su et al., 2021) for the inverse frequencies `theta ** (-2i / head_dim)`; the Llama 3.1 rule for
 stretching them to a longer context, as published with Meta's Llama 3.1 reference code (`apply_scaling` in
@@ -16,14 +17,19 @@ import math
 
 import torch
 
-from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
+from asyncllm.model.arch import Llama3RopeScaling, LongRopeScaling, ModelArchConfig
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> torch.Tensor:
-    """Inverse frequencies, [head_dim // 2] float64, radians per token (Llama 3.1 rule when `scaling` is given)."""
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: Llama3RopeScaling | LongRopeScaling | None = None
+) -> torch.Tensor:
+    """Inverse frequencies, [head_dim // 2] float64, radians per token (Llama 3.1 rule when `scaling` is Llama 3's;
+    divided by the short factors when it is LongRoPE's)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LongRopeScaling):
+        return inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float64)
     old_context = scaling.original_max_position_embeddings
     wavelength = 2 * math.pi / inv_freq
     smooth = (old_context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
@@ -34,11 +40,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Llama3RopeScaling | None
 
 def arch_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
     """A checkpoint's RoPE inverse frequencies, [head_dim // 2] float64, radians per token: its Llama 3 scaling,
-    or its GGUF `rope_freqs` divisors, applied."""
-    inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+    or its GGUF `rope_freqs` divisors, applied. Over the rotated dims only (`arch.rotary_dim`, [rotary_dim // 2])
+    when rotary is partial."""
+    inv_freq = rope_inv_freq(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling)
     if arch.rope_freq_divisors is not None:
         inv_freq = inv_freq / torch.tensor(arch.rope_freq_divisors, dtype=torch.float64)
     return inv_freq
+
+
+def arch_cos_sin(arch: ModelArchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's cos and sin tables over its context (`rotary_cos_sin` of `arch_inv_freq`), times LongRoPE's
+    attention factor when it has one: each [max_position_embeddings, rotated dims] float32."""
+    cos, sin = rotary_cos_sin(arch_inv_freq(arch), arch.max_position_embeddings)
+    if isinstance(arch.rope_scaling, LongRopeScaling):
+        return cos * arch.rope_scaling.attention_factor, sin * arch.rope_scaling.attention_factor
+    return cos, sin
 
 
 def rotary_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,13 +12,14 @@ A key is one of:
 - anything else: refused. A sliding attention window is read and accepted only when it covers every sequence
   (`check_max_model_len`): the model attends to the whole sequence.
 
-Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config` (transformers 5: `layer_types`, `rope_parameters`);
-GGUF keys as llama.cpp's `gguf` package names them (`gguf.constants.Keys`).
+Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Phi3Config` (transformers 5:
+`layer_types`, `rope_parameters`); GGUF keys as llama.cpp's `gguf` package names them (`gguf.constants.Keys`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import struct
 from typing import Any
@@ -26,11 +27,17 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import ConfigError
-from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
+from asyncllm.model.arch import Llama3RopeScaling, LongRopeScaling, ModelArchConfig
 from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
 # HF config.json `model_type` -> architecture name (`model/registry.py`).
-HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+HF_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+}
 GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values())
 
 _HF_READ_COMMON = frozenset(
@@ -59,6 +66,10 @@ _HF_READ_FAMILY: dict[str, frozenset[str]] = {
     "llama": frozenset(),
     "mistral": frozenset({"sliding_window"}),
     "qwen2": frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
+    "qwen3": frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
+    # Phi-3: a window on every layer; partial rotary (top-level in older files, else in rope_parameters); the
+    # original context, which parametrizes only LongRoPE (`read_hf_rope`).
+    "phi3": frozenset({"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"}),
 }
 # Keys accepted only at the one value this model implements; any other value changes the math.
 _HF_ONLY_AT_COMMON: dict[str, Any] = {
@@ -70,6 +81,16 @@ _HF_ONLY_AT_FAMILY: dict[str, dict[str, Any]] = {
     "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {},  # q/k/v biases always (read from the checkpoint), no others
+    "qwen3": {"attention_bias": False},
+    # Phi-4-mini's config.json carries full_attn_mod and interpolate_factor at 1 (for its own modeling code); HF's
+    # Phi-3 class, the implementation asyncllm is checked against, does not read them: other values are refused.
+    "phi3": {
+        "attention_bias": False,
+        "mlp_bias": False,
+        "lm_head_bias": False,
+        "full_attn_mod": 1,
+        "interpolate_factor": 1,
+    },
 }
 # Keys that do not change the logits, whatever their value.
 HF_NO_MATH_KEYS = frozenset(
@@ -90,6 +111,8 @@ HF_NO_MATH_KEYS = frozenset(
         # Training only: weight initialization, and dropout (inactive at inference).
         "initializer_range",
         "attention_dropout",
+        "resid_pdrop",  # Phi-3
+        "embd_pdrop",  # Phi-3
         # The padding token: asyncllm never pads a sequence with tokens.
         "pad_token_id",
         # Classification heads only (`architectures` must name a ...ForCausalLM).
@@ -105,6 +128,8 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _ROPE_KEYS = {"default": frozenset({"rope_theta", "rope_type", "type"})}
 _ROPE_KEYS["llama3"] = _ROPE_KEYS["default"] | frozenset(_LLAMA3_ROPE_KEYS)
+_LONGROPE_KEYS = ("short_factor", "long_factor", "factor", "attention_factor", "original_max_position_embeddings")
+_ROPE_KEYS["longrope"] = _ROPE_KEYS["default"] | frozenset(_LONGROPE_KEYS)
 
 # GGUF keys after "{arch}." read into `ModelArchConfig` (or checked against it).
 GGUF_READ_KEYS = frozenset(
@@ -121,7 +146,7 @@ GGUF_READ_KEYS = frozenset(
         "attention.layer_norm_rms_epsilon",
         "attention.sliding_window",
         "rope.freq_base",
-        "rope.dimension_count",  # must equal head_dim: partial rotary is refused
+        "rope.dimension_count",  # head_dim, or Phi-3's partial rotary dims
         "rope.scaling.type",  # must be "none": Llama 3 scaling comes as the rope_freqs tensor
     }
 )
@@ -182,17 +207,24 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
 
 
 def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> None:
-    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow.
+    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow, and a LongRoPE
+    checkpoint whose sequences could outgrow its short regime.
 
     The model attends to the whole sequence. With a window of `w` tokens (a query sees itself and the `w - 1`
     tokens before it, as HF's `sliding_window_overlay`), that is the same math while no sequence is longer than
     `w`. `max_model_len` None means the model's context length, as the worker resolves it.
 
     Raises:
-        ConfigError: naming the window and the sequence length it does not cover.
+        ConfigError: naming the window (or LongRoPE's original context) and the sequence length it does not cover.
     """
     context = arch.max_position_embeddings
     length = min(max_model_len or context, context)
+    if isinstance(arch.rope_scaling, LongRopeScaling) and arch.rope_scaling.original_max_position_embeddings < length:
+        original = arch.rope_scaling.original_max_position_embeddings
+        raise ConfigError(
+            f"LongRoPE: max_model_len {length} > original_max_position_embeddings {original}: asyncllm implements "
+            f"only the short factors HF uses up to {original} tokens; set EngineArgs.max_model_len <= {original}"
+        )
     if arch.sliding_window is not None and arch.sliding_window < length:
         raise ConfigError(
             f"sliding_window={arch.sliding_window} < max_model_len {length}: asyncllm has no sliding-window "
@@ -255,6 +287,10 @@ def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: p
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", hidden // heads)
+    rotary_dim = get("rope.dimension_count", head_dim)  # checked by check_gguf_keys
+    longrope = sorted(t.name for t in tensors if t.name.startswith("rope_factors_"))
+    if longrope:
+        raise ConfigError(f"GGUF tensors {longrope}: LongRoPE is not supported")
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     if not vocab:
         raise ConfigError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
@@ -275,6 +311,7 @@ def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: p
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         rope_freq_divisors=_read_rope_freqs(tensors, path, head_dim),
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
     )
 
 
@@ -282,13 +319,14 @@ def _check_gguf_rope(meta: dict[str, Any], arch: str, head_dim: int) -> None:
     """Reject GGUF RoPE metadata this model cannot honour (ggml docs: `rope.scaling.type`, `rope.dimension_count`).
 
     Llama 3 scaling is stored by llama.cpp's converter as a `rope_freqs` tensor (read by `_read_rope_freqs`), with
-    no scaling type; linear/YaRN scaling types and partial rotary dimensions are rejected.
+    no scaling type; linear/YaRN scaling types are rejected, and partial rotary dimensions outside Phi-3.
     """
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type != "none":
         raise ConfigError(f"GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported (only 'none')")
     dims = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if dims != head_dim:
+    partial_ok = arch == "phi3" and isinstance(dims, int) and 0 < dims < head_dim and dims % 2 == 0
+    if dims != head_dim and not partial_ok:
         raise ConfigError(f"GGUF {arch}.rope.dimension_count {dims} != head_dim {head_dim}: partial RoPE unsupported")
 
 
@@ -320,7 +358,14 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     _check_hf_keys(cfg, model_type)
     _check_layer_types(cfg)
     heads = need("num_attention_heads")
-    rope_theta, rope_scaling = read_hf_rope(cfg)
+    rope_theta, rope_scaling = read_hf_rope(cfg, phi3=model_type == "phi3")
+    head_dim = cfg.get("head_dim") or need("hidden_size") // heads
+    rotary_dim = _hf_rotary_dim(cfg, head_dim) if model_type == "phi3" else None
+    if isinstance(rope_scaling, LongRopeScaling) and len(rope_scaling.short_factor) != (rotary_dim or head_dim) // 2:
+        raise ConfigError(
+            f"config.json: LongRoPE short_factor has {len(rope_scaling.short_factor)} values; the model rotates "
+            f"{rotary_dim or head_dim} dims of each head, so needs {(rotary_dim or head_dim) // 2}"
+        )
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
         architecture=HF_MODEL_TYPES[model_type],
@@ -330,7 +375,7 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         num_hidden_layers=need("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(need("rms_norm_eps")),
         rope_theta=rope_theta,
         max_position_embeddings=need("max_position_embeddings"),
@@ -339,7 +384,28 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         rope_scaling=rope_scaling,
         sliding_window=_hf_sliding_window(cfg, model_type),
+        rotary_dim=rotary_dim,
     )
+
+
+def _hf_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
+    """Phi-3's rotated dims per head, `int(head_dim * partial_rotary_factor)` as HF's Phi-3 rotary computes them
+    (the factor top-level or in `rope_parameters`); None for the whole head.
+
+    Raises:
+        ConfigError: the two places disagree, or the factor gives no even width in (0, head_dim].
+    """
+    params = cfg.get("rope_parameters") or {}
+    factors = {
+        float(v) for v in (cfg.get("partial_rotary_factor"), params.get("partial_rotary_factor")) if v is not None
+    }
+    if len(factors) > 1:
+        raise ConfigError(f"config.json: partial_rotary_factor values disagree: {sorted(factors)}")
+    factor = factors.pop() if factors else 1.0
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ConfigError(f"config.json partial_rotary_factor={factor}: {dim} rotated dims of {head_dim} is not even")
+    return None if dim == head_dim else dim
 
 
 def _check_hf_keys(cfg: dict[str, Any], model_type: str) -> None:
@@ -370,15 +436,15 @@ def _check_hf_keys(cfg: dict[str, Any], model_type: str) -> None:
 def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     """The attention window of the windowed layers, or None when no layer has one, as HF's modeling applies it.
 
-    Mistral: `sliding_window` on every layer (null: none). Qwen2: only with `use_sliding_window`, on the layers
-    `layer_types` marks "sliding_attention", or when that is absent on layers from `max_window_layers` on.
+    Mistral, Phi-3: `sliding_window` on every layer (null: none). Qwen2, Qwen3: only with `use_sliding_window`, on
+    the layers `layer_types` marks "sliding_attention", or when that is absent on layers from `max_window_layers` on.
     """
     if model_type == "llama":
         return None
     window = cfg.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"config.json sliding_window={window!r}: must be null or an integer >= 1")
-    if model_type == "mistral" or window is None:
+    if model_type in ("mistral", "phi3") or window is None:  # every layer
         return window
     use = cfg.get("use_sliding_window", False)
     if not isinstance(use, bool):
@@ -409,19 +475,24 @@ def _check_layer_types(cfg: dict[str, Any]) -> None:
         )
 
 
-def read_hf_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def read_hf_rope(cfg: dict[str, Any], phi3: bool = False) -> tuple[float, Llama3RopeScaling | LongRopeScaling | None]:
     """Rotary base and scaling from an HF config.json, in either generation.
 
     Current transformers writes `"rope_parameters": {"rope_theta": ..., "rope_type": ..., ...}` and no top-level
     `rope_theta`; older versions write a top-level `rope_theta` and an optional `rope_scaling` dict (whose type key
     is `rope_type`, or `type` in the oldest files).
 
+    With `phi3`, a `partial_rotary_factor` key is allowed (read by `_hf_rotary_dim`), and so is the rope type
+    "longrope" (or its old name "su"), as HF's Phi-3 applies it: the short factors (what HF uses while a sequence
+    is at most `original_max_position_embeddings` tokens; `check_max_model_len` refuses longer ones) and the
+    attention factor.
+
     Returns:
-        (rope_theta, the Llama 3 scaling or None for plain RoPE).
+        (rope_theta, the Llama 3 or LongRoPE scaling, or None for plain RoPE).
     Raises:
         ConfigError: no rotary base in either place, the two places disagree, a `rope_type` other than
-            "default"/"llama3", a llama3 parameter missing, or a key the rope type does not have (e.g.
-            `partial_rotary_factor`).
+            "default"/"llama3" (and Phi-3's "longrope"), a parameter of the type missing or malformed, or a key the
+            rope type does not have (e.g. `partial_rotary_factor` outside Phi-3).
     """
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
@@ -435,15 +506,20 @@ def read_hf_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     merged = {**scaling, **params}
     key = "rope_parameters" if params else "rope_scaling"
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if phi3 and rope_type == "su":  # LongRoPE's first name (HF's Phi3Config renames it)
+        rope_type = "longrope"
+    if rope_type not in SUPPORTED_ROPE_TYPES + (("longrope",) if phi3 else ()):
         raise ConfigError(
             f"config.json: {key}.rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
+    allowed = _ROPE_KEYS[rope_type] | ({"partial_rotary_factor"} if phi3 else set())
     for name, value in merged.items():
-        if name not in _ROPE_KEYS[rope_type] and value is not None:
+        if name not in allowed and value is not None:
             raise ConfigError(f"config.json {key}.{name}={value!r} is not read for rope_type {rope_type!r}")
     if rope_type == "default":
         return thetas.pop(), None
+    if rope_type == "longrope":
+        return thetas.pop(), _longrope(cfg, merged, key)
     missing = [n for n in _LLAMA3_ROPE_KEYS if merged.get(n) is None]
     if missing:
         raise ConfigError(f"config.json: {key} with rope_type 'llama3' lacks {missing}")
@@ -453,6 +529,23 @@ def read_hf_rope(cfg: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         high_freq_factor=float(merged["high_freq_factor"]),
         original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
     )
+
+
+def _longrope(cfg: dict[str, Any], merged: dict[str, Any], key: str) -> LongRopeScaling:
+    """LongRoPE's short regime as HF's `_compute_longrope_parameters` computes it: `factor` (default
+    `max_position_embeddings / original_max_position_embeddings`) gives the attention factor
+    `sqrt(1 + ln(factor) / ln(original))` (1 when factor <= 1) unless `attention_factor` is given."""
+    short, long = merged.get("short_factor"), merged.get("long_factor")
+    original = merged.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not isinstance(short, list) or not isinstance(long, list) or len(short) != len(long) or not short:
+        raise ConfigError(f"config.json: {key} with rope_type 'longrope' needs short_factor and long_factor lists")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ConfigError(f"config.json: LongRoPE needs original_max_position_embeddings, got {original!r}")
+    factor = merged.get("factor") or cfg["max_position_embeddings"] / original
+    attention = merged.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRopeScaling(tuple(float(f) for f in short), original, float(attention))
 
 
 def _safetensors_names(path: pathlib.Path) -> set[str]:

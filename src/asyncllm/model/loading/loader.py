@@ -1,9 +1,10 @@
 """Build a model from a GGUF file or an HF safetensors directory, or with random ("dummy") weights.
 
 GGUF (ggml docs, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md): tensors are read with
-`gguf.GGUFReader` and dequantized to float32 with `gguf.quants.dequantize`; names are mapped to HF names;
-llama.cpp's converter permutes the rows of Q and K weights of `llama` models for its interleaved rotary
-layout, and `_unpermute` undoes it (the inverse of `permute` in llama.cpp's convert_hf_to_gguf.py).
+`gguf.GGUFReader` and dequantized to float32 with `gguf.quants.dequantize`; names are mapped to HF names by the
+architecture's layout (`model/layouts.py`); llama.cpp's converter permutes the rows of Q and K weights of `llama`
+models for its interleaved rotary layout, and `_unpermute` undoes it (the inverse of `permute` in llama.cpp's
+convert_hf_to_gguf.py).
 """
 
 from __future__ import annotations
@@ -22,25 +23,12 @@ from asyncllm.engine_config import ModelConfig
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.kernels.fp32 import fp32_chooser
 from asyncllm.model.kernels.int8 import int8_chooser
+from asyncllm.model.layouts import GGUF_TOP_NAMES, WeightLayout, layout_of
 from asyncllm.model.loading.arch_config import check_max_model_len, read_arch_config
 from asyncllm.model.loading.gguf_metadata import read_gguf_header
 from asyncllm.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
-
-# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
 def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Module:
@@ -60,7 +48,7 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
         ConfigError: a config key the model does not implement, a sliding window shorter than
             `model_config.max_model_len` (`loading/arch_config.py`), or a forced linear kernel that is not available
             here or gives wrong results.
-        ValueError: unsupported architecture or file layout.
+        ValueError: unsupported architecture or file layout, or a tensor the model needs is not in the checkpoint.
         KeyError: a checkpoint tensor the model does not know.
     """
     path = pathlib.Path(model_config.model_path)
@@ -130,6 +118,7 @@ def _iter_gguf_weights(path: pathlib.Path, arch: ModelArchConfig) -> Iterator[tu
     from gguf.quants import dequantize
 
     _, infos = read_gguf_header(path)
+    layout = layout_of(arch.architecture)
     data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain views: no memmap overhead
     for info in infos:
         if info.name == "rope_freqs.weight":  # RoPE divisors, read into the arch config
@@ -146,20 +135,21 @@ def _iter_gguf_weights(path: pathlib.Path, arch: ModelArchConfig) -> Iterator[tu
         raw = data[info.offset : end].reshape(*shape[:-1], row_bytes)
         array = np.array(dequantize(raw, qtype), dtype=np.float32)  # a writable copy, off the file map
         weight = torch.from_numpy(array.reshape(shape))
-        name = _hf_name(info.name)
-        if arch.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        name = _hf_name(info.name, layout)
+        if layout.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = arch.num_attention_heads if "q_proj" in name else arch.num_key_value_heads
             weight = _unpermute(weight, heads)
         yield name, weight
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, layout: WeightLayout) -> str:
+    """The HF name of a llama.cpp tensor name, as the architecture's layout maps them."""
     stem, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if match and match[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{match[1]}.{_GGUF_LAYER_NAMES[match[2]]}.{kind}"
-    if stem in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[stem]}.{kind}"
+    if match and match[2] in layout.gguf_layer_names:
+        return f"model.layers.{match[1]}.{layout.gguf_layer_names[match[2]]}.{kind}"
+    if stem in GGUF_TOP_NAMES:
+        return f"{GGUF_TOP_NAMES[stem]}.{kind}"
     raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
 
 

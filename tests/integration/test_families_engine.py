@@ -1,0 +1,64 @@
+"""Each new family served by a real engine (issue 28): an HF directory of the family's shapes and random weights
+(`tests/family_checkpoints.py`, with a word-level tokenizer), `AsyncLLM` in thread mode with the worker's packed
+float32 kernels, a batch of greedy requests: each request's ids equal HF `transformers`' greedy ids on the same
+weights over the prefix where HF's choices are clear (top-2 margin >= 0.01), and a request alone equals it in the
+batch."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from asyncllm import AsyncLLM, EngineArgs, SamplingParams
+from tests.family_checkpoints import MAX_MODEL_LEN, write_family_checkpoint
+
+PROMPTS = [[5, 17, 42, 8, 8, 90, 1, 33, 150, 64, 7, 120], [9, 99, 3, 140, 12, 12, 60], [77, 3, 3, 101]]
+MAX_TOKENS = 16
+MARGIN = 1e-2
+
+
+def hf_greedy_with_margins(ref: Any, prompt: list[int]) -> tuple[list[int], list[float]]:
+    ids = list(prompt)
+    margins = []
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            logits = ref(torch.tensor([ids])).logits[0, -1]
+            top2 = logits.topk(2).values
+            margins.append(float(top2[0] - top2[1]))
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], margins
+
+
+async def engine_ids(path: pathlib.Path, family: str) -> tuple[list[list[int]], list[int]]:
+    """Greedy ids of every prompt in one batch, then of the first prompt alone."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    args = EngineArgs(model=str(path), engine_process=False, max_model_len=MAX_MODEL_LEN.get(family))
+    async with AsyncLLM.from_engine_args(args) as llm:
+        results: list[list[int]] = [[] for _ in PROMPTS]
+
+        async def one(i: int) -> None:
+            final = await llm.generate({"prompt_token_ids": PROMPTS[i]}, params).collect()
+            results[i] = list(final.outputs[0].token_ids)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i)
+        alone = await llm.generate({"prompt_token_ids": PROMPTS[0]}, params).collect()
+        return results, list(alone.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4mini"])
+def test_engine_greedy_ids_equal_hf(family: str, tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("transformers")
+    ref = write_family_checkpoint(family, tmp_path, tokenizer=True)
+    batch, alone = anyio.run(engine_ids, tmp_path, family)
+    assert alone == batch[0], f"{family}: a request alone differs from itself in a batch"
+    for prompt, ours in zip(PROMPTS, batch, strict=True):
+        expected, margins = hf_greedy_with_margins(ref, prompt)
+        clear = next((i for i, m in enumerate(margins) if m < MARGIN), MAX_TOKENS)
+        assert clear >= 4, f"{family}: HF's greedy choices are unclear from token {clear}"
+        assert ours[:clear] == expected[:clear], f"{family}: ours {ours}, HF {expected} (clear for {clear} tokens)"
