@@ -45,6 +45,23 @@ inline float hsum(const Vec& v) {
 #endif
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Lane j of the result = the sum of v[j]'s 16 lanes: pairs of vectors are folded within 128-bit lanes (unpack,
+// then shuffle), then across them (shuffle_f32x4), 15 adds for 16 sums.
+inline __m512 reduce16(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+#endif
+
 struct Layout {
   int64_t block_size, num_kv_heads, head_dim, per_kv, max_blocks;
   int64_t token_stride() const { return num_kv_heads * head_dim; }
@@ -67,12 +84,32 @@ struct HeadKernel {
       Vec qv[NV];
       for (int i = 0; i < NV; ++i) qv[i] = Vec::loadu(q + h * l.head_dim + i * Vec::size());
       float* out = scores + h * n - first;
+#if defined(CPU_CAPABILITY_AVX512)
+      // 16 tokens at a time, their 16 partial vectors summed lane-wise by one transposing reduction
+      for (int64_t t = first; t < last; t += 16) {
+        const int64_t count = std::min<int64_t>(16, last - t);
+        __m512 partial[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          if (j >= count) {
+            partial[j] = _mm512_setzero_ps();
+            continue;
+          }
+          const float* k = keys + l.offset(table, t + j);
+          Vec acc = qv[0] * Vec::loadu(k);
+          for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], Vec::loadu(k + i * Vec::size()), acc);
+          partial[j] = acc;
+        }
+        const __m512 sums = _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(out + t, static_cast<__mmask16>((1u << count) - 1), sums);
+      }
+#else
       for (int64_t t = first; t < last; ++t) {
         const float* k = keys + l.offset(table, t);
         Vec acc = qv[0] * Vec::loadu(k);
         for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], Vec::loadu(k + i * Vec::size()), acc);
         out[t] = hsum(acc) * scale;
       }
+#endif
     }
   }
 
