@@ -109,7 +109,11 @@ def paged_attention(
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     out = query.new_empty(num_tokens + 1, num_heads * head_dim)
     for group in meta.groups:  # at most two: decodes, prefills
-        out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale)
+        if group.max_query_len == 1 and kernels is not None and decode_reads_cache(kernels, head_dim):
+            rows = group.query_index[:, 0]  # the decodes of a mixed step: straight from the cache too
+            out[rows] = _cache_decode_attention(query[rows], kv_cache, group, scale, kernels)
+        else:
+            out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale)
     return out[:num_tokens]
 
 
@@ -130,10 +134,7 @@ def _decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     group = meta.groups[0]
     if kernels is not None and decode_reads_cache(kernels, head_dim):
-        softmax_scale = head_dim**-0.5 if scale is None else scale
-        return kernels.paged_decode_attention(
-            query.contiguous(), kv_cache, group.block_tables, group.seq_lens, softmax_scale, 0
-        )
+        return _cache_decode_attention(query, kv_cache, group, scale, kernels)
     if meta.mirror is not None and meta.slot_blocks is not None:
         dense_key, dense_value = meta.mirror.key_value(kv_cache, meta.slot_blocks, new_kv, kernels)
         key = dense_key[:, : group.max_seq_len].transpose(1, 2)
@@ -145,6 +146,18 @@ def _decode_attention(
     mask = group.attn_bias if group.masks_keys else None
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads * head_dim)
+
+
+def _cache_decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float | None, kernels: RowKernels
+) -> torch.Tensor:
+    """[num_seqs, num_heads * head_dim] attention of a group of one-token queries (`[num_seqs, num_heads,
+    head_dim]`, row i of sequence i), read from the cache through the group's block tables by the kernel."""
+    head_dim = query.shape[-1]
+    softmax_scale = head_dim**-0.5 if scale is None else scale
+    return kernels.paged_decode_attention(
+        query.contiguous(), kv_cache, group.block_tables, group.seq_lens, softmax_scale, 0
+    )
 
 
 def _group_attention(
