@@ -27,9 +27,10 @@ in one call per row what took 2-12 torch ops:
   `model/kernels/fp32.py` checks them and decides whether to use them.
 
 Every row kernel gives the eager ops' values bit for bit (RMSNorm adds its squares in the order of ATen's sum kernel,
-which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed across threads by ATen): a model's
-outputs do not depend on whether the kernels are in use. `self_check` compares them with torch at start-up and
-`tests/unit/test_row_kernels.py` on more shapes.
+which is exact for rows of up to `MAX_NORM_COLUMNS`; longer rows are summed across threads by ATen); decode
+attention and the packed GEMMs are the exceptions (float32 sums in another order, each independent of the batch and
+the thread count). `self_check` compares them with torch at start-up and `tests/unit/test_row_kernels.py` on more
+shapes.
 
 The kernels are compiled with `torch.utils.cpp_extension.load` (a C++ compiler and ninja, which asyncllm
 installs from PyPI into the interpreter's scripts directory, put first on the build's PATH here; about 20 s once
