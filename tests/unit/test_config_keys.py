@@ -210,6 +210,12 @@ def test_smollm2_config_json_as_published_loads(tmp_path: pathlib.Path) -> None:
         read_arch_config(_hf_dir(tmp_path / "interleaved", {**cfg, "rope_interleaved": True}))
 
 
+def test_auto_map_names_remote_code_asyncllm_never_runs(tmp_path: pathlib.Path) -> None:
+    """Phi-4-mini's config.json as published has `auto_map` (its own modeling_phi3.py); the math is model_type's."""
+    auto_map = {"AutoConfig": "configuration_phi3.Phi3Config", "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}
+    assert read_arch_config(_hf_dir(tmp_path, {**TINY_LLAMA, "auto_map": auto_map})).architecture == "llama"
+
+
 def test_a_head_other_than_causal_lm_is_refused(tmp_path: pathlib.Path) -> None:
     path = _hf_dir(tmp_path, {**TINY_LLAMA, "architectures": ["LlamaForSequenceClassification"]})
     with pytest.raises(ConfigError, match=r"architectures.*LlamaForSequenceClassification"):

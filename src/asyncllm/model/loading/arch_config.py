@@ -121,6 +121,10 @@ HF_NO_MATH_KEYS = frozenset(
         "problem_type",
         # HF's chunked feed-forward computes the same values in pieces (and HF's Llama does not use it).
         "chunk_size_feed_forward",
+        # The checkpoint's own modeling code, for `trust_remote_code` (Phi-4-mini names its copy of Phi3): asyncllm
+        # never runs it and computes `model_type`'s math, as HF `transformers` does for a model type it knows
+        # without `trust_remote_code`, and as vLLM does.
+        "auto_map",
     }
 )
 
