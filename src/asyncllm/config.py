@@ -257,12 +257,16 @@ class EngineArgs:
             ConfigError: bad values, or a checkpoint config this engine cannot honour (naming the key and value).
             ModelNotFoundError: the model cannot be resolved or fetched.
         """
+        from asyncllm.distributed.tp_sizes import check_tp_divides
         from asyncllm.model.loading.arch_config import check_max_model_len, read_arch_config
         from asyncllm.model.loading.resolve import resolve_model_path
 
         self.validate()
         model_path = resolve_model_path(self.model)
-        check_max_model_len(read_arch_config(model_path), self.max_model_len)
+        arch = read_arch_config(model_path)
+        check_max_model_len(arch, self.max_model_len)
+        tp = self.tensor_parallel_size
+        check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp)
         model = ModelConfig(
             model=os.fspath(self.model),
             model_path=str(model_path),

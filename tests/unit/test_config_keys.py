@@ -127,6 +127,23 @@ async def test_unsupported_rope_is_a_config_error_before_any_process(
         await AsyncLLM.create(args)
 
 
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+def test_a_tensor_parallel_size_the_heads_do_not_allow_fails_before_any_process(
+    tmp_path: pathlib.Path, engine_process: bool
+) -> None:
+    """TINY_LLAMA has 2 query heads and 1 K/V head: TP=2 is refused in the frontend with the sizes that work (the
+    `mp` workers would have refused it only after starting)."""
+    args = EngineArgs(
+        model=str(_hf_dir(tmp_path, TINY_LLAMA)),
+        load_format="dummy",
+        engine_process=engine_process,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 does not divide .*num_key_value_heads.*\[1\]"):
+        AsyncLLM.from_engine_args(args)
+
+
 def _changed(value: Any) -> Any:
     """A different value of the same JSON kind."""
     if isinstance(value, bool):

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, get_tp_size
+from asyncllm.distributed.parallel_state import all_reduce, get_tp_size
+from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.errors import ConfigError
 from asyncllm.lora.request import LoRARequest
 from asyncllm.lora.weights import LayerLoRA, LoRABatch, load_adapter

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from asyncllm.distributed.parallel_state import check_tp_divides
+from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.errors import ExecutorError
 from asyncllm.executors.base import Executor
 from asyncllm.messages.rpc import READY_CALL_ID, REPLY_ALL, RpcResponse, WorkerLaunch, encode_request

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from asyncllm.distributed.parallel_state import check_tp_divides
+from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.errors import ConfigError, ExecutorError
 from asyncllm.executors.base import Executor
 from asyncllm.messages.rpc import REPLY_ALL, RpcResponse, encode_request

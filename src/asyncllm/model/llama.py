@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.distributed.parallel_state import all_reduce, check_tp_divides, get_tp_rank, get_tp_size
+from asyncllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
+from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.model.arch import ModelArchConfig
 from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
