@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from asyncllm.model.gemma3 import Gemma3ForCausalLM
 from asyncllm.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 

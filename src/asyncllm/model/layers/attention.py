@@ -6,7 +6,8 @@ the keys/values of every sequence are gathered through its block table into
 `[num_seqs, max_seq_len, num_kv_heads, head_dim]` and one batched `scaled_dot_product_attention` call runs
 with the group's mask (causal with the cached-prefix offset, plus padding), passed in the float form SDPA would
 convert a boolean mask to, built once per step (`AttentionGroup.attn_bias`). No Python loop over sequences or
-tokens.
+tokens. A sliding-window layer (Gemma 3's local layers; Beltagy et al., 2020) uses the same gather with the keys
+before its window masked too (`AttentionGroup.bias(window)`, built once per step and window).
 
 Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 grouped-query attention (Ainslie et al., 2023).
@@ -81,8 +82,10 @@ def paged_attention(
     scale: float | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     kernels: RowKernels | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each query token over its sequence's cached keys/values (this step's already written).
+    """Attention of each query token over its sequence's cached keys/values (this step's already written), or over
+    the last `window` of them (itself included) for a sliding-window layer.
 
     Args:
         query: [num_tokens, num_heads, head_dim] float32 (rotary already applied).
@@ -92,17 +95,20 @@ def paged_attention(
         new_kv: this step's (key, value), [num_tokens, num_kv_heads, head_dim] each, as written to `kv_cache`;
             a decode step's K/V mirror takes them from here instead of reading the cache back. Optional.
         kernels: the fused row kernels, if loaded (the mirror's row writes).
+        window: the layer's sliding window, tokens (>= 1), or None for full attention. Keys outside it are
+            masked (`AttentionGroup.bias`); the cache and the decode mirror keep every token, so chunked prefill,
+            prefix caching and preemption see the same cache as for full attention.
     Returns:
         [num_tokens, num_heads * head_dim] float32.
     """
     num_tokens, num_heads, head_dim = query.shape
     if len(meta.groups) == 1 and meta.groups[0].max_query_len == 1:  # decodes only: row i is sequence i's query
-        return _decode_attention(query, kv_cache, meta, scale, new_kv, kernels)
+        return _decode_attention(query, kv_cache, meta, scale, new_kv, kernels, window)
     # Row num_tokens is a scratch row: padded query positions read it and write their (discarded) output to it.
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     out = query.new_empty(num_tokens + 1, num_heads * head_dim)
     for group in meta.groups:  # at most two: decodes, prefills
-        out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale)
+        out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale, window)
     return out[:num_tokens]
 
 
@@ -113,6 +119,7 @@ def _decode_attention(
     scale: float | None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     kernels: RowKernels | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """[num_seqs, num_heads * head_dim] attention output of a step whose every sequence has one query token
     (query row i belongs to sequence i): no padding row, no scatter, and the `[num_seqs, 1, 1, max_seq_len]`
@@ -128,13 +135,17 @@ def _decode_attention(
         key, value = gather_kv(kv_cache, group)
     num_kv_heads = key.shape[1]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    mask = group.attn_bias if group.masks_keys else None
+    mask = group.bias(window)
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads * head_dim)
 
 
 def _group_attention(
-    padded_query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float | None
+    padded_query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """[num_seqs, max_query_len, num_heads * head_dim] attention output of one padded group.
 
@@ -149,7 +160,9 @@ def _group_attention(
     q = padded_query[group.query_index]  # [num_seqs, max_query_len, num_heads, head_dim]
     q = q.view(num_seqs, max_query_len, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, per_kv * max_query_len, head_dim)
-    mask = group.attn_bias  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
+    mask = group.bias(window)  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
+    if mask is None:
+        mask = group.attn_bias
     if per_kv > 1:
         mask = mask.unsqueeze(2).expand(-1, -1, per_kv, -1, -1).reshape(num_seqs, 1, per_kv * max_query_len, -1)
     o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)

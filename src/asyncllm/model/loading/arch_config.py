@@ -30,8 +30,17 @@ from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
 from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
 # HF config.json `model_type` -> architecture name (`model/registry.py`).
-HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
 GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values())
+# Architectures whose model applies `ModelArchConfig.sliding_window` on its windowed layers (`layers/attention.py`);
+# for the others a window shorter than a sequence is refused (`check_max_model_len`).
+WINDOWED_ARCHITECTURES = frozenset({"gemma3"})
+# What a GGUF `gemma3` file does not store because llama.cpp fixes it for the architecture (llama.cpp
+# src/llama-model.cpp, LLM_ARCH_GEMMA3 hyper-parameters; transformers' Gemma3TextConfig defaults agree, which is how
+# it loads these files): every 6th layer global (full attention), the others sliding-window; the sliding layers'
+# rotary base; the GeGLU activation; the softmax scale 1/sqrt(key_length) (all sizes but 27B, refused).
+GGUF_GEMMA3_SLIDING_PATTERN = 6
+GGUF_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 _HF_READ_COMMON = frozenset(
     {
@@ -59,6 +68,18 @@ _HF_READ_FAMILY: dict[str, frozenset[str]] = {
     "llama": frozenset(),
     "mistral": frozenset({"sliding_window"}),
     "qwen2": frozenset({"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}),
+    # Gemma 3: windowed layers from `layer_types`, else from the pattern (transformers 4 wrote
+    # `sliding_window_pattern`, 5 writes `_sliding_window_pattern` beside `layer_types`); per-layer-type RoPE.
+    "gemma3_text": frozenset(
+        {
+            "sliding_window",
+            "layer_types",
+            "sliding_window_pattern",
+            "_sliding_window_pattern",
+            "rope_local_base_freq",
+            "query_pre_attn_scalar",
+        }
+    ),
 }
 # Keys accepted only at the one value this model implements; any other value changes the math.
 _HF_ONLY_AT_COMMON: dict[str, Any] = {
@@ -70,6 +91,13 @@ _HF_ONLY_AT_FAMILY: dict[str, dict[str, Any]] = {
     "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {},  # q/k/v biases always (read from the checkpoint), no others
+    "gemma3_text": {
+        "hidden_activation": "gelu_pytorch_tanh",  # GeGLU
+        "attention_bias": False,
+        "attn_logit_softcapping": None,  # Gemma 2's soft-capping: not in Gemma 3
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": False,  # EmbeddingGemma's encoder mode
+    },
 }
 # Keys that do not change the logits, whatever their value.
 HF_NO_MATH_KEYS = frozenset(
@@ -182,9 +210,10 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
 
 
 def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> None:
-    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow.
+    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow, for an architecture
+    whose model does not apply the window (not in `WINDOWED_ARCHITECTURES`).
 
-    The model attends to the whole sequence. With a window of `w` tokens (a query sees itself and the `w - 1`
+    Such a model attends to the whole sequence. With a window of `w` tokens (a query sees itself and the `w - 1`
     tokens before it, as HF's `sliding_window_overlay`), that is the same math while no sequence is longer than
     `w`. `max_model_len` None means the model's context length, as the worker resolves it.
 
@@ -193,6 +222,8 @@ def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> Non
     """
     context = arch.max_position_embeddings
     length = min(max_model_len or context, context)
+    if arch.architecture in WINDOWED_ARCHITECTURES:
+        return
     if arch.sliding_window is not None and arch.sliding_window < length:
         raise ConfigError(
             f"sliding_window={arch.sliding_window} < max_model_len {length}: asyncllm has no sliding-window "
@@ -258,6 +289,9 @@ def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: p
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     if not vocab:
         raise ConfigError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        gemma = _gguf_gemma3_fixed(get("block_count"), hidden, heads, head_dim, get("attention.sliding_window"))
     return ModelArchConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -275,7 +309,30 @@ def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: p
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         rope_freq_divisors=_read_rope_freqs(tensors, path, head_dim),
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        **gemma,
     )
+
+
+def _gguf_gemma3_fixed(layers: int, hidden: int, heads: int, head_dim: int, window: int) -> dict[str, Any]:
+    """The `ModelArchConfig` fields llama.cpp fixes for GGUF `gemma3` (see `GGUF_GEMMA3_SLIDING_PATTERN`).
+
+    Raises:
+        ConfigError: the 27B geometry (5376 wide, 32 heads), whose softmax scale llama.cpp sets apart.
+    """
+    if (hidden, heads) == (5376, 32):
+        raise ConfigError("GGUF gemma3 27B (embedding 5376, 32 heads) scales attention by hidden/heads: unsupported")
+    pattern = GGUF_GEMMA3_SLIDING_PATTERN
+    return {
+        "layer_types": _pattern_layer_types(layers, pattern),
+        "rope_local_theta": GGUF_GEMMA3_LOCAL_ROPE_THETA,
+        "query_pre_attn_scalar": float(head_dim),
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+
+
+def _pattern_layer_types(layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma's interleaving: layer i is global ("full_attention") when (i + 1) % pattern == 0, else sliding."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))
 
 
 def _check_gguf_rope(meta: dict[str, Any], arch: str, head_dim: int) -> None:
@@ -320,7 +377,19 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     _check_hf_keys(cfg, model_type)
     _check_layer_types(cfg)
     heads = need("num_attention_heads")
-    rope_theta, rope_scaling = read_hf_rope(cfg)
+    gemma: dict[str, Any] = {}
+    if model_type == "gemma3_text":
+        rope_theta, local_theta = _gemma3_hf_rope(cfg)
+        rope_scaling = None
+        scalar = need("query_pre_attn_scalar")
+        gemma = {
+            "layer_types": _gemma3_layer_types(cfg),
+            "rope_local_theta": local_theta,
+            "query_pre_attn_scalar": float(scalar),
+            "hidden_act": "gelu_pytorch_tanh",
+        }
+    else:
+        rope_theta, rope_scaling = read_hf_rope(cfg)
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
         architecture=HF_MODEL_TYPES[model_type],
@@ -339,7 +408,52 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         rope_scaling=rope_scaling,
         sliding_window=_hf_sliding_window(cfg, model_type),
+        **gemma,
     )
+
+
+def _gemma3_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Gemma 3's per-layer attention kinds: `layer_types`, else from the sliding-window pattern (default 6), as HF's
+    `Gemma3TextConfig` derives them."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        return tuple(types)
+    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ConfigError(f"config.json sliding_window_pattern={pattern!r}: must be an integer >= 1")
+    return _pattern_layer_types(cfg["num_hidden_layers"], pattern)
+
+
+def _gemma3_hf_rope(cfg: dict[str, Any]) -> tuple[float, float]:
+    """(global, local) rotary bases of a Gemma 3 config: transformers 5's `rope_parameters` keyed by layer type, or
+    transformers 4's `rope_theta` + `rope_local_base_freq` (+ `rope_scaling`); defaults 1e6 and 1e4 (HF's).
+
+    Raises:
+        ConfigError: a rope type other than "default" (e.g. the linear scaling of Gemma 3 4B and up), or an
+            unknown key.
+    """
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    if params is None:
+        if scaling is not None:
+            raise ConfigError(f"config.json rope_scaling={_short(scaling)} is not supported for Gemma 3 (only null)")
+        return float(cfg.get("rope_theta", 1e6)), float(cfg.get("rope_local_base_freq", 1e4))
+    if not isinstance(params, dict) or set(params) - {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"config.json rope_parameters={_short(params)}: need full_attention/sliding_attention")
+    thetas = []
+    for kind, default in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+        entry = params.get(kind) or {}
+        rope_type = entry.get("rope_type", "default")
+        extra = set(entry) - {"rope_theta", "rope_type"}
+        if rope_type != "default" or extra or scaling is not None:
+            raise ConfigError(
+                f"config.json rope_parameters.{kind}={_short(entry)} is not supported (only rope_type 'default')"
+            )
+        thetas.append(float(entry.get("rope_theta", default)))
+    for key, value in (("rope_theta", thetas[0]), ("rope_local_base_freq", thetas[1])):
+        if key in cfg and float(cfg[key]) != value:
+            raise ConfigError(f"config.json {key}={cfg[key]!r} disagrees with rope_parameters ({value})")
+    return thetas[0], thetas[1]
 
 
 def _check_hf_keys(cfg: dict[str, Any], model_type: str) -> None:
@@ -376,9 +490,11 @@ def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     if model_type == "llama":
         return None
     window = cfg.get("sliding_window")
+    if model_type == "gemma3_text" and window is not None and "sliding_attention" not in _gemma3_layer_types(cfg):
+        return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"config.json sliding_window={window!r}: must be null or an integer >= 1")
-    if model_type == "mistral" or window is None:
+    if model_type in ("mistral", "gemma3_text") or window is None:
         return window
     use = cfg.get("use_sliding_window", False)
     if not isinstance(use, bool):
