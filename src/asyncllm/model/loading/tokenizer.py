@@ -149,7 +149,10 @@ class Tokenizer:
             InvalidRequestError: the model has no chat template, or the template rejects the messages.
         """
         if self.chat_template is None:
-            raise InvalidRequestError("this model has no chat template; pass a text prompt instead")
+            raise InvalidRequestError(
+                "this model has no chat template (a base model): send a text prompt (generate(), /v1/completions), "
+                "or give a template with EngineArgs(chat_template=...) / --chat-template"
+            )
         try:
             return _compile_template(self.chat_template).render(
                 messages=messages,
