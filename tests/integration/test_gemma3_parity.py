@@ -245,3 +245,37 @@ def test_batch_equals_solo(model: Any, tokenizer: Tokenizer) -> None:
     for ids, logits in zip((long, short), batched, strict=True):
         solo = _Runner(model, 1, 608).step([ids])[0]
         torch.testing.assert_close(logits, solo, rtol=0, atol=1e-5 * float(solo.abs().max()))
+
+
+INT8_TEXTS = [  # teacher-forced corpus for int8: prose, a recipe, code (none of it the calibration text)
+    "The capital of France is Paris. It is known for the Eiffel Tower, museums such as the Louvre, and its cafes "
+    "along the Seine.",
+    "To make a simple tomato sauce, warm olive oil in a pan, add chopped garlic, then crushed tomatoes, salt and "
+    "basil, and simmer for twenty minutes.",
+    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n    pivot = xs[0]\n    return quicksort([x for x in "
+    "xs[1:] if x < pivot]) + [pivot] + quicksort([x for x in xs[1:] if x >= pivot])\n",
+]
+
+
+def test_int8_is_close_to_fp32(model: Any, gemma_path: str, tokenizer: Tokenizer) -> None:
+    """`quantization="int8"` (SmoothQuant, calibrated on plain text: the model has no chat template). Measured per
+    prompt position, max |diff| / max |fp32 logit|: mean 0.061-0.082, worst 0.101-0.152, top-1 agreement 83-96%
+    (29-71 tokens); the bounds leave ~1.5x. A broken quantizer gives errors > 1."""
+    int8 = load_model(ModelConfig(model=gemma_path, model_path=gemma_path, quantization="int8"))
+    for text in INT8_TEXTS:
+        ids = tokenizer.encode(text)
+        rows = [list(range(len(ids)))]
+        ours, ref = _Runner(int8, 1, len(ids)).step([ids], rows)[0], _Runner(model, 1, len(ids)).step([ids], rows)[0]
+        error = (ours - ref).abs().amax(-1) / ref.abs().amax(-1)
+        agree = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(f"int8 vs fp32, {len(ids)} tokens: mean {error.mean():.3f}, worst {error.max():.3f}, top-1 {agree:.2f}")
+        assert float(error.mean()) <= 0.13
+        assert float(error.max()) <= 0.25
+        assert agree >= 0.75
+    france = tokenizer.encode("The capital of France is")
+    runner = _Runner(int8, 1, len(france) + 10)
+    logits, out = runner.step([france])[0][0], []
+    for _ in range(9):
+        out.append(int(logits.argmax()))
+        logits = runner.step([[out[-1]]])[0][0]
+    assert tokenizer.decode(out).startswith(" the capital of the country of France.")
