@@ -144,7 +144,13 @@ def _changed(value: Any) -> Any:
     return 1  # None
 
 
-FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+FAMILIES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "mistral": "MistralConfig",
+    "gemma2": "Gemma2Config",
+    "gemma3_text": "Gemma3TextConfig",
+}
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

@@ -200,3 +200,63 @@ def test_unsupported_gemma3_configs_are_refused(hf_dir: pathlib.Path, tmp_path: 
         (path / "config.json").write_text(json.dumps({**base, **change}))
         with pytest.raises(ConfigError, match=key):
             read_arch_config(path)
+
+
+GEMMA2_CONFIG = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,  # sliding, full, sliding, full (HF's default alternation)
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "sliding_window": WINDOW,
+    "max_position_embeddings": 128,
+    "query_pre_attn_scalar": 24,
+    "attn_logit_softcapping": 2.0,  # small caps, so they change these random-weight logits a lot
+    "final_logit_softcapping": 3.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100.0},
+}
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    path = tmp_path_factory.mktemp("gemma2")
+    torch.manual_seed(1)
+    ref = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**GEMMA2_CONFIG))
+    with torch.no_grad():
+        for param in ref.parameters():
+            if param.dim() == 1:
+                param.normal_(0.0, 0.3)
+            else:
+                param.normal_(0.0, 1 / param.shape[-1] ** 0.5)
+    ref.save_pretrained(path)
+    return path
+
+
+def test_gemma2_matches_transformers(gemma2_dir: pathlib.Path) -> None:
+    """Gemma 2 (no q/k norms, one rotary base, attention and final logit soft-capping, alternating windows):
+    prefill, chunked prefill + decode, batched, against HF's eager Gemma 2; the caps matter."""
+    ref = transformers.Gemma2ForCausalLM.from_pretrained(gemma2_dir, dtype=torch.float32).eval()
+    model = load_model(ModelConfig(model=str(gemma2_dir), model_path=str(gemma2_dir)))
+    arch = model.arch
+    assert (arch.architecture, arch.attn_logit_softcapping, arch.final_logit_softcapping) == ("gemma2", 2.0, 3.0)
+    assert [arch.layer_window(i) for i in range(4)] == [WINDOW, None, WINDOW, None]
+    prompts = [_prompt(30, 11), _prompt(7, 12)]
+    expected = [_reference_logits(ref, ids) for ids in prompts]
+    for ours, ref_logits in zip(_Runner(model, 2, 32).step(prompts), expected, strict=True):
+        _assert_close(ours, ref_logits)
+    runner = _Runner(model, 2, 32)
+    first = runner.step([prompts[0][:20], prompts[1][:5]])
+    rest = [runner.step([[prompts[0][k]], [prompts[1][5 + k - 20]]]) for k in (20, 21)]
+    _assert_close(torch.cat([first[0], rest[0][0], rest[1][0]]), expected[0][:22])
+    _assert_close(torch.cat([first[1], rest[0][1], rest[1][1]]), expected[1][:7])
+    caps = [layer.softcap for layer in model.layers]
+    try:
+        for layer in model.layers:
+            layer.softcap = None
+        uncapped = _Runner(model, 1, 32).step([prompts[0]])[0]
+    finally:
+        for layer, cap in zip(model.layers, caps, strict=True):
+            layer.softcap = cap
+    assert (uncapped - expected[0]).abs().max() > 100 * TOLERANCE * expected[0].abs().max()

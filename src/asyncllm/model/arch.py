@@ -26,7 +26,8 @@ class ModelArchConfig:
     """Architecture hyper-parameters (names follow HF `LlamaConfig`).
 
     Fields:
-        architecture: "llama" (SmolLM2, Llama, Mistral), "qwen2" (q/k/v biases) or "gemma3" (`model/gemma3.py`).
+        architecture: "llama" (SmolLM2, Llama, Mistral), "qwen2" (q/k/v biases), "gemma2" or "gemma3"
+            (`model/gemma3.py`).
         vocab_size: logits width.
         hidden_size: model width.
         intermediate_size: MLP width.
@@ -52,6 +53,9 @@ class ModelArchConfig:
             they use `rope_theta`.
         query_pre_attn_scalar: the softmax scale is `query_pre_attn_scalar ** -0.5` (Gemma), None: `head_dim`.
         hidden_act: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma).
+        attn_logit_softcapping: attention scores become `c * tanh(scores / c)` before the mask and softmax
+            (Gemma 2), None: not capped.
+        final_logit_softcapping: the logits become `c * tanh(logits / c)` (Gemma 2), None: not capped.
 
     Torch-free: the frontend reads it before any engine process starts.
     """
@@ -77,6 +81,8 @@ class ModelArchConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (0-based), tokens, or None for full attention."""

@@ -1,4 +1,4 @@
-"""Gemma 3 decoder (text only; e.g. Gemma 3 270M) for CPU inference in float32.
+"""Gemma 3 decoder (text only; e.g. Gemma 3 270M), and Gemma 2, for CPU inference in float32.
 
 Differences from the Llama family (`model/llama.py`), whose LM head, embedding, weight conversion (fp32 packing,
 int8 with SmoothQuant) and tensor-parallel sharding it reuses:
@@ -10,12 +10,15 @@ int8 with SmoothQuant) and tensor-parallel sharding it reuses:
 - softmax scale `query_pre_attn_scalar ** -0.5`;
 - local layers attend within a sliding window (`layers/attention.py`) and use their own rotary base; global layers
   attend to the whole sequence. Which layer is which comes from `ModelArchConfig.layer_types`.
+Gemma 2 (`arch.architecture == "gemma2"`) is the same block without the q/k norms, with one rotary base, and with
+soft-capped attention scores and final logits (`c * tanh(x / c)`; HF config only: GGUF gemma2 is refused).
 
 GGUF files written by llama.cpp's converter store every norm weight as `1 + w`; `hf_tensor_from_gguf` maps the
 names to HF's and subtracts the 1, as transformers' GGUF loader does, so both checkpoints load through the HF
 convention. Q/K rows are not permuted for this architecture.
 
-Sources: Gemma 3 technical report (Gemma Team, 2025): interleaved local/global attention, QK-norm, the norms; GeGLU
+Sources: Gemma 3 technical report (Gemma Team, 2025): interleaved local/global attention, QK-norm, the norms; Gemma 2
+technical report (Gemma Team, 2024): logit soft-capping, alternating local/global layers; GeGLU
 (Shazeer, 2020); RMSNorm (Zhang & Sennrich, 2019); RoPE (Su et al., 2021) in HF's "rotate half" layout.
 """
 
@@ -80,7 +83,7 @@ class Gemma3DecoderLayer(nn.Module, LayerWeights):
     Norm parameters (each holds `1 + w` of HF's weight `w`): `input_norm` (HF `input_layernorm`), `attn_out_norm`
     (`post_attention_layernorm`, on the attention output), `post_attention_norm` (`pre_feedforward_layernorm`: the
     norm feeding the MLP, named as `LayerWeights` expects for SmoothQuant), `mlp_out_norm`
-    (`post_feedforward_layernorm`), `q_norm` / `k_norm` ([head_dim], per head).
+    (`post_feedforward_layernorm`), `q_norm` / `k_norm` ([head_dim], per head; Gemma 3 only, None for Gemma 2).
 
     Args:
         arch: the model's hyper-parameters.
@@ -103,8 +106,9 @@ class Gemma3DecoderLayer(nn.Module, LayerWeights):
         self.attn_out_norm = _param(h)
         self.post_attention_norm = _param(h)
         self.mlp_out_norm = _param(h)
-        self.q_norm = _param(d)
-        self.k_norm = _param(d)
+        self.q_norm = _param(d) if arch.architecture == "gemma3" else None
+        self.k_norm = _param(d) if arch.architecture == "gemma3" else None
+        self.softcap = arch.attn_logit_softcapping
         self.qkv_bias = None
         self.qkv_proj: Weight = _param(h, self.q_size + 2 * self.kv_size)
         self.o_proj: Weight = _param(self.q_size, h)
@@ -136,10 +140,13 @@ class Gemma3DecoderLayer(nn.Module, LayerWeights):
         q = qkv[:, : self.q_size].view(n, -1, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, -1, d)
         v = qkv[:, self.q_size + self.kv_size :].view(n, -1, d)
-        q = apply_rotary(rms_norm(q, self.q_norm, eps), cos, sin)
-        k = apply_rotary(rms_norm(k, self.k_norm, eps), cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = rms_norm(q, self.q_norm, eps), rms_norm(k, self.k_norm, eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks)
-        attn = paged_attention(q, kv_cache, meta, scale=self.scale, new_kv=(k, v), window=self.window)
+        attn = paged_attention(
+            q, kv_cache, meta, scale=self.scale, new_kv=(k, v), window=self.window, softcap=self.softcap
+        )
         return all_reduce(linear(attn, self.o_proj))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,14 +160,15 @@ class Gemma3DecoderLayer(nn.Module, LayerWeights):
         Raises:
             KeyError: a tensor this layer does not have.
         """
-        if name in _LAYER_NORMS:
-            getattr(self, _LAYER_NORMS[name]).copy_(1.0 + w)
+        norm = getattr(self, _LAYER_NORMS[name]) if name in _LAYER_NORMS else None
+        if norm is not None:
+            norm.copy_(1.0 + w)
         else:
             super().load_weight(name, w)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Decoder-only Gemma 3 language model (text), tied or untied LM head.
+    """Decoder-only Gemma 3 (or Gemma 2: `arch.architecture`) language model (text), tied or untied LM head.
 
     Same interface as `LlamaForCausalLM` (forward, compute_logits, pack_fp32, quantize_int8, load_weights); LoRA is
     not supported.
@@ -174,8 +182,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, arch: ModelArchConfig) -> None:
         nn.Module.__init__(self)
-        if arch.hidden_act != "gelu_pytorch_tanh":
-            raise ValueError(f"Gemma 3 needs hidden_act 'gelu_pytorch_tanh', got {arch.hidden_act!r}")
+        if arch.hidden_act != "gelu_pytorch_tanh" or arch.architecture not in ("gemma2", "gemma3"):
+            raise ValueError(f"not a Gemma 2/3 config: {arch.architecture!r} with hidden_act {arch.hidden_act!r}")
         self.arch = arch
         tp_rank, tp_size = get_tp_rank(), get_tp_size()
         check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp_size)
@@ -224,6 +232,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             cos, sin = tables[cast(Gemma3DecoderLayer, layer).local_rope]
             hidden = layer(hidden, cos, sin, kv_cache, meta)
         return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden_size] -> [num_sampled, vocab_size] float32 logits (soft-capped for Gemma 2)."""
+        logits = super().compute_logits(hidden)
+        cap = self.arch.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits.div_(cap)).mul_(cap)
 
     def _load_one(self, name: str, w: torch.Tensor) -> None:
         if name == "model.norm.weight":

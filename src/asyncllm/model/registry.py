@@ -14,6 +14,7 @@ from asyncllm.model.llama import LlamaForCausalLM
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "gemma2": Gemma3ForCausalLM,  # the same block without q/k norms, with soft-capping (`model/gemma3.py`)
     "gemma3": Gemma3ForCausalLM,
 }
 

@@ -83,6 +83,7 @@ def paged_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     kernels: RowKernels | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each query token over its sequence's cached keys/values (this step's already written), or over
     the last `window` of them (itself included) for a sliding-window layer.
@@ -98,17 +99,19 @@ def paged_attention(
         window: the layer's sliding window, tokens (>= 1), or None for full attention. Keys outside it are
             masked (`AttentionGroup.bias`); the cache and the decode mirror keep every token, so chunked prefill,
             prefix caching and preemption see the same cache as for full attention.
+        softcap: cap the scaled scores as `softcap * tanh(scores / softcap)` before the mask and softmax (Gemma 2;
+            computed in plain torch ops instead of SDPA), None: no cap.
     Returns:
         [num_tokens, num_heads * head_dim] float32.
     """
     num_tokens, num_heads, head_dim = query.shape
     if len(meta.groups) == 1 and meta.groups[0].max_query_len == 1:  # decodes only: row i is sequence i's query
-        return _decode_attention(query, kv_cache, meta, scale, new_kv, kernels, window)
+        return _decode_attention(query, kv_cache, meta, scale, new_kv, kernels, window, softcap)
     # Row num_tokens is a scratch row: padded query positions read it and write their (discarded) output to it.
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     out = query.new_empty(num_tokens + 1, num_heads * head_dim)
     for group in meta.groups:  # at most two: decodes, prefills
-        out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale, window)
+        out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale, window, softcap)
     return out[:num_tokens]
 
 
@@ -120,6 +123,7 @@ def _decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     kernels: RowKernels | None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """[num_seqs, num_heads * head_dim] attention output of a step whose every sequence has one query token
     (query row i belongs to sequence i): no padding row, no scatter, and the `[num_seqs, 1, 1, max_seq_len]`
@@ -135,8 +139,7 @@ def _decode_attention(
         key, value = gather_kv(kv_cache, group)
     num_kv_heads = key.shape[1]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    mask = group.bias(window)
-    o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    o = _sdpa(q, key, value, group.bias(window), scale, softcap)
     return o.reshape(num_seqs, num_heads * head_dim)
 
 
@@ -146,6 +149,7 @@ def _group_attention(
     group: AttentionGroup,
     scale: float | None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """[num_seqs, max_query_len, num_heads * head_dim] attention output of one padded group.
 
@@ -165,6 +169,25 @@ def _group_attention(
         mask = group.attn_bias
     if per_kv > 1:
         mask = mask.unsqueeze(2).expand(-1, -1, per_kv, -1, -1).reshape(num_seqs, 1, per_kv * max_query_len, -1)
-    o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    o = _sdpa(q, key, value, mask, scale, softcap)
     o = o.view(num_seqs, num_kv_heads, per_kv, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(num_seqs, max_query_len, num_heads * head_dim)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`scaled_dot_product_attention(q, key, value, mask, scale)`, or with the scores soft-capped (`softcap`), the
+    same steps written out: q k^T * scale, cap, + mask, softmax, @ value. Shapes as SDPA's."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    scores = q @ key.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    return scores.softmax(-1) @ value

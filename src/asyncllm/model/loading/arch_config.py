@@ -30,11 +30,17 @@ from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
 from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
 # HF config.json `model_type` -> architecture name (`model/registry.py`).
-HF_MODEL_TYPES: dict[str, str] = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
-GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values())
+HF_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values()) - {"gemma2"}  # GGUF gemma2: no file checked against it
 # Architectures whose model applies `ModelArchConfig.sliding_window` on its windowed layers (`layers/attention.py`);
 # for the others a window shorter than a sequence is refused (`check_max_model_len`).
-WINDOWED_ARCHITECTURES = frozenset({"gemma3"})
+WINDOWED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # What a GGUF `gemma3` file does not store because llama.cpp fixes it for the architecture (llama.cpp
 # src/llama-model.cpp, LLM_ARCH_GEMMA3 hyper-parameters; transformers' Gemma3TextConfig defaults agree, which is how
 # it loads these files): every 6th layer global (full attention), the others sliding-window; the sliding layers'
@@ -80,6 +86,16 @@ _HF_READ_FAMILY: dict[str, frozenset[str]] = {
             "query_pre_attn_scalar",
         }
     ),
+    # Gemma 2: alternating windowed layers (`layer_types`, else every other layer from the first), soft-capping.
+    "gemma2": frozenset(
+        {
+            "sliding_window",
+            "layer_types",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        }
+    ),
 }
 # Keys accepted only at the one value this model implements; any other value changes the math.
 _HF_ONLY_AT_COMMON: dict[str, Any] = {
@@ -91,8 +107,15 @@ _HF_ONLY_AT_FAMILY: dict[str, dict[str, Any]] = {
     "llama": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "mistral": {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1},
     "qwen2": {},  # q/k/v biases always (read from the checkpoint), no others
+    "gemma2": {
+        "hidden_activation": "gelu_pytorch_tanh",  # GeGLU
+        "hidden_act": "gelu_pytorch_tanh",  # transformers 4's second name for it (HF's Gemma 2 reads the first)
+        "attention_bias": False,
+        "use_bidirectional_attention": None,
+    },
     "gemma3_text": {
         "hidden_activation": "gelu_pytorch_tanh",  # GeGLU
+        "hidden_act": "gelu_pytorch_tanh",
         "attention_bias": False,
         "attn_logit_softcapping": None,  # Gemma 2's soft-capping: not in Gemma 3
         "final_logit_softcapping": None,
@@ -120,6 +143,8 @@ HF_NO_MATH_KEYS = frozenset(
         "attention_dropout",
         # The padding token: asyncllm never pads a sequence with tokens.
         "pad_token_id",
+        # Which KV cache class HF's generate() builds (Gemma 2's "hybrid"): not the values attention computes.
+        "cache_implementation",
         # Classification heads only (`architectures` must name a ...ForCausalLM).
         "id2label",
         "label2id",
@@ -383,13 +408,23 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         rope_scaling = None
         scalar = need("query_pre_attn_scalar")
         gemma = {
-            "layer_types": _gemma3_layer_types(cfg),
+            "layer_types": _gemma_layer_types(cfg, default_pattern=6),
             "rope_local_theta": local_theta,
             "query_pre_attn_scalar": float(scalar),
             "hidden_act": "gelu_pytorch_tanh",
         }
     else:
         rope_theta, rope_scaling = read_hf_rope(cfg)
+    if model_type == "gemma2":
+        if rope_scaling is not None:
+            raise ConfigError("config.json: Gemma 2 with rope scaling is not supported")
+        gemma = {
+            "layer_types": _gemma_layer_types(cfg, default_pattern=2),
+            "query_pre_attn_scalar": float(need("query_pre_attn_scalar")),
+            "hidden_act": "gelu_pytorch_tanh",
+            "attn_logit_softcapping": _optional_positive(cfg, "attn_logit_softcapping"),
+            "final_logit_softcapping": _optional_positive(cfg, "final_logit_softcapping"),
+        }
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
         architecture=HF_MODEL_TYPES[model_type],
@@ -412,13 +447,22 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     )
 
 
-def _gemma3_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
-    """Gemma 3's per-layer attention kinds: `layer_types`, else from the sliding-window pattern (default 6), as HF's
-    `Gemma3TextConfig` derives them."""
+def _optional_positive(cfg: dict[str, Any], key: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"config.json {key}={value!r}: must be null or a number > 0")
+    return float(value)
+
+
+def _gemma_layer_types(cfg: dict[str, Any], default_pattern: int) -> tuple[str, ...]:
+    """Gemma's per-layer attention kinds: `layer_types`, else from the sliding-window pattern (Gemma 3: 6, Gemma 2:
+    2), as HF's `Gemma3TextConfig` / `Gemma2Config` derive them."""
     types = cfg.get("layer_types")
     if types is not None:
         return tuple(types)
-    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", default_pattern))
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise ConfigError(f"config.json sliding_window_pattern={pattern!r}: must be an integer >= 1")
     return _pattern_layer_types(cfg["num_hidden_layers"], pattern)
@@ -490,11 +534,12 @@ def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     if model_type == "llama":
         return None
     window = cfg.get("sliding_window")
-    if model_type == "gemma3_text" and window is not None and "sliding_attention" not in _gemma3_layer_types(cfg):
+    pattern = {"gemma3_text": 6, "gemma2": 2}.get(model_type)
+    if pattern is not None and window is not None and "sliding_attention" not in _gemma_layer_types(cfg, pattern):
         return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"config.json sliding_window={window!r}: must be null or an integer >= 1")
-    if model_type in ("mistral", "gemma3_text") or window is None:
+    if model_type in ("mistral", "gemma3_text", "gemma2") or window is None:
         return window
     use = cfg.get("use_sliding_window", False)
     if not isinstance(use, bool):
