@@ -301,7 +301,12 @@ class EngineArgs:
 
         self.validate()
         model_path = resolve_model_path(self.model)
-        check_max_model_len(read_arch_config(model_path), self.max_model_len)
+        arch = read_arch_config(model_path)
+        check_max_model_len(arch, self.max_model_len)
+        if self.enable_lora and arch.architecture in ("gemma2", "gemma3"):
+            raise ConfigError(
+                f"EngineArgs.enable_lora is not supported for {arch.architecture} models (model/gemma3.py)"
+            )
         model = ModelConfig(
             model=os.fspath(self.model),
             model_path=str(model_path),

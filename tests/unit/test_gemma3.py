@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncllm.config import ModelConfig
+from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.errors import ConfigError
 from asyncllm.model.gemma3 import Gemma3ForCausalLM
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
@@ -260,3 +260,8 @@ def test_gemma2_matches_transformers(gemma2_dir: pathlib.Path) -> None:
         for layer, cap in zip(model.layers, caps, strict=True):
             layer.softcap = cap
     assert (uncapped - expected[0]).abs().max() > 100 * TOLERANCE * expected[0].abs().max()
+
+
+def test_lora_on_gemma_is_a_config_error(hf_dir: pathlib.Path) -> None:
+    with pytest.raises(ConfigError, match="enable_lora is not supported for gemma3"):
+        EngineArgs(model=str(hf_dir), enable_lora=True, load_format="dummy").create_engine_config()
