@@ -78,3 +78,21 @@ async def test_chat_without_a_template_is_refused(llm: AsyncLLM) -> None:
             await llm.chat([{"role": "user", "content": "Hi"}], greedy(4))
     finally:
         tokenizer.chat_template = given
+
+
+async def test_preemption_recomputes_windowed_layers_exactly(llm: AsyncLLM) -> None:
+    """Two 540-token prompts (past the window) decoding 60 tokens each in a 70-block cache (the two need 76):
+    one is preempted and recomputed, and both answers equal the ones computed alone with room to spare."""
+    ids = llm.get_tokenizer().encode(LONG_TEXT * 12)
+    prompts = [{"prompt_token_ids": ids[:540]}, {"prompt_token_ids": ids[100:640]}]
+    params = greedy(60, ignore_eos=True)
+    alone = [(await llm.generate(p, params).collect()).outputs[0].token_ids for p in prompts]
+    args = EngineArgs(
+        model="gemma-3-270m", engine_process=False, max_model_len=1024, num_kv_blocks=70, max_num_batched_tokens=64
+    )
+    async with AsyncLLM.from_engine_args(args) as small:
+        streams = [small.generate(p, params) for p in prompts]
+        together = [(await s.collect()).outputs[0].token_ids for s in streams]
+        stats = await small.get_scheduler_stats()
+    assert stats.num_preemptions >= 1
+    assert together == alone
