@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import numpy as np
 import pytest
 import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError
+from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, PoolingParams
 from tests.integration.conftest import greedy, wait_until_idle
 from tests.integration.test_gemma3_parity import LONG_TEXT
 
@@ -96,3 +97,20 @@ async def test_preemption_recomputes_windowed_layers_exactly(llm: AsyncLLM) -> N
         stats = await small.get_scheduler_stats()
     assert stats.num_preemptions >= 1
     assert together == alone
+
+
+async def test_encode_pools_normalized_vectors_batched_as_alone(llm: AsyncLLM) -> None:
+    """`encode()` on Gemma (hidden states checked against HF in `test_gemma3_parity.py`): 640-wide unit vectors, a
+    batch equal to each prompt alone (a 700-token prompt is pooled over 11 chunks)."""
+    ids = llm.get_tokenizer().encode(LONG_TEXT * 12)[:700]
+    prompts = [FRANCE, {"prompt_token_ids": ids}, "Der schnelle braune Fuchs"]
+    batch = await llm.encode(prompts, PoolingParams(pooling="mean"))
+    assert isinstance(batch, list)
+    for prompt, out in zip(prompts, batch, strict=True):
+        vector = np.asarray(out.embedding)
+        assert vector.shape == (640,)
+        assert abs(float(np.linalg.norm(vector)) - 1.0) < 1e-5
+        alone = await llm.encode(prompt, PoolingParams(pooling="mean"))
+        assert not isinstance(alone, list)
+        np.testing.assert_allclose(alone.embedding, vector, atol=1e-5)
+    assert float(np.dot(batch[0].embedding, batch[2].embedding)) < 0.999  # different texts, different vectors

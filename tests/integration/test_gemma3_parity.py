@@ -279,3 +279,14 @@ def test_int8_is_close_to_fp32(model: Any, gemma_path: str, tokenizer: Tokenizer
         out.append(int(logits.argmax()))
         logits = runner.step([[out[-1]]])[0][0]
     assert tokenizer.decode(out).startswith(" the capital of the country of France.")
+
+
+def test_final_hidden_states_match_transformers(model: Any, hf_model: Any, tokenizer: Tokenizer) -> None:
+    """The final-norm hidden states `encode()` pools equal HF's base model's `last_hidden_state` (700 tokens)."""
+    ids = tokenizer.encode(LONG_TEXT * 12)[:700]
+    runner = _Runner(model, 1, 704)
+    meta = build_attention_metadata([700], [700], [list(range(runner.blocks))], BLOCK_SIZE)
+    ours = model(torch.tensor(ids), torch.arange(700), runner.kv_caches, meta)
+    with torch.no_grad():
+        ref = hf_model.model(torch.tensor([ids])).last_hidden_state[0]
+    assert _relative_error(ours, ref) <= RELATIVE_TOLERANCE
