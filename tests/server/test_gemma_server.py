@@ -3,10 +3,12 @@ completions are a 400 naming the missing template."""
 
 from __future__ import annotations
 
+import subprocess
+
 import httpx
 import pytest
 
-from tests.server.server_helpers import start_server, stop_server
+from tests.server.server_helpers import console_script, start_server, stop_server
 
 pytestmark = [pytest.mark.mp, pytest.mark.slow]
 
@@ -32,3 +34,23 @@ def test_base_model_completions_and_chat_refusal() -> None:
             assert http.get("/health").status_code == 200  # the refusal left the server serving
     finally:
         stop_server(server)
+
+
+def test_cli_generate_on_the_base_model() -> None:
+    """`asyncllm generate --raw` continues the text; without `--raw` (a chat message) it exits 1 naming the missing
+    template, and with `--chat-template` it answers."""
+
+    def generate(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [console_script(), "generate", "--model", "gemma-3-270m", "--max-tokens", "9", "--no-engine-process"]
+        return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+
+    raw = generate("--raw", "The capital of France is")
+    assert raw.returncode == 0, raw.stderr
+    assert raw.stdout.startswith(" the capital of the country of France.")
+    chat = generate("The capital of France is")
+    assert chat.returncode == 1
+    assert "no chat template" in chat.stderr
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    templated = generate("--chat-template", template, "The capital of France is")
+    assert templated.returncode == 0, templated.stderr
+    assert templated.stdout.startswith(" the capital of the country of France.")  # the same text after <bos>
