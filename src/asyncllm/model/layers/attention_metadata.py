@@ -31,7 +31,7 @@ class AttentionGroup:
         masks_keys: False when `attn_mask` is all True (decodes of sequences of one length), so attention
             may run without it.
         query_positions: [num_seqs, max_query_len] int64 absolute position of each padded query (padding rows
-            included; their output is dropped), for the sliding-window masks (`window_bias`).
+            included; their output is dropped), for the sliding-window masks (`bias`).
     """
 
     block_tables: torch.Tensor

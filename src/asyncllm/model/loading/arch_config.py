@@ -9,11 +9,15 @@ A key is one of:
 - accepted only at the one value the model implements (`_HF_ONLY_AT`, `_GGUF_ONLY_AT`: `hidden_act` "silu",
   `attention_bias` false, ...), refused at any other;
 - on the no-math lists (`HF_NO_MATH_KEYS`, `GGUF_NO_MATH_PREFIXES`, `GGUF_NO_MATH_ARCH_KEYS`), each with its reason;
-- anything else: refused. A sliding attention window is read and accepted only when it covers every sequence
-  (`check_max_model_len`): the model attends to the whole sequence.
+- anything else: refused. A sliding attention window is read; for an architecture whose model does not apply it
+  (not in `WINDOWED_ARCHITECTURES`) it is accepted only when it covers every sequence (`check_max_model_len`).
 
-Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config` (transformers 5: `layer_types`, `rope_parameters`);
-GGUF keys as llama.cpp's `gguf` package names them (`gguf.constants.Keys`).
+Gemma: HF `gemma3_text` and `gemma2` configs (per-layer-type RoPE, `layer_types` or the sliding pattern,
+`query_pre_attn_scalar`, soft-capping for Gemma 2); GGUF `gemma3`, whose pattern, local rotary base and softmax scale
+the file does not store because llama.cpp fixes them (`GGUF_GEMMA3_SLIDING_PATTERN`, ...).
+
+Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Gemma2Config`, `Gemma3TextConfig` (transformers 5:
+`layer_types`, `rope_parameters`); GGUF keys as llama.cpp's `gguf` package names them (`gguf.constants.Keys`).
 """
 
 from __future__ import annotations
