@@ -8,6 +8,8 @@ Expected texts are HF transformers' greedy continuations of the same GGUF file (
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, PoolingParams
+from asyncllm.structured_outputs import StructuredOutputsParams
 from tests.integration.conftest import greedy, wait_until_idle
 from tests.integration.test_gemma3_parity import LONG_TEXT
 
@@ -114,3 +117,25 @@ async def test_encode_pools_normalized_vectors_batched_as_alone(llm: AsyncLLM) -
         assert not isinstance(alone, list)
         np.testing.assert_allclose(alone.embedding, vector, atol=1e-5)
     assert float(np.dot(batch[0].embedding, batch[2].embedding)) < 0.999  # different texts, different vectors
+
+
+async def test_structured_outputs_with_the_sentencepiece_vocabulary(llm: AsyncLLM) -> None:
+    """xgrammar reads Gemma's vocabulary as byte fallback ("▁" is a space, `<0xNN>` are bytes): a choice and a regex
+    with spaces, and a JSON schema, are followed exactly."""
+    choice = greedy(12, structured_outputs=StructuredOutputsParams(choice=["New York City", "Paris, France"]))
+    out = await llm.generate("Q: Which city is the capital of France?\nA:", choice).collect()
+    assert out.outputs[0].text in ("New York City", "Paris, France")
+    regex = greedy(24, structured_outputs=StructuredOutputsParams(regex=r"The capital is [A-Z][a-z]+ \(\d{4}\)\."))
+    out = await llm.generate(FRANCE, regex).collect()
+    assert re.fullmatch(r"The capital is [A-Z][a-z]+ \(\d{4}\)\.", out.outputs[0].text), out.outputs[0].text
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    params = greedy(48, structured_outputs=StructuredOutputsParams(json=schema))
+    out = await llm.generate("A JSON record of the capital of France: ", params).collect()
+    record = json.loads(out.outputs[0].text)
+    assert set(record) == {"city", "country"}
+    assert all(isinstance(v, str) and len(v) <= 20 for v in record.values())

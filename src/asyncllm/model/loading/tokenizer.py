@@ -80,6 +80,8 @@ class Tokenizer:
         bos_token_id, eos_token_id: special ids, None when the model has none.
         chat_template: Jinja2 chat template source, None when the model has none.
         add_bos_token: whether `encode(..., add_special_tokens=True)` prepends BOS.
+        vocab_type: how tokens spell text: "byte_level" (GPT-2's byte alphabet) or "byte_fallback" (SentencePiece:
+            "▁" for a space, `<0xNN>` tokens for bytes), for the structured-output backend.
     """
 
     def __init__(
@@ -89,8 +91,10 @@ class Tokenizer:
         eos_token_id: int | None,
         chat_template: str | None,
         add_bos_token: bool,
+        vocab_type: str = "byte_level",
     ) -> None:
         self.hf = hf
+        self.vocab_type = vocab_type
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -191,7 +195,8 @@ def _load_gguf(path: pathlib.Path) -> Tokenizer:
         )
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     hf.post_processor = _bos_eos_processor(tokens, bos if add_bos else None, eos if add_eos else None)
-    return Tokenizer(hf, bos, eos, meta.get("tokenizer.chat_template"), add_bos)
+    vocab_type = "byte_level" if kind == "gpt2" else "byte_fallback"
+    return Tokenizer(hf, bos, eos, meta.get("tokenizer.chat_template"), add_bos, vocab_type)
 
 
 def _sentencepiece_bpe(tokens: list[str], unk_id: int | None) -> HFTokenizer:
