@@ -255,8 +255,9 @@ def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> Non
         return
     if arch.sliding_window is not None and arch.sliding_window < length:
         raise ConfigError(
-            f"sliding_window={arch.sliding_window} < max_model_len {length}: asyncllm has no sliding-window "
-            f"attention, so tokens beyond the window would attend to more than the model was trained to; "
+            f"sliding_window={arch.sliding_window} < max_model_len {length}: asyncllm applies sliding windows only "
+            f"for {sorted(WINDOWED_ARCHITECTURES)}, not {arch.architecture!r}, so tokens beyond the window would "
+            "attend to more than the model was trained to; "
             f"set EngineArgs.max_model_len <= {arch.sliding_window}"
         )
 
