@@ -20,7 +20,7 @@ from typing import Any
 
 import sniffio
 
-from asyncllm.config import AsyncEngineArgs, EngineArgs
+from asyncllm.config import AsyncEngineArgs, EngineArgs, load_chat_template
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
 from asyncllm.engine_config import EngineConfig
@@ -125,6 +125,8 @@ class AsyncLLM:
 
         config = args.create_engine_config()
         tokenizer = Tokenizer.load(config.model.model_path)
+        if args.chat_template is not None:
+            tokenizer.chat_template = load_chat_template(args.chat_template)
         llm = cls(config, tokenizer, make_engine_client(config), stat_loggers)
         return llm
 

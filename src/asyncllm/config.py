@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,38 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def load_chat_template(value: str | os.PathLike[str]) -> str:
+    """The chat template a user gave (`EngineArgs.chat_template`): the text of the file at `value` if it names one,
+    else `value` itself when it is Jinja2 template text (has "{{" or "{%").
+
+    Raises:
+        ConfigError: neither a readable file nor template text, or a Jinja2 syntax error (with its line).
+    """
+    import jinja2
+
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"EngineArgs.chat_template={value!r}: must be a file path or Jinja2 template text")
+    path = pathlib.Path(value)
+    text = str(value)
+    if "{{" not in text and "{%" not in text:
+        try:
+            text = path.read_text()
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"EngineArgs.chat_template={_shorten(str(value))!r} is neither a readable file ({exc}) nor Jinja2 "
+                "template text"
+            ) from exc
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)  # as the tokenizer renders it
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"EngineArgs.chat_template: Jinja2 syntax error on line {exc.lineno}: {exc.message}") from exc
+    return text
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(kw_only=True)
@@ -117,6 +150,9 @@ class EngineArgs:
             over the shared base model (docs/lora.md). Not with `quantization="int8"`.
         max_loras: distinct adapters running at once, and adapters kept loaded (LRU); vLLM's default 1.
         max_lora_rank: the largest adapter rank accepted, 1..64; vLLM's default 16.
+        chat_template: a Jinja2 chat template for `chat()` and `/v1/chat/completions`, replacing the model's own
+            (as vLLM's `--chat-template`): a path to a template file, or the template text. None (default): the
+            model's template; a base model without one refuses chat requests (`InvalidRequestError`, HTTP 400).
         enforce_eager: vLLM's switch off CUDA graphs and compilation; asyncllm always runs eagerly (CPU, no graphs,
             no compilation), so True and False both hold as asked, and change nothing (accepted for vLLM code).
     Raises:
@@ -154,6 +190,7 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    chat_template: str | None = None
     enforce_eager: bool = False
 
     @classmethod
@@ -217,6 +254,8 @@ class EngineArgs:
             raise ConfigError(f"EngineArgs.enforce_eager={self.enforce_eager!r}: must be True or False")
         if self.speculative_config is not None:
             SpeculativeConfig.from_user(self.speculative_config)
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)
         self._validate_data_parallel()
         self._validate_lora()
 
@@ -267,6 +306,10 @@ class EngineArgs:
         check_max_model_len(arch, self.max_model_len)
         tp = self.tensor_parallel_size
         check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp)
+        if self.enable_lora and arch.architecture in ("gemma2", "gemma3"):
+            raise ConfigError(
+                f"EngineArgs.enable_lora is not supported for {arch.architecture} models (model/gemma3.py)"
+            )
         model = ModelConfig(
             model=os.fspath(self.model),
             model_path=str(model_path),

@@ -13,8 +13,9 @@ BLOCK_SIZE = 4
 HEAD_DIM = 8
 
 
-def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [q_len, heads, d]; k, v: [seq_len, kv_heads, d]; queries are the last q_len positions."""
+def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """q: [q_len, heads, d]; k, v: [seq_len, kv_heads, d]; queries are the last q_len positions; with `window`, a
+    query at position p sees keys p - window + 1 .. p only."""
     q_len, heads, d = q.shape
     seq_len, kv_heads, _ = k.shape
     k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -22,11 +23,15 @@ def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / d**0.5
     q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] <= q_pos - window, float("-inf"))
     out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
     return out.reshape(q_len, heads * d).float()
 
 
-def _run_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, seed: int) -> None:
+def _run_case(
+    query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, seed: int, window: int | None = None
+) -> None:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 5
     block_ids = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled, non-contiguous
@@ -50,8 +55,8 @@ def _run_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: 
     new_v = torch.cat([v[v.shape[0] - q :] for v, q in zip(values, query_lens, strict=True)])
     write_kv_cache(cache, new_k, new_v, meta.slot_mapping)
 
-    out = paged_attention(torch.cat(queries), cache, meta)
-    expected = torch.cat([_dense_reference(q, k, v) for q, k, v in zip(queries, keys, values, strict=True)])
+    out = paged_attention(torch.cat(queries), cache, meta, window=window)
+    expected = torch.cat([_dense_reference(q, k, v, window) for q, k, v in zip(queries, keys, values, strict=True)])
     assert out.shape == (sum(query_lens), heads * HEAD_DIM)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -71,6 +76,23 @@ def _run_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: 
 def test_paged_attention_matches_dense(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int) -> None:
     for seed in range(3):
         _run_case(query_lens, seq_lens, heads, kv_heads, seed)
+
+
+@pytest.mark.parametrize("window", [1, 3, 5, 13])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [
+        pytest.param([1, 1, 1], [1, 7, 13], id="decodes"),
+        pytest.param([1, 1, 1], [6, 6, 6], id="decodes-of-one-length"),
+        pytest.param([5, 9], [5, 9], id="prefills"),
+        pytest.param([3, 6], [11, 6], id="prefill-with-cached-prefix"),
+        pytest.param([1, 5, 1, 7, 3], [10, 5, 1, 9, 12], id="mixed"),
+    ],
+)
+def test_sliding_window_attention_matches_dense(query_lens: list[int], seq_lens: list[int], window: int) -> None:
+    """A layer with a sliding window sees only the last `window` keys of each query (itself included)."""
+    for seed in range(2):
+        _run_case(query_lens, seq_lens, 6, 2, seed, window)
 
 
 def test_write_kv_cache_writes_only_mapped_slots() -> None:

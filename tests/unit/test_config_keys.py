@@ -167,6 +167,8 @@ FAMILIES = {
     "mistral": "MistralConfig",
     "qwen3": "Qwen3Config",
     "phi3": "Phi3Config",
+    "gemma2": "Gemma2Config",
+    "gemma3_text": "Gemma3TextConfig",
 }
 
 

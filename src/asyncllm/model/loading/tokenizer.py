@@ -10,6 +10,19 @@ From a GGUF file (`tokenizer.ggml.model == "gpt2"`, byte-level BPE) the tokenize
   `<|im_start|>` / `<|im_end|>` are matched whole in text;
 - BOS/EOS are added only if `tokenizer.ggml.add_bos_token` / `add_eos_token` say so (SmolLM2: neither).
 
+From a GGUF file of a Gemma architecture with `tokenizer.ggml.model == "llama"` (SentencePiece BPE with byte
+fallback, as in Gemma 3) it is rebuilt the way transformers' `gemma_tokenizer` does (same module), so ids match:
+- a BPE model over the file's tokens, with a whitespace-only token holding a space spelled as that many "▁", byte
+  fallback (`<0xNN>` tokens) and the file's unknown token;
+- the file has no merges: they are derived from the vocabulary. Every split of a token t into two tokens
+  (l, r) is a merge; merges rank by t's position in the file (earlier first; Gemma's scores do not follow its
+  merge order), then by a longer l first;
+- normalizer: " " -> "▁"; no space is prepended (`add_space_prefix` must be false); decoder: "▁" -> " ", byte
+  fallback, fuse;
+- CONTROL tokens special, USER_DEFINED plain added tokens; BOS per `add_bos_token`, as for "gpt2".
+Incremental detokenization (`processing/detokenizer.py`'s `DecodeStream`) holds back a partial UTF-8 sequence of
+byte-fallback tokens, as it does for byte-level BPE.
+
 Known difference from the true SmolLM2 tokenizer: its `tokenizer.json` (pre-tokenizer `smollm` in llama.cpp)
 splits digits individually (`Digits(individual_digits=True)` before `ByteLevel`), so "2024" is 4 tokens
 there. transformers has no entry for `smollm` and falls back to the GPT-2 regex, which keeps runs of digits
@@ -28,13 +41,16 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.model.loading.gguf_metadata import read_gguf_metadata
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_SPACE_MARK = "\u2581"  # SentencePiece's visible space "▁"
+# GGUF architectures whose "llama" (SentencePiece) tokenizer is built as Gemma's (`_sentencepiece_bpe`).
+SENTENCEPIECE_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -64,6 +80,8 @@ class Tokenizer:
         bos_token_id, eos_token_id: special ids, None when the model has none.
         chat_template: Jinja2 chat template source, None when the model has none.
         add_bos_token: whether `encode(..., add_special_tokens=True)` prepends BOS.
+        vocab_type: how tokens spell text: "byte_level" (GPT-2's byte alphabet) or "byte_fallback" (SentencePiece:
+            "▁" for a space, `<0xNN>` tokens for bytes), for the structured-output backend.
     """
 
     def __init__(
@@ -73,8 +91,10 @@ class Tokenizer:
         eos_token_id: int | None,
         chat_template: str | None,
         add_bos_token: bool,
+        vocab_type: str = "byte_level",
     ) -> None:
         self.hf = hf
+        self.vocab_type = vocab_type
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -86,7 +106,8 @@ class Tokenizer:
         """Load from a `.gguf` file's metadata or from an HF directory (tokenizer.json + tokenizer_config.json).
 
         Raises:
-            ValueError: the GGUF tokenizer type is not byte-level BPE ("gpt2"), or the path is neither.
+            ValueError: the GGUF tokenizer type is neither byte-level BPE ("gpt2") nor, for a Gemma architecture,
+                SentencePiece ("llama") without a space prefix; or the path is neither.
         """
         path = pathlib.Path(model_path)
         if path.is_file() and path.suffix.lower() == ".gguf":
@@ -132,7 +153,10 @@ class Tokenizer:
             InvalidRequestError: the model has no chat template, or the template rejects the messages.
         """
         if self.chat_template is None:
-            raise InvalidRequestError("this model has no chat template; pass a text prompt instead")
+            raise InvalidRequestError(
+                "this model has no chat template (a base model): send a text prompt (generate(), /v1/completions), "
+                "or give a template with EngineArgs(chat_template=...) / --chat-template"
+            )
         try:
             return _compile_template(self.chat_template).render(
                 messages=messages,
@@ -147,21 +171,72 @@ class Tokenizer:
 
 def _load_gguf(path: pathlib.Path) -> Tokenizer:
     meta = read_gguf_metadata(path)
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"{path}: tokenizer type {meta.get('tokenizer.ggml.model')!r} unsupported; need 'gpt2'")
+    kind, arch = meta.get("tokenizer.ggml.model"), meta.get("general.architecture")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    if kind == "gpt2":
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        hf = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"])
+        hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        hf.decoder = decoders.ByteLevel()
+        _add_typed_tokens(hf, tokens, token_types)
+    elif kind == "llama" and arch in SENTENCEPIECE_ARCHITECTURES:
+        if meta.get("tokenizer.ggml.add_space_prefix", False):
+            raise ValueError(f"{path}: tokenizer.ggml.add_space_prefix=true is not supported (Gemma adds none)")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True)) and bos is not None  # llama.cpp's default
+        hf = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.unknown_token_id"))
+        _add_sentencepiece_typed_tokens(hf, tokens, token_types)
+    else:
+        raise ValueError(
+            f"{path}: tokenizer type {kind!r} unsupported for architecture {arch!r}; need 'gpt2', or 'llama' "
+            f"(SentencePiece) for {sorted(SENTENCEPIECE_ARCHITECTURES)}"
+        )
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-
-    hf = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"])
-    hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-    hf.decoder = decoders.ByteLevel()
-    _add_typed_tokens(hf, tokens, token_types)
     hf.post_processor = _bos_eos_processor(tokens, bos if add_bos else None, eos if add_eos else None)
-    return Tokenizer(hf, bos, eos, meta.get("tokenizer.chat_template"), add_bos)
+    vocab_type = "byte_level" if kind == "gpt2" else "byte_fallback"
+    return Tokenizer(hf, bos, eos, meta.get("tokenizer.chat_template"), add_bos, vocab_type)
+
+
+def _sentencepiece_bpe(tokens: list[str], unk_id: int | None) -> HFTokenizer:
+    """Gemma's SentencePiece BPE (byte fallback) from GGUF tokens, with merges derived from the vocabulary."""
+    spelled = [_SPACE_MARK * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    unk = None if unk_id is None else spelled[unk_id]
+    model = models.BPE(
+        vocab=vocab, merges=_derive_merges(spelled, vocab), unk_token=unk, fuse_unk=True, byte_fallback=True
+    )
+    hf = HFTokenizer(model)
+    hf.normalizer = normalizers.Replace(" ", _SPACE_MARK)
+    hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")  # as transformers' GemmaTokenizer
+    hf.decoder = decoders.Sequence([decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return hf
+
+
+def _derive_merges(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split (l, r) of a token into two vocabulary tokens, ranked by the token's position (the last one when a
+    spelling repeats, as `vocab` keeps), then by a longer l first."""
+    merges: list[tuple[str, str]] = []
+    for index, token in enumerate(tokens):
+        if vocab[token] != index:
+            continue
+        merges.extend(
+            (token[:cut], token[cut:])
+            for cut in range(len(token) - 1, 0, -1)
+            if token[:cut] in vocab and token[cut:] in vocab
+        )
+    return merges
+
+
+def _add_sentencepiece_typed_tokens(hf: HFTokenizer, tokens: list[str], token_types: list[int]) -> None:
+    """CONTROL tokens -> special added tokens; USER_DEFINED ones spelled as in the vocabulary -> plain added tokens
+    (both matched whole; a whitespace-only one, respelled with "▁", is left to the model, as transformers does)."""
+    control = [t for t, k in zip(tokens, token_types, strict=True) if k == _CONTROL]
+    vocab = hf.get_vocab()
+    user = [t for t, k in zip(tokens, token_types, strict=True) if k == _USER_DEFINED and t in vocab]
+    hf.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
 
 
 @lru_cache(maxsize=1)
