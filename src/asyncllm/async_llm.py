@@ -24,7 +24,7 @@ from asyncllm.config import AsyncEngineArgs, EngineArgs
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
 from asyncllm.engine_config import EngineConfig
-from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError, InvalidRequestError
 from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.defaults import make_default_stat_loggers
@@ -32,6 +32,7 @@ from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger
 from asyncllm.output_handler import OutputHandler
 from asyncllm.outputs import PoolingRequestOutput, RequestOutput
+from asyncllm.pausing import PauseGate, PauseMode, poll_until, resolve_pause_mode
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.processing.input_processor import InputProcessor, PromptType, RequestOptions
 from asyncllm.processing.output_processor import OutputProcessor
@@ -42,6 +43,8 @@ from asyncllm.stopping import PendingShutdown
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 from asyncllm.submission import LONG_PROMPT_CHARS, RequestSubmitter, is_long_prompt
 from asyncllm.utils.loops import current_loop
+
+RESET_DEADLINE_SECONDS = 30.0  # pause_generation(clear_cache=True) waits this long at most for blocks to be freed
 
 __all__ = ["LONG_PROMPT_CHARS", "AsyncEngineArgs", "AsyncLLM", "PendingShutdown", "is_long_prompt"]
 
@@ -89,6 +92,7 @@ class AsyncLLM:
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
         self._submitter = RequestSubmitter(self._input_processor, self._output_processor, client, self._handler)
+        self._pause = PauseGate()
         # Stops the engine if this object is collected or the interpreter exits without shutdown().
         self._finalizer = weakref.finalize(self, client.shutdown)
 
@@ -173,13 +177,16 @@ class AsyncLLM:
     ) -> GenerateOutputStream:
         """Submit one prompt; returns its output stream at once.
 
-        A short prompt is tokenized and validated here, so bad input raises here. A long one (text or chat
+        A short prompt is tokenized and validated here, so bad input raises here (vLLM raises it from the
+        stream's first iteration; `docs/vllm_compat.md`). A long one (text or chat
         content over `LONG_PROMPT_CHARS` characters) is tokenized in a worker thread when the stream is first
         awaited, so the event loop never stalls on it (vLLM's `generate` validates at its first iteration too);
         its errors then raise from that first await.
 
         Args:
-            prompt: text, `{"prompt_token_ids": [...]}`, or chat messages `[{"role", "content"}, ...]`.
+            prompt: text, `{"prompt_token_ids": [...]}` / `{"prompt": text}` (vLLM's `TokensPrompt` /
+                `TextPrompt` from `asyncllm.inputs`, optionally with "cache_salt"), or chat messages
+                `[{"role", "content"}, ...]`.
             sampling_params: None means `SamplingParams()`; with `n > 1` the n completions share this stream
                 (see `asyncllm.processing.parallel_sampling`).
             request_id: the user's id, carried by every output; None makes one (uuid4 hex). It need not be
@@ -207,7 +214,8 @@ class AsyncLLM:
         submitter = self._submitter
         stream = submitter.stream_later if loop is not None and is_long_prompt(prompt) else submitter.stream_now
         options = RequestOptions(request_id, priority, cache_salt, data_parallel_rank, lora_request)
-        return stream(prompt, sampling_params, options, self._next_output, loop)
+        hold = self._pause.wait_resumed if self._pause.paused else None
+        return stream(prompt, sampling_params, options, self._next_output, loop, hold)
 
     async def encode(
         self,
@@ -239,6 +247,8 @@ class AsyncLLM:
         """
         self._ensure_running()
         self._bind_to_current_loop()
+        await self._pause.wait_resumed()
+        self._ensure_running()
         single = isinstance(prompt, str | Mapping)
         prompts = [prompt] if single else list(prompt)
         if not prompts:
@@ -300,9 +310,69 @@ class AsyncLLM:
 
     # ---- engine administration ------------------------------------------------------------------------
 
-    def check_health(self) -> None:
-        """Raises `EngineDeadError` if the engine died or was shut down."""
+    async def check_health(self) -> None:
+        """Return if the engine serves; a coroutine, as vLLM's (`await llm.check_health()`).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
         self._ensure_running()
+
+    # ---- pausing (vLLM's API for weight updates between RL rollouts; `asyncllm.pausing`) ----------------
+
+    async def pause_generation(
+        self,
+        *,
+        mode: PauseMode | None = None,
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool = True,
+    ) -> None:
+        """Pause generation: new `generate()` / `encode()` requests wait (unsent) until `resume_generation()`.
+
+        Args:
+            mode: "abort" (default): in-flight requests end at once with finish_reason "abort"; "wait": they run
+                to their end, and this returns once the last one finished. vLLM's "keep" is refused.
+            wait_for_inflight_requests: vLLM's older spelling: True = mode "wait", False = "abort".
+            clear_cache: once nothing runs, forget every cached prompt prefix (`reset_prefix_cache()`), so
+                requests after new weights never reuse KV computed with the old ones.
+        Raises:
+            InvalidRequestError: mode "keep", an unknown mode, or `mode` and `wait_for_inflight_requests`
+                disagreeing (nothing is paused then).
+            EngineDeadError: the engine died or was shut down.
+            AsyncLLMError: the prefix cache could not be cleared (a request still held KV blocks).
+        """
+        resolved = resolve_pause_mode(mode, wait_for_inflight_requests)
+        self._ensure_running()
+        self._bind_to_current_loop()
+        self._pause.pause()
+        if resolved == "abort":
+            await self.abort(self._output_processor.user_request_ids())
+
+        async def drained() -> bool:
+            self._ensure_running()
+            return self._output_processor.num_unfinished_requests == 0
+
+        await poll_until(drained, None)
+        if clear_cache and not await poll_until(self.reset_prefix_cache, RESET_DEADLINE_SECONDS):
+            raise AsyncLLMError("pause_generation could not clear the prefix cache: requests still hold KV blocks")
+
+    async def resume_generation(self) -> None:
+        """Resume after `pause_generation()`: the requests held meanwhile go to the engine. Idempotent."""
+        self._pause.resume()
+
+    async def is_paused(self) -> bool:
+        """True between `pause_generation()` and `resume_generation()`."""
+        return self._pause.paused
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a submitted request has not finished (vLLM's `output_processor.has_unfinished_requests()`);
+        requests held by a pause are not submitted yet."""
+        return self._output_processor.num_unfinished_requests > 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Engine requests submitted and not finished (each completion of an n > 1 request counts)."""
+        return self._output_processor.num_unfinished_requests
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         """The engine scheduler's current counts (running, waiting, free and total KV blocks); with data

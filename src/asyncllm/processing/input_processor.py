@@ -2,6 +2,7 @@
 
 Prompt forms:
     "text"                                       encoded with the tokenizer (special tokens added, e.g. BOS).
+    (each dict form may carry "cache_salt"; `asyncllm.inputs` has vLLM's TypedDicts for them)
     {"prompt_token_ids": [int, ...]}             used as is (optionally with "prompt": its text).
     {"prompt": "text"}                           same as "text".
     {"prompt_embeds": tensor}                    [num_tokens, hidden_size] float32 vectors the first layer takes
@@ -148,7 +149,7 @@ class InputProcessor:
         if pooling_params is not None:
             params = self._pooling_placeholder(pooling_params, sampling_params)
         request_id = validate_request_id(options.request_id)
-        priority, cache_salt = options.priority, options.cache_salt
+        priority, cache_salt = options.priority, _prompt_cache_salt(prompt, options.cache_salt)
         _validate_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} is invalid: must be None or a non-empty str")
@@ -190,7 +191,7 @@ class InputProcessor:
 
     def _prompt_embeds(self, prompt: Mapping[str, Any], params: SamplingParams) -> np.ndarray:
         """The checked [num_tokens, hidden_size] float32 array of a `{"prompt_embeds": ...}` prompt."""
-        unknown = sorted(set(prompt) - {"prompt_embeds"})
+        unknown = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
         if unknown:
             raise InvalidRequestError(f"a prompt_embeds prompt takes no other keys; got {unknown}")
         check_embeds_params(params)
@@ -223,9 +224,17 @@ class InputProcessor:
         return list(token_ids)
 
     def _tokenize_dict(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
-        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+        not_served = [key for key in unknown if key in VLLM_PROMPT_KEYS_NOT_SERVED]
+        if not_served:
+            raise InvalidRequestError(
+                f"prompt keys {not_served} are not supported: asyncllm serves text-only decoder models "
+                "(vLLM's multi-modal and cross-encoder prompt keys)"
+            )
         if unknown:
-            raise InvalidRequestError(f"unknown prompt keys {unknown}: use 'prompt_token_ids' or 'prompt'")
+            raise InvalidRequestError(
+                f"unknown prompt keys {unknown}: use 'prompt_token_ids' or 'prompt' (and optionally 'cache_salt')"
+            )
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError("prompt['prompt'] must be a str")
@@ -289,6 +298,28 @@ class InputProcessor:
                 f"max_tokens must be <= max_model_len ({self._limit}); at most {room} here"
             )
         return params
+
+
+VLLM_PROMPT_KEYS_NOT_SERVED = frozenset(
+    {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "token_type_ids"}
+)  # keys of vLLM's TextPrompt / TokensPrompt that only multi-modal or cross-encoder models read
+
+
+def _prompt_cache_salt(prompt: PromptType, salt: str | None) -> str | None:
+    """The request's cache salt: `generate(cache_salt=)`, or a dict prompt's "cache_salt" key (vLLM's
+    `TokensPrompt(cache_salt=...)`).
+
+    Raises:
+        InvalidRequestError: both are given and differ.
+    """
+    if not isinstance(prompt, Mapping) or "cache_salt" not in prompt:
+        return salt
+    in_prompt = prompt["cache_salt"]
+    if salt is not None and salt != in_prompt:
+        raise InvalidRequestError(
+            f"cache_salt is given twice and differs: {salt!r} (argument) and {in_prompt!r} (the prompt's key)"
+        )
+    return in_prompt
 
 
 _internal_id_counter = itertools.count()  # next() is atomic in CPython: safe from any thread

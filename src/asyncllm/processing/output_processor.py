@@ -66,6 +66,10 @@ class OutputProcessor:
         """(engine states, n > 1 parents, user ids) held: all 0 once nothing is in flight (leak checks)."""
         return len(self._states), len(self._parents), len(self._external_ids)
 
+    def user_request_ids(self) -> list[str]:
+        """The user's ids of every in-flight request (each once)."""
+        return list(self._external_ids)
+
     def has_request(self, request_id: str) -> bool:
         """True while the internal id `request_id` (a user request or an engine request) is in flight."""
         return request_id in self._states or request_id in self._parents

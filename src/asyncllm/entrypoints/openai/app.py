@@ -138,29 +138,29 @@ def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
     )
 
 
-def _running_llm(request: Request) -> Any:
+async def _running_llm(request: Request) -> Any:
     """The app's engine, if it still serves.
 
     Raises:
         EngineDeadError: it died or was shut down (503).
     """
     llm = request.app.state.llm
-    llm.check_health()
+    await llm.check_health()
     return llm
 
 
 def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await create_completion(_running_llm(raw), raw.app.state.ctx, body, raw)
+        return await create_completion(await _running_llm(raw), raw.app.state.ctx, body, raw)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await create_chat_completion(_running_llm(raw), raw.app.state.ctx, body, raw)
+        return await create_chat_completion(await _running_llm(raw), raw.app.state.ctx, body, raw)
 
     @app.post("/v1/embeddings", response_model=None)
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
-        return await create_embedding(_running_llm(raw), raw.app.state.ctx, body)
+        return await create_embedding(await _running_llm(raw), raw.app.state.ctx, body)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:
@@ -190,7 +190,7 @@ def _add_ops_routes(app: FastAPI) -> None:
 
     @app.get("/stats")
     async def stats(raw: Request) -> dict[str, Any]:
-        scheduler_stats = await _running_llm(raw).get_scheduler_stats()
+        scheduler_stats = await (await _running_llm(raw)).get_scheduler_stats()
         return {name: getattr(scheduler_stats, name) for name in scheduler_stats.__struct_fields__}
 
     @app.post("/tokenize")
