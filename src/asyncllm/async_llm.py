@@ -35,6 +35,7 @@ from asyncllm.outputs import PoolingRequestOutput, RequestOutput
 from asyncllm.pausing import PauseGate, PauseMode, poll_until, resolve_pause_mode
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.processing.input_processor import InputProcessor, PromptType, RequestOptions
+from asyncllm.processing.no_tokenizer import NoTokenizer
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.tool_calling import ToolChoice, plan_chat
 from asyncllm.sampling_params import SamplingParams
@@ -88,6 +89,8 @@ class AsyncLLM:
             kv_cache_blocks,
             info.hidden_size,
             lora_config=config.lora,
+            max_logprobs=config.model.max_logprobs,
+            callables_in_process=callables_reach_the_worker(config),
         )
         self._output_processor = OutputProcessor(tokenizer.hf)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
@@ -125,10 +128,14 @@ class AsyncLLM:
             ModelNotFoundError: the model cannot be resolved.
             EngineDeadError: the engine process failed to start (the message carries the engine's error).
         """
+        from asyncllm.model.loading.arch_config import read_arch_config
         from asyncllm.model.loading.tokenizer import Tokenizer
 
         config = args.create_engine_config()
-        tokenizer = Tokenizer.load(config.model.model_path)
+        if config.model.skip_tokenizer_init:  # vLLM's: token ids in and out, no tokenizer loaded
+            tokenizer: Any = NoTokenizer(read_arch_config(config.model.model_path).eos_token_id)
+        else:
+            tokenizer = Tokenizer.load(config.model.model_path)
         llm = cls(config, tokenizer, make_engine_client(config), stat_loggers)
         return llm
 
@@ -159,7 +166,8 @@ class AsyncLLM:
         return max_model_len
 
     def get_tokenizer(self) -> Any:
-        """The model's `asyncllm.model.loading.tokenizer.Tokenizer`."""
+        """The model's `asyncllm.model.loading.tokenizer.Tokenizer` (with `skip_tokenizer_init`: a
+        `processing.no_tokenizer.NoTokenizer`, whose text operations raise `InvalidRequestError`)."""
         return self._tokenizer
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -496,3 +504,15 @@ class AsyncLLM:
 
     def _ensure_running(self) -> None:
         self._handler.ensure_running()
+
+
+def callables_reach_the_worker(config: EngineConfig) -> bool:
+    """True when the worker samples in this process (engine core in a thread, "uni" executor, one engine, no
+    speculative decoding), so per-request callables (`SamplingParams.logits_processors`) can reach it."""
+    parallel = config.parallel
+    return (
+        not parallel.engine_process
+        and parallel.distributed_executor_backend == "uni"
+        and parallel.data_parallel_size == 1
+        and config.speculative is None
+    )

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import time
 
 import pytest
 import pytest_asyncio
+import torch
 
-from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError
+from asyncllm import AsyncLLM, EngineArgs, EngineGenerateError, InvalidRequestError, SamplingParams
 from asyncllm.inputs import TextPrompt, TokensPrompt
+from asyncllm.utils import request_callables
 from tests.integration.conftest import greedy, wait_until_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -22,7 +25,8 @@ PROMPT = "The capital of France is"
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def llm(model_path: str):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=False, num_kv_blocks=128))
+    args = EngineArgs(model=model_path, engine_process=False, num_kv_blocks=128, max_logprobs=-1)
+    engine = AsyncLLM.from_engine_args(args)
     async with engine:
         yield engine
 
@@ -113,3 +117,132 @@ async def test_pause_by_default_aborts_inflight_requests(llm: AsyncLLM) -> None:
     await llm.resume_generation()
     assert len((await llm.generate(PROMPT, greedy(3)).collect()).outputs[0].token_ids) == 3
     await wait_until_idle(llm)
+
+
+# ---- sampling options --------------------------------------------------------------------------------------------
+
+
+def token_id(llm: AsyncLLM, text: str) -> int:
+    (only,) = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    return int(only)
+
+
+async def test_bad_words_never_appear_in_200_sampled_tokens(llm: AsyncLLM) -> None:
+    the = token_id(llm, " the")
+    free = SamplingParams(max_tokens=200, temperature=1.0, seed=7, ignore_eos=True)
+    banned = SamplingParams(max_tokens=200, temperature=1.0, seed=7, ignore_eos=True, bad_words=["the"])
+    prompt = "Write a long story about the sea and the ships on the water."
+    unconstrained, constrained = await asyncio.gather(
+        llm.generate(prompt, free).collect(), llm.generate(prompt, banned).collect()
+    )
+    assert the in unconstrained.outputs[0].token_ids  # the test can fail: " the" is sampled without the ban
+    assert len(constrained.outputs[0].token_ids) == 200
+    assert the not in constrained.outputs[0].token_ids
+    assert token_id(llm, "the") not in constrained.outputs[0].token_ids
+
+
+async def test_a_logits_processor_that_bans_a_token_is_honoured_in_a_batch(llm: AsyncLLM) -> None:
+    alone = await llm.generate(PROMPT, greedy(8)).collect()
+    banned = alone.outputs[0].token_ids[0]  # the greedy first token
+    seen: list[list[int]] = []
+
+    def ban(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:  # vLLM v0's documented signature
+        seen.append(list(output_ids))
+        logits[banned] = -math.inf
+        return logits
+
+    def ban_with_prompt(prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[banned] = -math.inf
+        return logits
+
+    outputs = await asyncio.gather(
+        llm.generate(PROMPT, greedy(8, logits_processors=[ban])).collect(),
+        llm.generate(PROMPT, greedy(8)).collect(),  # same batch, no processor: unchanged
+        llm.generate(PROMPT, greedy(8, logits_processors=[ban_with_prompt])).collect(),
+    )
+    assert banned not in outputs[0].outputs[0].token_ids
+    assert len(outputs[0].outputs[0].token_ids) == 8
+    assert outputs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert outputs[2].outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    assert seen[0] == []
+    assert seen[-1] == outputs[0].outputs[0].token_ids[:-1]
+    assert request_callables.num_registered() == 0  # forgotten once the requests finished
+
+
+async def test_a_failing_logits_processor_fails_its_request_alone(llm: AsyncLLM) -> None:
+    def broken(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("user bug")
+
+    bad = llm.generate(PROMPT, greedy(4, logits_processors=[broken]))
+    good = llm.generate(PROMPT, greedy(4))
+    with pytest.raises(EngineGenerateError, match="user bug"):
+        await bad.collect()
+    assert len((await good.collect()).outputs[0].token_ids) == 4
+    await wait_until_idle(llm)
+
+
+async def test_detokenize_false_returns_token_ids_and_no_text(llm: AsyncLLM) -> None:
+    text_run = await llm.generate(PROMPT, greedy(6, logprobs=1)).collect()
+    ids_run = await llm.generate(PROMPT, greedy(6, logprobs=1, detokenize=False)).collect()
+    assert ids_run.outputs[0].token_ids == text_run.outputs[0].token_ids
+    assert text_run.outputs[0].text
+    assert ids_run.outputs[0].text == ""
+    assert all(lp.decoded_token is None for position in ids_run.outputs[0].logprobs for lp in position.values())
+    with pytest.raises(InvalidRequestError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
+
+
+async def test_logprobs_minus_one_returns_the_whole_vocabulary_sampled_token_first(llm: AsyncLLM) -> None:
+    output = (await llm.generate(PROMPT, greedy(2, logprobs=-1)).collect()).outputs[0]
+    for token, position in zip(output.token_ids, output.logprobs, strict=True):
+        assert len(position) == 49152  # SmolLM2's vocabulary
+        assert next(iter(position)) == token
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in position.values()), 1.0, rel_tol=1e-3)
+        assert sorted(lp.rank for lp in position.values())[:3] == [1, 2, 3]
+
+
+async def test_logprobs_list_the_sampled_token_first_then_the_top_k_by_rank(llm: AsyncLLM) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.5, seed=3, logprobs=5)
+    output = (await llm.generate(PROMPT, params).collect()).outputs[0]
+    outside_top = 0
+    for token, position in zip(output.token_ids, output.logprobs, strict=True):
+        keys = list(position)
+        assert keys[0] == token
+        top = [t for t in keys if t != token] if token not in keys[1:] else keys[1:]
+        ranks = [position[t].rank for t in top]
+        assert ranks == sorted(ranks)
+        assert ranks[-1] == 5
+        outside_top += position[token].rank > 5
+    assert outside_top > 0  # at temperature 1.5 some sampled tokens fall outside the top 5 (first, not last)
+
+
+async def test_best_of_is_rejected_as_vllm_v1_does(llm: AsyncLLM) -> None:
+    with pytest.raises(InvalidRequestError, match="vLLM V1 does not yet support best_of"):
+        SamplingParams(best_of=2)
+    output = await llm.generate(PROMPT, greedy(2, best_of=1)).collect()
+    assert len(output.outputs[0].token_ids) == 2
+
+
+# ---- engine arguments: skip_tokenizer_init, logprobs_mode --------------------------------------------------------
+
+
+async def test_skip_tokenizer_init_returns_ids_and_an_empty_text_and_raw_logits_mode(
+    llm: AsyncLLM, model_path: str
+) -> None:
+    ids = llm.get_tokenizer().encode(PROMPT)
+    reference = (await llm.generate(TokensPrompt(prompt_token_ids=ids), greedy(4, logprobs=2)).collect()).outputs[0]
+    args = EngineArgs(
+        model=model_path, engine_process=False, num_kv_blocks=32, skip_tokenizer_init=True, logprobs_mode="raw_logits"
+    )
+    async with AsyncLLM.from_engine_args(args) as bare:
+        with pytest.raises(InvalidRequestError, match="skip_tokenizer_init"):
+            bare.generate(PROMPT, greedy(4))
+        output = (await bare.generate(TokensPrompt(prompt_token_ids=ids), greedy(4, logprobs=2)).collect()).outputs[0]
+    assert output.token_ids == reference.token_ids
+    assert output.text == ""
+    for logits, logprobs in zip(output.logprobs, reference.logprobs, strict=True):
+        first, second = sorted(logits.values(), key=lambda lp: lp.rank)[:2]
+        ref_first, ref_second = sorted(logprobs.values(), key=lambda lp: lp.rank)[:2]
+        assert first.logprob > 0  # a logit, not a log-probability
+        assert math.isclose(first.logprob - second.logprob, ref_first.logprob - ref_second.logprob, abs_tol=1e-3)
+        assert first.decoded_token is None

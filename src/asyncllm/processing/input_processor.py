@@ -40,9 +40,11 @@ from asyncllm.lora.checker import LoRAChecker
 from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.pooling_params import PoolingParams
+from asyncllm.processing.no_tokenizer import NoTokenizer
 from asyncllm.processing.prompt_embeds import PLACEHOLDER_TOKEN_ID, check_embeds_params, to_prompt_embeds_array
-from asyncllm.sampling_params import MAX_INT64, RequestOutputKind, SamplingParams
+from asyncllm.sampling_params import MAX_INT64, MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from asyncllm.structured_outputs.backend import check_constraint
+from asyncllm.utils import request_callables
 
 PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
@@ -96,6 +98,9 @@ class InputProcessor:
             errors when the cache is what limits `max_model_len`; None = not known.
         hidden_size: the model's hidden size (handshake), for prompt embeddings and `dimensions`; 0 = unknown.
         lora_config: the engine's LoRA settings (None = LoRA off: a `lora_request` is refused).
+        max_logprobs: `logprobs` / `prompt_logprobs` at most (`EngineArgs.max_logprobs`; -1 = the vocabulary).
+        callables_in_process: the worker runs in this process (engine thread, "uni" executor, no speculative
+            decoding), so `SamplingParams.logits_processors` can reach it; False refuses them.
     """
 
     def __init__(
@@ -106,8 +111,12 @@ class InputProcessor:
         kv_cache_blocks: tuple[int, int] | None = None,
         hidden_size: int = 0,
         lora_config: LoRAConfig | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
+        callables_in_process: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+        self._callables_in_process = callables_in_process
         self._hidden_size = hidden_size
         self._lora_checker = LoRAChecker(lora_config)
         self._max_model_len = max_model_len
@@ -163,10 +172,15 @@ class InputProcessor:
         else:
             text, token_ids = self.tokenize(prompt)
         self._validate_token_ids(token_ids)
+        engine_id = internal_id or make_internal_request_id(request_id)
+        params = self._resolve_max_tokens(params, len(token_ids))
+        if params.logits_processors:  # last: nothing after this may raise, or the entry would be left behind
+            request_callables.register(engine_id, params.logits_processors)
+            params = msgspec.structs.replace(params, logits_processors=None, logits_processors_key=engine_id)
         request = EngineCoreRequest(
-            request_id=internal_id or make_internal_request_id(request_id),
+            request_id=engine_id,
             prompt_token_ids=token_ids,
-            sampling_params=self._resolve_max_tokens(params, len(token_ids)),
+            sampling_params=params,
             eos_token_id=self._tokenizer.eos_token_id,
             arrival_time=time.time(),
             priority=priority,
@@ -281,7 +295,59 @@ class InputProcessor:
         params.validate_vocab(self._vocab_size)
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs)
+        self._validate_logprobs(params)
+        if params.logits_processors and not self._callables_in_process:
+            raise InvalidRequestError(
+                "SamplingParams.logits_processors need the worker in this process: callables cannot be sent to "
+                "another process without pickle. Use EngineArgs(engine_process=False) with the 'uni' executor, one "
+                "engine and no speculative decoding"
+            )
+        if params.logits_processors_key is not None:
+            raise InvalidRequestError("SamplingParams.logits_processors_key is set at submission, not by users")
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        if isinstance(self._tokenizer, NoTokenizer):
+            return self._token_ids_only(params)
         return params
+
+    @staticmethod
+    def _token_ids_only(params: SamplingParams) -> SamplingParams:
+        """With `skip_tokenizer_init`: refuse what needs text; outputs are not detokenized (empty text, as vLLM)."""
+        if params.stop:
+            raise InvalidRequestError("SamplingParams.stop needs a tokenizer: the engine has skip_tokenizer_init=True")
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(
+                "structured outputs require a tokenizer, so they cannot be used with skip_tokenizer_init=True"
+            )
+        return msgspec.structs.replace(params, detokenize=False) if params.detokenize else params
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's check of `logprobs` / `prompt_logprobs` (-1 = the vocabulary) against `max_logprobs`."""
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            wanted = self._vocab_size if value == -1 else value
+            if wanted > self._max_logprobs:
+                raise InvalidRequestError(
+                    f"SamplingParams.{name}={value} is invalid: requested {kind} logprobs of {wanted}, which is "
+                    f"greater than max allowed: {self._max_logprobs} (EngineArgs.max_logprobs; -1 there allows "
+                    "the whole vocabulary)"
+                )
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token sequences: the word as written (leading blanks stripped) and with one leading
+        space (when that tokenizes differently, to the same length), as vLLM's `SamplingParams.bad_words`."""
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = self._tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self._tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (bare, spaced):
+                if ids and ids not in sequences and (ids is bare or len(ids) == len(bare)):
+                    sequences.append(list(ids))
+        for ids in sequences:
+            self._validate_token_ids(ids)
+        return sequences
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self._max_model_len - num_prompt_tokens

@@ -26,6 +26,7 @@ from asyncllm.processing.logprobs import LogprobsProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.processing.request_state import RequestState
 from asyncllm.streams import RequestOutputCollector
+from asyncllm.utils import request_callables
 
 __all__ = ["OutputProcessor", "OutputProcessorResult", "RequestState"]
 
@@ -115,7 +116,9 @@ class OutputProcessor:
             output_kind=params.output_kind,
             stream_interval=params.stream_interval,
             detokenizer=IncrementalDetokenizer(self._tokenizer, params),
-            logprobs=LogprobsProcessor(self._tokenizer, params.logprobs, params.prompt_logprobs),
+            logprobs=LogprobsProcessor(
+                self._tokenizer if params.detokenize else None, params.logprobs, params.prompt_logprobs
+            ),
             collector=collector,
             parent=parent,
             index=index,
@@ -240,6 +243,7 @@ class OutputProcessor:
             self._forget_user_request(parent.external_req_id, parent.request_id)
 
     def _forget_user_request(self, external_id: str, user_level_id: str) -> None:
+        request_callables.forget(user_level_id)  # its logits processors, if it had any
         ids = self._external_ids.get(external_id)
         if ids is not None and user_level_id in ids:
             ids.remove(user_level_id)

@@ -328,10 +328,14 @@ class Scheduler:
             `finished_requests` lists the ids finished this step or aborted since the last step.
         """
         outputs: list[EngineCoreOutput] = []
+        failed = model_runner_output.failed_requests
         for req_id, token_ids in model_runner_output.sampled_token_ids.items():
             req = self.requests.get(req_id)
             if req is None or not token_ids or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted while the step ran
+            if req_id in failed:  # the worker could not sample it (its logits processor raised)
+                self._fail_request(req, failed[req_id])
+                continue
             try:
                 output = self._update_request(req, token_ids, scheduler_output, model_runner_output)
             except Exception as e:  # this request alone fails
