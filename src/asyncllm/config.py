@@ -20,6 +20,7 @@ from asyncllm.engine_config import (
     DataParallelBackend,
     EngineConfig,
     LoadFormat,
+    LogprobsMode,
     LoRAConfig,
     ModelConfig,
     ObservabilityConfig,
@@ -172,7 +173,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     enforce_eager: bool = False
     max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: LogprobsMode = "raw_logprobs"
     skip_tokenizer_init: bool = False
     disable_log_stats: bool | None = None
     dtype: Any = "auto"
@@ -307,7 +308,7 @@ class EngineArgs:
         check_max_model_len(read_arch_config(model_path), self.max_model_len)
         model = ModelConfig(
             max_logprobs=self.max_logprobs,
-            logprobs_mode=self.logprobs_mode,  # type: ignore[arg-type]  # checked in validate()
+            logprobs_mode=self.logprobs_mode,
             skip_tokenizer_init=self.skip_tokenizer_init,
             model=os.fspath(self.model),
             model_path=str(model_path),

@@ -73,6 +73,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "asyncllm.stopping",
             "asyncllm.pausing",
             "asyncllm.async_llm",
+            "asyncllm.llm",
         ),
     ),
     ("package re-exports", ("asyncllm",)),
