@@ -1,6 +1,7 @@
 """The `asyncllm` command: `serve`, `generate`, `chat`, `models`.
 
     asyncllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+        (vLLM's `VLLM_API_KEY` in the environment counts as `--api-key`; `--shutdown-timeout` is `--grace-period`)
     asyncllm generate "prompt" [--max-tokens N] [--temperature T] [engine flags]
     asyncllm chat [--model MODEL] [--system TEXT]
     asyncllm models
@@ -14,11 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from asyncllm.config import DEFAULT_MODEL
 from asyncllm.entrypoints.arg_utils import add_engine_args, engine_args_from
-from asyncllm.errors import AsyncLLMError
+from asyncllm.errors import AsyncLLMError, ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +66,19 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS methods")
     p.add_argument("--allowed-headers", nargs="*", default=["*"], help="CORS headers")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests may finish on exit")
+    p.add_argument(
+        "--grace-period",
+        "--shutdown-timeout",  # vLLM's name: seconds in-flight requests may finish after a shutdown signal
+        dest="grace_period",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may finish on exit (vLLM's --shutdown-timeout)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja2 chat template file, or the template itself, used instead of the model's (vLLM's flag)",
+    )
     p.add_argument("--tool-call-parser", default="hermes", help="reads the model's own tool calls")
     p.add_argument(
         "--lora-modules",
@@ -119,10 +133,11 @@ def _run_serve(ns: argparse.Namespace) -> int:
     from asyncllm.model.loading.resolve import resolve_model_path
 
     resolve_model_path(ns.model)  # fails fast with one line (ModelNotFoundError); fetches a known model once
+    engine_args_from(ns, ns.model).validate()  # a bad flag (e.g. --dtype bfloat16) fails before the server starts
     config = ServerConfig(
         engine_args=engine_args_from(ns, ns.model),
         served_model_names=ns.served_model_name,
-        api_key=ns.api_key,
+        api_key=ns.api_key or os.environ.get("VLLM_API_KEY") or None,  # vLLM's environment variable, as --api-key
         root_path=ns.root_path,
         allowed_origins=ns.allowed_origins,
         allowed_methods=ns.allowed_methods,
@@ -130,9 +145,26 @@ def _run_serve(ns: argparse.Namespace) -> int:
         allow_credentials=ns.allow_credentials,
         tool_call_parser=ns.tool_call_parser,
         lora_modules=dict(ns.lora_modules),
+        chat_template=load_chat_template(ns.chat_template),
     )
     run_server(config, ns.host, ns.port, ns.grace_period, ns.log_level)
     return 0
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's `--chat-template`: a file's text, or the value itself when it is a Jinja2 template.
+
+    Raises:
+        ConfigError: neither a readable file nor a template (it has no `{{` or `{%`).
+    """
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja2 template")
 
 
 def _run_generate(ns: argparse.Namespace) -> int:

@@ -59,6 +59,8 @@ class ServerConfig:
         tool_call_parser: the registered tool parser that reads the model's own calls for `tool_choice="auto"`.
         lora_modules: LoRA adapters served as models: `model` name -> adapter directory (vLLM's `--lora-modules`;
             ids 1, 2, ... in this order; needs `engine_args.enable_lora`). Each is checked at start-up.
+        chat_template: a Jinja2 chat template used instead of the model's (vLLM's `--chat-template`); None = the
+            model's.
     """
 
     engine_args: EngineArgs = field(default_factory=EngineArgs)
@@ -71,6 +73,7 @@ class ServerConfig:
     allow_credentials: bool = False
     tool_call_parser: str = "hermes"
     lora_modules: dict[str, str] = field(default_factory=dict)
+    chat_template: str | None = None
 
 
 async def start_engine(args: EngineArgs) -> Any:
@@ -94,6 +97,8 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
         get_tool_parser(config.tool_call_parser)  # an unknown name fails the start-up
         engine = llm if llm is not None else await start_engine(config.engine_args)
         await anyio.to_thread.run_sync(preload_xgrammar)  # else the first constrained request imports it on the loop
+        if config.chat_template is not None:
+            engine.get_tokenizer().chat_template = config.chat_template
         app.state.llm = engine
         app.state.ctx = _make_context(config, engine)
         try:
@@ -132,6 +137,7 @@ def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
             lora_modules[name] = checker.check(LoRARequest(name, index, path))
     return ServingContext(
         names=list(names),
+        root=str(config.engine_args.model),
         max_model_len=llm.max_model_len,
         tool_parser=config.tool_call_parser,
         lora_modules=lora_modules,
@@ -165,8 +171,24 @@ def _add_openai_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:
         ctx: ServingContext = raw.app.state.ctx
-        names = ctx.names + list(ctx.lora_modules)
-        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.max_model_len) for name in names])
+        return ModelList(data=[_model_card(ctx, name) for name in ctx.names + list(ctx.lora_modules)])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, raw: Request) -> ModelCard:
+        ctx: ServingContext = raw.app.state.ctx
+        if model not in ctx.names and model not in ctx.lora_modules:
+            raise APIError(
+                f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model", code="model_not_found"
+            )
+        return _model_card(ctx, model)
+
+
+def _model_card(ctx: ServingContext, name: str) -> ModelCard:
+    """vLLM's model card: `root` the model (or the adapter's directory), `parent` the base model for an adapter."""
+    lora = ctx.lora_modules.get(name)
+    if lora is None:
+        return ModelCard(id=name, root=ctx.root, max_model_len=ctx.max_model_len)
+    return ModelCard(id=name, root=lora.lora_path, parent=ctx.name, max_model_len=ctx.max_model_len)
 
 
 def _add_ops_routes(app: FastAPI) -> None:

@@ -68,6 +68,17 @@ class SamplingFields(BaseModel):
     # prefix-cache isolation (`AsyncLLM.generate(cache_salt=)`), vLLM's extra field
     cache_salt: str | None = Field(default=None, min_length=1)
     repetition_detection: RepetitionDetection | None = None
+    allowed_token_ids: list[int] | None = None
+    # keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len allows with one token to generate)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")  # vLLM's 400
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or >= 1")
+        return self
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's `SamplingParams` (DELTA outputs) for this request.
@@ -95,6 +106,7 @@ class SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA,
             repetition_detection=(
                 RepetitionDetectionParams(**self.repetition_detection.model_dump())
@@ -113,16 +125,18 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`. `prompt`: a string, a list with one string, token ids, or a list with one list
-    of token ids. `logprobs`: top tokens per position (0..20). Not supported (400 when set): `echo=true`,
-    `suffix`, `best_of` other than `n`, more than one prompt."""
+    """`POST /v1/completions`. `prompt`: a string, a list of strings, token ids, or a list of lists of token ids.
+    `logprobs`: top tokens per position (0..20). `echo`: the prompt's text before each completion's (not with
+    `logprobs`: prompt logprobs are not sent). `return_token_ids` (vLLM): `prompt_token_ids` and `token_ids` on each
+    choice. Not supported (400 when set): `suffix`, `best_of` other than `n`."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: Literal[False] = False
+    echo: bool = False
     suffix: None = None
     best_of: int | None = None
+    return_token_ids: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -210,6 +224,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     add_generation_prompt: bool = True
+    # vLLM's: extra variables of the chat template (e.g. {"enable_thinking": false}); not with tools
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod

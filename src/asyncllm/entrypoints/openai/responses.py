@@ -34,11 +34,17 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One completion; `prompt_logprobs` is always null (vLLM's field; not computed here); `prompt_token_ids` and
+    `token_ids` are set with `return_token_ids` (vLLM's; in a stream: the prompt's on a choice's first chunk)."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -156,10 +162,15 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One served model (vLLM's card): `root` is the model (name or path) or the LoRA adapter's directory;
+    `parent` is the base model's served name for an adapter, else null."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "asyncllm"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

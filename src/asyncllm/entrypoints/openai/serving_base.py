@@ -37,6 +37,7 @@ class ServingContext:
         in_flight: ids of the requests being served (graceful shutdown aborts those left after the grace period).
         tool_parser: the registered tool parser for `tool_choice="auto"` (`asyncllm.processing.tool_parsers`).
         lora_modules: LoRA adapters served as models of their own: `model` name -> its `LoRARequest`.
+        root: the base model's name or path (model cards' `root`).
     """
 
     names: list[str]
@@ -44,6 +45,7 @@ class ServingContext:
     tool_parser: str = "hermes"
     in_flight: set[str] = field(default_factory=set)
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    root: str | None = None
 
     @property
     def name(self) -> str:

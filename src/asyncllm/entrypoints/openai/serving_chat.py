@@ -67,7 +67,7 @@ async def create_chat_completion(llm: Any, ctx: ServingContext, request: ChatCom
         params = request.to_sampling_params(max_tokens, _num_logprobs(request))
     except InvalidRequestError as error:
         raise to_api_error(error, field_names(request)) from error
-    setup = await prepare_chat(llm.get_tokenizer(), request, params, ctx.tool_parser)
+    setup = await prepare_chat(llm.get_tokenizer(), request, params, ctx.tool_parser, ctx.max_model_len or 0)
     try:
         stream = llm.generate(
             setup.prompt,

@@ -55,7 +55,7 @@ class ChatSetup:
 
 
 async def prepare_chat(
-    tokenizer: Any, request: ChatCompletionRequest, params: SamplingParams, tool_parser: str
+    tokenizer: Any, request: ChatCompletionRequest, params: SamplingParams, tool_parser: str, max_model_len: int = 0
 ) -> ChatSetup:
     """Validate the tool and format fields, render the prompt (with tools), and add the output constraint.
 
@@ -68,10 +68,20 @@ async def prepare_chat(
     if constraint is not None:
         params = msgspec.structs.replace(params, structured_outputs=constraint)
     messages = [_message_dict(m) for m in request.messages]
+    custom = {
+        "chat_template_kwargs": request.chat_template_kwargs is not None,
+        "add_generation_prompt": not request.add_generation_prompt,
+        "truncate_prompt_tokens": request.truncate_prompt_tokens is not None,
+    }
+    custom_render = any(custom.values())
     if not request.tools and not any(_has_tool_parts(m) for m in messages):
         if request.tool_choice not in (None, "none", "auto"):
             raise APIError("tool_choice other than 'none' or 'auto' needs tools", param="tool_choice")
-        return ChatSetup(messages, params, None, constraint_field)
+        prompt = _render(tokenizer, messages, request, max_model_len) if custom_render else messages
+        return ChatSetup(prompt, params, None, constraint_field)
+    if custom_render:
+        field = next(name for name, given in custom.items() if given)
+        raise APIError(f"{field} is not supported with tools yet", param=field)
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
     choice = _tool_choice(request)
     parallel = request.parallel_tool_calls is not False
@@ -85,6 +95,25 @@ async def prepare_chat(
         raise APIError(str(error), param=_tool_error_param(str(error))) from error
     forced = plan.mode in ("required", "named")
     return ChatSetup(plan.prompt, plan.sampling_params, plan, "tools" if forced else constraint_field)
+
+
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], request: ChatCompletionRequest, max_model_len: int
+) -> dict[str, Any]:
+    """The prompt of a chat request rendered here: with `chat_template_kwargs`, `add_generation_prompt=false` or
+    `truncate_prompt_tokens` (the last k token ids kept; -1: `max_model_len`) (`generate()` renders plain messages
+    otherwise)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=request.add_generation_prompt, template_kwargs=request.chat_template_kwargs
+        )
+    except InvalidRequestError as error:
+        raise APIError(str(error), param="chat_template_kwargs") from error
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return {"prompt_token_ids": ids, "prompt": text}
+    return {"prompt_token_ids": ids[-(max_model_len if keep == -1 else keep) :]}
 
 
 def _constraint(request: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
