@@ -27,9 +27,10 @@ from asyncllm.engine_config import EngineConfig
 from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError, InvalidRequestError
 from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import SchedulerStats
-from asyncllm.metrics.defaults import make_default_stat_loggers
+from asyncllm.metrics.defaults import resolve_stat_loggers
 from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger
+from asyncllm.metrics.reader import Metric, get_metrics_snapshot
 from asyncllm.output_handler import OutputHandler
 from asyncllm.outputs import PoolingRequestOutput, RequestOutput
 from asyncllm.pausing import PauseGate, PauseMode, poll_until, resolve_pause_mode
@@ -66,7 +67,9 @@ class AsyncLLM:
         config: the engine configuration (for reference).
         tokenizer: `asyncllm.model.loading.tokenizer.Tokenizer` of the model.
         client: a ready engine-core client.
-        stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`).
+        stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`); logger
+            instances replace them; logger classes (vLLM's way) are built and added to them
+            (`metrics.defaults.resolve_stat_loggers`).
     """
 
     def __init__(
@@ -74,10 +77,10 @@ class AsyncLLM:
         config: EngineConfig,
         tokenizer: Any,
         client: EngineCoreClient,
-        stat_loggers: list[StatLoggerBase] | None = None,
+        stat_loggers: Sequence[StatLoggerBase | Any] | None = None,
     ) -> None:
         self.config = config
-        self.stat_loggers = make_default_stat_loggers(config) if stat_loggers is None else list(stat_loggers)
+        self.stat_loggers = resolve_stat_loggers(config, stat_loggers)
         self._tokenizer = tokenizer
         self._client = client
         info = client.ready_info
@@ -100,7 +103,9 @@ class AsyncLLM:
         self._finalizer = weakref.finalize(self, client.shutdown)
 
     @classmethod
-    def create(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> StartingAsyncLLM[AsyncLLM]:
+    def create(
+        cls, args: EngineArgs, stat_loggers: Sequence[StatLoggerBase | Any] | None = None
+    ) -> StartingAsyncLLM[AsyncLLM]:
         """Start an engine without blocking the event loop: `llm = await AsyncLLM.create(args)`, or
         `async with AsyncLLM.create(args) as llm:` (shuts it down on exit).
 
@@ -114,7 +119,7 @@ class AsyncLLM:
         return StartingAsyncLLM(bind_start(cls.from_engine_args, args, stat_loggers))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> AsyncLLM:
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: Sequence[StatLoggerBase | Any] | None = None) -> AsyncLLM:
         """Resolve the model, load its tokenizer, and start the engine core (blocks until it is ready).
 
         Blocks the calling thread for the whole start-up (seconds); inside a coroutine use `await
@@ -122,7 +127,8 @@ class AsyncLLM:
 
         Args:
             args: the engine arguments.
-            stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`).
+            stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`); logger
+                instances replace them, logger classes (vLLM's) are added to them.
         Raises:
             ConfigError: bad engine arguments.
             ModelNotFoundError: the model cannot be resolved.
@@ -164,6 +170,17 @@ class AsyncLLM:
         """Tokens per sequence at most (prompt + output), as the engine resolved it at start-up."""
         max_model_len: int = self._client.ready_info.max_model_len
         return max_model_len
+
+    async def do_log_stats(self) -> None:
+        """Have every stat logger write what it recorded now (vLLM's `do_log_stats`: the stats line at once)."""
+        for stat_logger in self.stat_loggers:
+            stat_logger.log()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's Prometheus metrics now, as objects (vLLM's `LLM.get_metrics()`; `metrics.reader`):
+        `Counter`, `Gauge`, `Histogram`, `Vector`. [] without prometheus-client."""
+        prefix = next((s.prefix for s in self.stat_loggers if isinstance(s, PrometheusStatLogger)), "asyncllm")
+        return get_metrics_snapshot(self.prometheus_registry, prefix)
 
     def get_tokenizer(self) -> Any:
         """The model's `asyncllm.model.loading.tokenizer.Tokenizer` (with `skip_tokenizer_init`: a

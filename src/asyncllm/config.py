@@ -22,6 +22,7 @@ from asyncllm.engine_config import (
     LoadFormat,
     LogprobsMode,
     LoRAConfig,
+    MetricsPrefix,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -133,6 +134,8 @@ class EngineArgs:
         disable_log_stats: vLLM's switch, the inverse of `log_stats`: True turns the periodic stats log line off
             (asyncllm's default), False turns it on. None (default) leaves `log_stats` alone. Prometheus metrics
             are kept either way (vLLM's True would also stop them).
+        metrics_prefix: "asyncllm" (default) or "vllm": the Prometheus metric names' prefix (`vllm:` for vLLM's
+            dashboards; `llm.get_metrics()` reads either).
         dtype: vLLM's model dtype: "auto", "float32" or "float" (torch.float32 too) run as asked: asyncllm
             computes in float32 on CPU. "bfloat16", "float16", "half" and other types raise ConfigError (use
             `quantization="int8"` for smaller weights).
@@ -177,6 +180,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     disable_log_stats: bool | None = None
     dtype: Any = "auto"
+    metrics_prefix: MetricsPrefix = "asyncllm"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineArgs:
@@ -257,6 +261,8 @@ class EngineArgs:
         if self.disable_log_stats is True and self.log_stats:
             raise ConfigError("EngineArgs.log_stats=True and disable_log_stats=True disagree; give one of them")
         dtype_name(self.dtype)
+        if self.metrics_prefix not in ("asyncllm", "vllm"):
+            raise ConfigError(f"EngineArgs.metrics_prefix={self.metrics_prefix!r}: must be 'asyncllm' or 'vllm'")
         if self.logprobs_mode.startswith("processed_") and self.speculative_config is not None:
             raise ConfigError(
                 f"EngineArgs.logprobs_mode={self.logprobs_mode!r} does not work with speculative_config: verified "
@@ -344,7 +350,9 @@ class EngineArgs:
             engine_timeout=None if self.engine_timeout is None else float(self.engine_timeout),
         )
         log_stats = bool(self.log_stats) if self.disable_log_stats is None else not self.disable_log_stats
-        observability = ObservabilityConfig(log_stats=log_stats, stats_log_interval=float(self.stats_log_interval))
+        observability = ObservabilityConfig(
+            log_stats=log_stats, stats_log_interval=float(self.stats_log_interval), metrics_prefix=self.metrics_prefix
+        )
         speculative = None if self.speculative_config is None else SpeculativeConfig.from_user(self.speculative_config)
         return EngineConfig(
             model=model,

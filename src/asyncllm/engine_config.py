@@ -56,6 +56,7 @@ def parse_linear_kernels(
 
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+MetricsPrefix = Literal["asyncllm", "vllm"]
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -268,10 +269,12 @@ class ObservabilityConfig:
     Fields:
         log_stats: log engine stats periodically (`asyncllm.metrics.loggers.LoggingStatLogger`).
         stats_log_interval: seconds between two stats log lines.
+        metrics_prefix: the Prometheus names' prefix: "asyncllm" or "vllm" (vLLM's names, for its dashboards).
     """
 
     log_stats: bool = False
     stats_log_interval: float = 5.0
+    metrics_prefix: MetricsPrefix = "asyncllm"
 
 
 @dataclass(frozen=True)

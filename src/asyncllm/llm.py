@@ -25,6 +25,7 @@ from asyncllm.async_llm import AsyncLLM
 from asyncllm.config import DEFAULT_MODEL, EngineArgs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.lora.request import LoRARequest
+from asyncllm.metrics.reader import Metric
 from asyncllm.outputs import RequestOutput
 from asyncllm.processing.input_processor import PromptType
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
@@ -122,6 +123,11 @@ class LLM:
         one = bool(messages) and isinstance(messages[0], Mapping)
         conversations = [messages] if one else list(messages)
         return self.generate(conversations, sampling_params, lora_request=lora_request)  # type: ignore[arg-type]
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now, as `Counter` / `Gauge` / `Histogram` / `Vector` objects (vLLM's
+        `LLM.get_metrics()`; `asyncllm.metrics.reader`)."""
+        return self.llm_engine.get_metrics()
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (`AsyncLLM.get_tokenizer`)."""

@@ -60,3 +60,25 @@ def test_an_llm_works_from_inside_a_running_event_loop(llm: LLM) -> None:
 
     (output,) = asyncio.run(inside())
     assert len(output.outputs[0].token_ids) == 2
+
+
+def test_get_metrics_reads_the_engines_metrics_back_as_objects(llm: LLM) -> None:
+    from asyncllm.metrics.reader import Counter, Histogram
+
+    before = {
+        m.name: m
+        for m in llm.get_metrics()
+        if isinstance(m, Counter | Histogram) and not m.labels.keys() - {"model_name"}
+    }
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    after = {
+        m.name: m
+        for m in llm.get_metrics()
+        if isinstance(m, Counter | Histogram) and not m.labels.keys() - {"model_name"}
+    }
+    generated = after["asyncllm:generation_tokens"]
+    assert isinstance(generated, Counter)
+    assert generated.value - before["asyncllm:generation_tokens"].value == 12  # 3 prompts x 4 tokens
+    latency = after["asyncllm:e2e_request_latency_seconds"]
+    assert isinstance(latency, Histogram)
+    assert latency.count - before["asyncllm:e2e_request_latency_seconds"].count == 3

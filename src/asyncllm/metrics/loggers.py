@@ -17,11 +17,22 @@ logger = logging.getLogger(__name__)
 
 
 class StatLoggerBase(ABC):
-    """Receives every step's stats on the event loop thread; must be quick (no I/O but logging)."""
+    """Receives every step's stats on the event loop thread; must be quick (no I/O but logging).
+
+    vLLM's interface too: a subclass passed to `AsyncLLM.from_engine_args(args, stat_loggers=[MyLogger])` as a
+    class (a factory) is built as `MyLogger(config, engine_index)` and added to the default loggers; `log()` runs
+    on `await llm.do_log_stats()`, `log_engine_initialized()` once the engine is up.
+    """
 
     @abstractmethod
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         """Take one step's stats (either may be None)."""
+
+    def log(self) -> None:  # noqa: B027  # optional hook, as vLLM's
+        """Write what has been recorded (`AsyncLLM.do_log_stats()`); nothing by default."""
+
+    def log_engine_initialized(self) -> None:  # noqa: B027  # optional hook, as vLLM's
+        """Called once the engine is up; nothing by default."""
 
 
 class LoggingStatLogger(StatLoggerBase):
@@ -57,6 +68,12 @@ class LoggingStatLogger(StatLoggerBase):
         if now - self._last_log_time >= self.interval:
             self._log(now - self._last_log_time)
             self._last_log_time = now
+
+    def log(self) -> None:
+        """Write the stats line now (vLLM's `do_log_stats`), and start a new interval."""
+        now = time.monotonic()
+        self._log(max(now - self._last_log_time, 1e-9))
+        self._last_log_time = now
 
     def _log(self, elapsed: float) -> None:
         stats = sum_scheduler_stats(list(self._last_scheduler_stats.values()))

@@ -45,19 +45,22 @@ class PrometheusStatLogger(StatLoggerBase):
     Args:
         model_name: value of the `model_name` label.
         registry: where to register; None makes a new `CollectorRegistry` (`self.registry`).
+        prefix: the names' prefix: "asyncllm" (default), or "vllm" for the names vLLM's dashboards read
+            (`vllm:num_requests_running`, ...; `EngineArgs(metrics_prefix="vllm")`).
     Raises:
         ImportError: prometheus-client is not installed.
     """
 
-    def __init__(self, model_name: str = "", registry: Any = None) -> None:
+    def __init__(self, model_name: str = "", registry: Any = None, prefix: str = "asyncllm") -> None:
         import prometheus_client as prom
 
+        self.prefix = prefix
         self.registry = prom.CollectorRegistry() if registry is None else registry
         labels = {"model_name": model_name}
 
         def make(kind: Any, name: str, doc: str, **kw: Any) -> Any:
             names = ["model_name", *kw.pop("extra_labels", [])]
-            return kind(f"asyncllm:{name}", doc, names, registry=self.registry, **kw)
+            return kind(f"{prefix}:{name}", doc, names, registry=self.registry, **kw)
 
         per_engine = {"extra_labels": ["engine"]}
         self._running = make(prom.Gauge, "num_requests_running", "Requests running in the engine.", **per_engine)

@@ -1,0 +1,101 @@
+"""vLLM's metrics API on asyncllm: the metrics reader (`vllm.v1.metrics.reader`'s Counter / Gauge / Histogram /
+Vector), vLLM's `vllm:` names as an option, stat loggers given as classes (added to the defaults) and
+`do_log_stats()`."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from asyncllm import ConfigError
+from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig
+from asyncllm.messages.engine import SchedulerStats, SpecDecodeMetrics
+from asyncllm.metrics.defaults import resolve_stat_loggers
+from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
+from asyncllm.metrics.prometheus import PrometheusStatLogger
+from asyncllm.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
+from asyncllm.metrics.stats import FinishedRequestStats, IterationStats
+
+
+def config(prefix: str = "asyncllm", log_stats: bool = False) -> EngineConfig:
+    observability = ObservabilityConfig(log_stats=log_stats, metrics_prefix=prefix)  # type: ignore[arg-type]
+    return EngineConfig(ModelConfig("m", "m"), CacheConfig(), SchedulerConfig(), ParallelConfig(), observability)
+
+
+def fed_logger(prefix: str) -> PrometheusStatLogger:
+    stat_logger = PrometheusStatLogger("m", prefix=prefix)
+    spec = SpecDecodeMetrics(
+        num_drafts=3, num_draft_tokens=6, num_accepted_tokens=4, num_accepted_tokens_per_pos=[3, 1]
+    )
+    stat_logger.record(SchedulerStats(2, 1, 10, 40, 0.0, 1, 100, 25, spec_decode=spec), None)
+    finished = FinishedRequestStats("stop", 1.5, 10, 4, 0.1, 0.02)
+    stat_logger.record(None, IterationStats(10, 4, [0.3], [0.02, 0.03], [finished]))
+    return stat_logger
+
+
+@pytest.mark.parametrize("prefix", ["asyncllm", "vllm"])
+def test_the_reader_returns_counters_gauges_histograms_and_the_per_position_vector(prefix: str) -> None:
+    metrics = {
+        (m.name, tuple(sorted(m.labels.items()))): m for m in get_metrics_snapshot(fed_logger(prefix).registry, prefix)
+    }
+    assert all(name.startswith(f"{prefix}:") for name, _ in metrics)
+    running = metrics[(f"{prefix}:num_requests_running", (("engine", "0"), ("model_name", "m")))]
+    assert isinstance(running, Gauge)
+    assert running.value == 2
+    generated = metrics[(f"{prefix}:generation_tokens", (("model_name", "m"),))]
+    assert isinstance(generated, Counter)
+    assert generated.value == 4
+    ttft = metrics[(f"{prefix}:time_to_first_token_seconds", (("model_name", "m"),))]
+    assert isinstance(ttft, Histogram)
+    assert (ttft.count, ttft.sum, ttft.buckets["+Inf"]) == (1, pytest.approx(0.3), 1)
+    per_position = [m for m in metrics.values() if isinstance(m, Vector)]
+    assert [v.values for v in per_position] == [[3, 1]]
+    assert per_position[0].name == f"{prefix}:spec_decode_num_accepted_tokens_per_pos"
+    assert get_metrics_snapshot(fed_logger(prefix).registry, "other") == []
+
+
+def test_metrics_prefix_vllm_names_the_default_prometheus_metrics_as_vllm_does() -> None:
+    (prometheus,) = [s for s in resolve_stat_loggers(config("vllm"), None) if isinstance(s, PrometheusStatLogger)]
+    assert prometheus.prefix == "vllm"
+    prometheus.record(SchedulerStats(2, 1, 10, 40), None)
+    assert prometheus.registry.get_sample_value("vllm:num_requests_running", {"model_name": "m", "engine": "0"}) == 2
+
+
+class CountingLogger(StatLoggerBase):
+    """A vLLM-style logger: built from (config, engine_index), records, logs on demand."""
+
+    def __init__(self, vllm_config: EngineConfig, engine_index: int = 0) -> None:
+        self.config, self.engine_index = vllm_config, engine_index
+        self.records = self.logs = self.initialized = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:  # vLLM's shape
+        self.records += 1
+
+    def log(self) -> None:
+        self.logs += 1
+
+    def log_engine_initialized(self) -> None:
+        self.initialized += 1
+
+
+def test_stat_logger_classes_are_added_to_the_defaults_instances_replace_them() -> None:
+    cfg = config(log_stats=True)
+    loggers = resolve_stat_loggers(cfg, [CountingLogger])
+    assert [type(s) for s in loggers] == [LoggingStatLogger, PrometheusStatLogger, CountingLogger]
+    added = loggers[-1]
+    assert isinstance(added, CountingLogger)
+    assert (added.config, added.engine_index, added.initialized) == (cfg, 0, 1)
+    mine = CountingLogger(cfg)
+    assert resolve_stat_loggers(cfg, [mine]) == [mine]
+    with pytest.raises(ConfigError, match="mixes"):
+        resolve_stat_loggers(cfg, [mine, CountingLogger])
+
+
+def test_logging_stat_logger_logs_at_once_on_log(caplog: pytest.LogCaptureFixture) -> None:
+    stat_logger = LoggingStatLogger(interval=3600)
+    stat_logger.record(SchedulerStats(2, 1, 25, 100), IterationStats(num_prompt_tokens=10, num_generation_tokens=5))
+    with caplog.at_level(logging.INFO, logger="asyncllm.metrics.loggers"):
+        stat_logger.log()
+    assert stat_logger.num_lines_logged == 1
+    assert "Running: 2 reqs" in caplog.text
