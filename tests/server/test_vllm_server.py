@@ -36,7 +36,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     template = tmp_path_factory.mktemp("template") / "chat.jinja"
     template.write_text(TEMPLATE)
     flags = ["--dtype", "float32", "--enforce-eager", "--max-logprobs", "30", "--chat-template", str(template)]
-    flags += ["--shutdown-timeout", "5", "--num-kv-blocks", "64"]
+    flags += ["--shutdown-timeout", "5", "--num-kv-blocks", "64", "--enable-auto-tool-choice"]
+    flags += ["--enable-force-include-usage", "--enable-request-id-headers", "--return-tokens-as-token-ids"]
     os.environ["VLLM_API_KEY"] = KEY  # inherited by the server process
     try:
         proc = start_server(*flags)
@@ -113,7 +114,7 @@ async def test_completions_echo_and_return_token_ids(server: ServerProcess) -> N
             stream=True,
             extra_body={"return_token_ids": True},
         )
-        chunks = [chunk async for chunk in stream]
+        chunks = [chunk async for chunk in stream if chunk.choices]  # the server adds a usage chunk
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
     tokenized = post(server, "/tokenize", {"prompt": PROMPT}).json()["tokens"]
     extra = echoed.choices[0].model_extra
@@ -199,3 +200,97 @@ def test_shutdown_timeout_is_the_grace_period() -> None:
     assert ns.grace_period == 7.0
     assert (ns.enforce_eager, ns.max_logprobs) == (True, 5)
     assert json.dumps(ns.chat_template) == "null"
+
+
+def test_invocations_routes_by_the_bodys_shape(server: ServerProcess) -> None:
+    chat = post(server, "/invocations", {"messages": MESSAGES, "max_tokens": 3})
+    completion = post(server, "/invocations", {"prompt": PROMPT, "max_tokens": 3})
+    embedding = post(server, "/invocations", {"input": PROMPT})
+    neither = post(server, "/invocations", {"text": PROMPT})
+    bad = post(server, "/invocations", {"prompt": PROMPT, "max_tokens": "many"})
+    assert (chat.status_code, chat.json()["object"]) == (200, "chat.completion")
+    assert (completion.status_code, completion.json()["object"]) == (200, "text_completion")
+    assert (embedding.status_code, embedding.json()["object"]) == (200, "list")
+    assert neither.status_code == 400
+    assert "messages" in neither.json()["error"]["message"]
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "max_tokens")
+
+
+def test_load_tokenize_token_strs_and_request_id_headers(server: ServerProcess) -> None:
+    load = httpx.get(f"{server.base_url}/load", timeout=30)
+    assert load.json() == {"server_load": 0}
+    tokenized = post(server, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert tokenized["token_strs"] == ["Hello", "Ġworld"]  # byte-level BPE's vocabulary strings
+    assert len(tokenized["tokens"]) == 2
+    given = httpx.get(f"{server.base_url}/version", headers={"X-Request-Id": "abc-123"}, timeout=30)
+    made = httpx.get(f"{server.base_url}/version", timeout=30)
+    assert given.headers["x-request-id"] == "abc-123"
+    assert len(made.headers["x-request-id"]) == 32
+
+
+async def test_force_include_usage_and_tokens_as_token_ids(server: ServerProcess) -> None:
+    async with oai(server) as client:
+        stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, stream=True)
+        chunks = [chunk async for chunk in stream]
+        as_ids = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1)
+        as_text = await client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=2,
+            temperature=0,
+            logprobs=1,
+            extra_body={"return_tokens_as_token_ids": False, "return_token_ids": True},
+        )
+    assert chunks[-1].usage is not None  # no stream_options asked for it: --enable-force-include-usage
+    assert chunks[-1].usage.completion_tokens == 3
+    ids = as_text.choices[0].model_extra["token_ids"]
+    assert as_ids.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert (
+        as_text.choices[0].logprobs.tokens[0] == as_text.choices[0].text[: len(as_text.choices[0].logprobs.tokens[0])]
+    )
+
+
+def test_lora_modules_take_vllms_json_form() -> None:
+    from asyncllm.entrypoints.cli import make_parser
+
+    spec = json.dumps({"name": "sql", "path": "/adapters/sql", "base_model_name": MODEL})
+    ns = make_parser().parse_args(["serve", "--lora-modules", spec, "math=/adapters/math"])
+    assert ns.lora_modules == [("sql", "/adapters/sql"), ("math", "/adapters/math")]
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--lora-modules", '{"name": "x"}'])
+
+
+def test_continuous_usage_stats_needs_include_usage() -> None:
+    from asyncllm.entrypoints.openai.protocol import CompletionRequest
+
+    alone = CompletionRequest(prompt="x", stream=True, stream_options={"continuous_usage_stats": True})
+    both = CompletionRequest(
+        prompt="x", stream=True, stream_options={"continuous_usage_stats": True, "include_usage": True}
+    )
+    assert (alone.continuous_usage_stats, both.continuous_usage_stats) == (False, True)
+
+
+async def test_prompt_logprobs_in_vllms_shape(server: ServerProcess) -> None:
+    async with oai(server) as client:
+        completion = await client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2, "return_token_ids": True}
+        )
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 0}
+        )
+        with pytest.raises(openai.BadRequestError, match="greater than max allowed: 30"):
+            await client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": -1}
+            )
+    extra = completion.choices[0].model_extra
+    positions, ids = extra["prompt_logprobs"], extra["prompt_token_ids"]
+    assert len(positions) == len(ids)
+    assert positions[0] is None
+    for token_id, position in zip(ids[1:], positions[1:], strict=True):
+        assert next(iter(position)) == str(token_id)  # the prompt token first, then the top 2
+        assert 2 <= len(position) <= 3
+        assert all(entry["logprob"] <= 0 and entry["rank"] >= 1 for entry in position.values())
+    chat_positions = chat.model_extra["prompt_logprobs"]
+    assert chat_positions[0] is None
+    assert len(chat_positions) == chat.usage.prompt_tokens
+    assert all(len(p) == 1 for p in chat_positions[1:])

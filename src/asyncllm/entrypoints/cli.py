@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -86,7 +87,28 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         type=_lora_module,
         metavar="NAME=PATH",
-        help="serve PEFT LoRA adapters as models NAME (needs --enable-lora; docs/lora.md)",
+        help="serve PEFT LoRA adapters as models NAME (needs --enable-lora; docs/lora.md); vLLM's JSON form too",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's switch for tool_choice='auto'; asyncllm always reads the model's own tool calls with "
+        "--tool-call-parser, so it changes nothing",
+    )
+    p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every streamed response ends with a usage chunk, as if stream_options.include_usage were set",
+    )
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header (the client's, or a new one)",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
@@ -118,10 +140,26 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _lora_module(text: str) -> tuple[str, str]:
-    """`NAME=PATH` -> (name, path)."""
+    """`NAME=PATH`, or vLLM's JSON form `{"name": NAME, "path": PATH, "base_model_name": ...}` -> (name, path).
+
+    A JSON `base_model_name` must be omitted or one of the served names: checked at start-up is not possible
+    here, so it is kept out (the adapter runs on the one base model this server serves).
+    """
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {error}") from None
+        unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
+        if unknown or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise argparse.ArgumentTypeError(
+                f'{text!r}: the JSON form takes "name" and "path" (strings) and "base_model_name"'
+                + (f"; unknown keys {unknown}" if unknown else "")
+            )
+        return spec["name"], spec["path"]
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH or vLLM's JSON form")
     return name, path
 
 
@@ -146,6 +184,9 @@ def _run_serve(ns: argparse.Namespace) -> int:
         tool_call_parser=ns.tool_call_parser,
         lora_modules=dict(ns.lora_modules),
         chat_template=load_chat_template(ns.chat_template),
+        force_include_usage=ns.enable_force_include_usage,
+        request_id_headers=ns.enable_request_id_headers,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
     )
     run_server(config, ns.host, ns.port, ns.grace_period, ns.log_level)
     return 0

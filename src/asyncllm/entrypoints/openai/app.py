@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings`, `GET /v1/models`,
 `GET /health` (200, or 503 when the engine is dead), `GET /metrics` (Prometheus text of the engine's registry),
-`GET /stats` (the scheduler's current counts, JSON), `POST /tokenize`, `POST /detokenize`, `GET /version`.
+`GET /stats` (the scheduler's current counts, JSON), `POST /tokenize`, `POST /detokenize`, `GET /version`; vLLM's
+`GET /v1/models/{model}`, `POST /invocations` (the body's shape picks the endpoint) and `GET /load`.
 With an API key, every `/v1/` route needs `Authorization: Bearer <key>` (compared in constant time with
 `hmac.compare_digest`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,7 +22,9 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from pydantic import ValidationError
 
 from asyncllm.config import EngineArgs
 from asyncllm.entrypoints.openai.errors import APIError, api_error_response, install_error_handlers
@@ -61,6 +65,9 @@ class ServerConfig:
             ids 1, 2, ... in this order; needs `engine_args.enable_lora`). Each is checked at start-up.
         chat_template: a Jinja2 chat template used instead of the model's (vLLM's `--chat-template`); None = the
             model's.
+        force_include_usage: every stream ends with a usage chunk (vLLM's `--enable-force-include-usage`).
+        request_id_headers: answer with `X-Request-Id` (vLLM's `--enable-request-id-headers`).
+        return_tokens_as_token_ids: logprobs name tokens "token_id:N" unless a request says otherwise.
     """
 
     engine_args: EngineArgs = field(default_factory=EngineArgs)
@@ -74,6 +81,9 @@ class ServerConfig:
     tool_call_parser: str = "hermes"
     lora_modules: dict[str, str] = field(default_factory=dict)
     chat_template: str | None = None
+    force_include_usage: bool = False
+    request_id_headers: bool = False
+    return_tokens_as_token_ids: bool = False
 
 
 async def start_engine(args: EngineArgs) -> Any:
@@ -111,6 +121,8 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
     install_error_handlers(app)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -138,6 +150,8 @@ def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
     return ServingContext(
         names=list(names),
         root=str(config.engine_args.model),
+        force_include_usage=config.force_include_usage,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         max_model_len=llm.max_model_len,
         tool_parser=config.tool_call_parser,
         lora_modules=lora_modules,
@@ -168,6 +182,25 @@ def _add_openai_routes(app: FastAPI) -> None:
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
         return await create_embedding(await _running_llm(raw), raw.app.state.ctx, body)
 
+    @app.post("/invocations", response_model=None)
+    async def invocations(raw: Request) -> Any:
+        """SageMaker's route (vLLM's): the body's shape picks the endpoint: `messages` -> chat completions,
+        `prompt` -> completions, `input` -> embeddings."""
+        body = await raw.json()
+        if not isinstance(body, dict):
+            raise APIError("the body must be a JSON object")
+        llm, ctx = await _running_llm(raw), raw.app.state.ctx
+        try:
+            if "messages" in body:
+                return await create_chat_completion(llm, ctx, ChatCompletionRequest.model_validate(body), raw)
+            if "prompt" in body:
+                return await create_completion(llm, ctx, CompletionRequest.model_validate(body), raw)
+            if "input" in body:
+                return await create_embedding(llm, ctx, EmbeddingRequest.model_validate(body))
+        except ValidationError as error:
+            raise RequestValidationError(error.errors()) from error
+        raise APIError("cannot tell the endpoint: the body has none of 'messages', 'prompt', 'input'")
+
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:
         ctx: ServingContext = raw.app.state.ctx
@@ -197,6 +230,11 @@ def _add_ops_routes(app: FastAPI) -> None:
         status = HTTPStatus.OK if raw.app.state.llm.is_running else HTTPStatus.SERVICE_UNAVAILABLE
         return Response(status_code=int(status))
 
+    @app.get("/load")
+    async def load(raw: Request) -> dict[str, int]:
+        """vLLM's server load: the requests being served now."""
+        return {"server_load": len(raw.app.state.ctx.in_flight)}
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": importlib.metadata.version("asyncllm")}
@@ -219,8 +257,12 @@ def _add_ops_routes(app: FastAPI) -> None:
     async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
         ctx: ServingContext = raw.app.state.ctx
         ctx.check(body.model)
-        tokens = _tokenize(raw.app.state.llm.get_tokenizer(), body)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+        tokenizer = raw.app.state.llm.get_tokenizer()
+        tokens = _tokenize(tokenizer, body)
+        answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+        if body.return_token_strs:  # vLLM's: each token's string in the vocabulary
+            answer["token_strs"] = [tokenizer.hf.id_to_token(t) for t in tokens]
+        return answer
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, str]:
@@ -248,6 +290,28 @@ def _tokenize(tokenizer: Any, body: TokenizeRequest) -> list[int]:
     assert body.prompt is not None
     tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return tokens
+
+
+class RequestIdMiddleware:
+    """Pure ASGI middleware: every HTTP response carries `X-Request-Id`: the request's own, or a new uuid4 hex
+    (vLLM's `--enable-request-id-headers`)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class APIKeyMiddleware:

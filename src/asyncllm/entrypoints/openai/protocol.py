@@ -71,6 +71,10 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     # keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len allows with one token to generate)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # vLLM's: per prompt token, its logprob and the k most likely alternatives (-1: the whole vocabulary)
+    prompt_logprobs: int | None = None
+    # vLLM's: logprobs name tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
@@ -106,6 +110,7 @@ class SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA,
             repetition_detection=(
@@ -121,7 +126,9 @@ class SamplingFields(BaseModel):
 
     @property
     def continuous_usage_stats(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Usage on every chunk: only with `include_usage` too, as vLLM."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):
@@ -290,6 +297,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: also each token's string in the vocabulary ("token_strs")
 
 
 class DetokenizeRequest(BaseModel):

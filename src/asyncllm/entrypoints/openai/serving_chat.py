@@ -26,6 +26,7 @@ from asyncllm.entrypoints.openai.responses import (
     ChatResponseMessage,
     DeltaMessage,
     make_id,
+    prompt_logprobs_json,
 )
 from asyncllm.entrypoints.openai.serving_base import (
     ServingContext,
@@ -61,6 +62,7 @@ async def create_chat_completion(llm: Any, ctx: ServingContext, request: ChatCom
             response_format, or prompt too long (400, naming the chat field), the engine is dead (503).
     """
     model = ctx.check(request.model)
+    ctx.apply_server_defaults(request)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     request_id = make_id("chatcmpl")
     try:
@@ -106,7 +108,8 @@ def _num_logprobs(request: ChatCompletionRequest) -> int | None:
 def _logprobs(request: ChatCompletionRequest, completion: CompletionOutput) -> ChatLogprobs | None:
     if not request.logprobs or completion.logprobs is None:
         return None
-    return to_chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0)
+    as_ids = bool(request.return_tokens_as_token_ids)
+    return to_chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0, as_ids)
 
 
 def _response(
@@ -134,6 +137,7 @@ def _response(
         model=model,
         choices=choices,
         usage=make_usage(usage.num_prompt_tokens, usage.num_generated_tokens, usage.num_cached_tokens),
+        prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
     )
 
 

@@ -10,7 +10,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from asyncllm.entrypoints.openai.errors import APIError
 from asyncllm.entrypoints.openai.logprobs import to_completion_logprobs
 from asyncllm.entrypoints.openai.protocol import CompletionRequest
-from asyncllm.entrypoints.openai.responses import CompletionChoice, CompletionResponse, make_id
+from asyncllm.entrypoints.openai.responses import (
+    CompletionChoice,
+    CompletionResponse,
+    make_id,
+    prompt_logprobs_json,
+)
 from asyncllm.entrypoints.openai.serving_base import (
     ServingContext,
     UsageCounter,
@@ -95,6 +100,7 @@ async def create_completion(llm: Any, ctx: ServingContext, request: CompletionRe
         EngineDeadError: the engine is dead (503).
     """
     model = ctx.check(request.model)
+    ctx.apply_server_defaults(request)
     tokenizer = llm.get_tokenizer()
     prompts = completion_prompts(request, tokenizer, ctx.max_model_len or 0)
     params = request.to_sampling_params(request.max_tokens, request.logprobs)
@@ -128,7 +134,10 @@ def _choice(
     response): `echo` puts the prompt's text before the text, `return_token_ids` adds the prompt's ids."""
     logprobs = None
     if request.logprobs is not None and completion.logprobs is not None:
-        logprobs = to_completion_logprobs(completion.token_ids, completion.logprobs, request.logprobs, text_offset)
+        as_ids = bool(request.return_tokens_as_token_ids)
+        logprobs = to_completion_logprobs(
+            completion.token_ids, completion.logprobs, request.logprobs, text_offset, as_ids
+        )
     text = completion.text
     if request.echo and first_of is not None:
         text = _prompt_text(first_of, tokenizer) + text
@@ -139,6 +148,7 @@ def _choice(
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
         prompt_token_ids=first_of.prompt_token_ids if request.return_token_ids and first_of is not None else None,
+        prompt_logprobs=prompt_logprobs_json(first_of.prompt_logprobs) if first_of is not None else None,
         token_ids=list(completion.token_ids) if request.return_token_ids else None,
     )
 
