@@ -96,6 +96,14 @@ class AsyncLLM:
             callables_in_process=callables_reach_the_worker(config),
         )
         self._output_processor = OutputProcessor(tokenizer.hf)
+        cache_info = {
+            "block_size": str(config.cache.block_size),
+            "num_gpu_blocks": str(info.num_kv_blocks),  # vLLM's label name; here CPU memory blocks
+            "enable_prefix_caching": str(config.cache.enable_prefix_caching),
+        }
+        for stat_logger in self.stat_loggers:
+            if isinstance(stat_logger, PrometheusStatLogger):
+                stat_logger.log_cache_config(cache_info)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
         self._submitter = RequestSubmitter(self._input_processor, self._output_processor, client, self._handler)
         self._pause = PauseGate()

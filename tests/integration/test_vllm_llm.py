@@ -79,6 +79,10 @@ def test_get_metrics_reads_the_engines_metrics_back_as_objects(llm: LLM) -> None
     generated = after["asyncllm:generation_tokens"]
     assert isinstance(generated, Counter)
     assert generated.value - before["asyncllm:generation_tokens"].value == 12  # 3 prompts x 4 tokens
-    latency = after["asyncllm:e2e_request_latency_seconds"]
-    assert isinstance(latency, Histogram)
-    assert latency.count - before["asyncllm:e2e_request_latency_seconds"].count == 3
+    for name in ("e2e_request_latency_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
+        latency = after[f"asyncllm:{name}"]
+        assert isinstance(latency, Histogram)
+        assert latency.count - before[f"asyncllm:{name}"].count == 3
+    tokens = after["asyncllm:request_generation_tokens"]
+    assert isinstance(tokens, Histogram)
+    assert tokens.sum - before["asyncllm:request_generation_tokens"].sum == 12

@@ -99,3 +99,29 @@ def test_logging_stat_logger_logs_at_once_on_log(caplog: pytest.LogCaptureFixtur
         stat_logger.log()
     assert stat_logger.num_lines_logged == 1
     assert "Running: 2 reqs" in caplog.text
+
+
+def test_vllms_request_families_are_observed_per_finished_request_and_step() -> None:
+    stat_logger = PrometheusStatLogger("m", prefix="vllm")
+    finished = FinishedRequestStats(
+        "length", 2.0, 7, 5, 0.1, 0.02, prefill_time=0.4, decode_time=1.2, inference_time=1.6, n=3, max_tokens=5
+    )
+    stat_logger.record(None, IterationStats(7, 5, [0.3], [], [finished]))
+    stat_logger.log_cache_config({"block_size": "16", "num_gpu_blocks": "64", "enable_prefix_caching": "True"})
+
+    def value(name: str, **labels: str) -> float | None:
+        return stat_logger.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+    assert value("vllm:iteration_tokens_total_count") == 1
+    assert value("vllm:iteration_tokens_total_sum") == 12
+    assert value("vllm:request_prompt_tokens_sum") == 7
+    assert value("vllm:request_generation_tokens_sum") == 5
+    assert value("vllm:request_params_n_sum") == 3
+    assert value("vllm:request_params_max_tokens_sum") == 5
+    assert value("vllm:request_prefill_time_seconds_sum") == pytest.approx(0.4)
+    assert value("vllm:request_decode_time_seconds_sum") == pytest.approx(1.2)
+    assert value("vllm:request_inference_time_seconds_sum") == pytest.approx(1.6)
+    info = stat_logger.registry.get_sample_value(
+        "vllm:cache_config_info", {"block_size": "16", "num_gpu_blocks": "64", "enable_prefix_caching": "True"}
+    )
+    assert info == 1

@@ -123,6 +123,7 @@ class OutputProcessor:
             parent=parent,
             index=index,
             stats=RequestStateStats(arrival_time=request.arrival_time),
+            max_tokens=params.max_tokens,
         )
         user_level_id = parent.request_id if parent is not None else request.request_id
         if parent is not None:
