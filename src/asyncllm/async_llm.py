@@ -364,20 +364,35 @@ class AsyncLLM:
 
         Args:
             mode: "abort" (default): in-flight requests end at once with finish_reason "abort"; "wait": they run
-                to their end, and this returns once the last one finished. vLLM's "keep" is refused.
+                to their end, and this returns once the last one finished; "keep": the engine stops scheduling,
+                they keep their place and KV blocks and go on after `resume_generation()`.
             wait_for_inflight_requests: vLLM's older spelling: True = mode "wait", False = "abort".
             clear_cache: once nothing runs, forget every cached prompt prefix (`reset_prefix_cache()`), so
                 requests after new weights never reuse KV computed with the old ones.
         Raises:
-            InvalidRequestError: mode "keep", an unknown mode, or `mode` and `wait_for_inflight_requests`
-                disagreeing (nothing is paused then).
+            InvalidRequestError: an unknown mode, `mode` and `wait_for_inflight_requests` disagreeing, or mode
+                "keep" with `clear_cache=True` (the kept requests hold KV blocks; nothing is paused then).
             EngineDeadError: the engine died or was shut down.
             AsyncLLMError: the prefix cache could not be cleared (a request still held KV blocks).
         """
         resolved = resolve_pause_mode(mode, wait_for_inflight_requests)
+        if resolved == "keep" and clear_cache:
+            raise InvalidRequestError(
+                "pause_generation(mode='keep', clear_cache=True) cannot be honoured: the kept requests hold their KV "
+                "blocks, so the prefix cache cannot be cleared; pass clear_cache=False"
+            )
+        if resolved == "wait" and self._pause.engine_frozen:
+            raise InvalidRequestError(
+                "pause_generation(mode='wait') would never return: a pause with mode='keep' holds the requests; "
+                "call resume_generation() first"
+            )
         self._ensure_running()
         self._bind_to_current_loop()
         self._pause.pause()
+        if resolved == "keep":
+            await self._client.call_utility_async("set_scheduler_paused", True)
+            self._pause.engine_frozen = True
+            return
         if resolved == "abort":
             await self.abort(self._output_processor.user_request_ids())
 
@@ -390,7 +405,12 @@ class AsyncLLM:
             raise AsyncLLMError("pause_generation could not clear the prefix cache: requests still hold KV blocks")
 
     async def resume_generation(self) -> None:
-        """Resume after `pause_generation()`: the requests held meanwhile go to the engine. Idempotent."""
+        """Resume after `pause_generation()`: kept requests go on, and the requests held meanwhile go to the
+        engine. Idempotent."""
+        if self._pause.engine_frozen:
+            self._ensure_running()
+            await self._client.call_utility_async("set_scheduler_paused", False)
+            self._pause.engine_frozen = False
         self._pause.resume()
 
     async def is_paused(self) -> bool:

@@ -8,8 +8,9 @@ processes its prompts. Requests the engine already holds are handled by the paus
     "abort" (vLLM's default): each ends at once with finish_reason "abort" (as `abort()`).
     "wait" (`wait_for_inflight_requests=True`): they run to their end; `pause_generation()` returns once the last
         one has finished.
-vLLM's third mode, "keep" (freeze in-flight requests inside the engine until resume), is refused: asyncllm's
-scheduler has no frozen state yet.
+    "keep": the engine's scheduler stops: they stay where they are (holding their KV blocks; their streams simply
+        wait) and go on from there after `resume_generation()`. `clear_cache=True` cannot be honoured then (the
+        kept requests hold blocks) and is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import anyio
 from asyncllm.errors import InvalidRequestError
 
 PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES = ("abort", "wait")  # the modes asyncllm honours
+PAUSE_MODES = ("abort", "wait", "keep")
 DRAIN_POLL_SECONDS = 0.005  # how often a "wait" pause looks whether the last in-flight request has finished
 
 
@@ -31,7 +32,7 @@ def resolve_pause_mode(mode: str | None, wait_for_inflight_requests: bool | None
     `wait_for_inflight_requests=` (True = "wait", False = "abort"). Neither: "abort", vLLM's default.
 
     Raises:
-        InvalidRequestError: an unknown mode, "keep" (not supported), or both arguments given and disagreeing.
+        InvalidRequestError: an unknown mode, or both arguments given and disagreeing.
     """
     if wait_for_inflight_requests is not None and not isinstance(wait_for_inflight_requests, bool):
         raise InvalidRequestError(
@@ -40,13 +41,8 @@ def resolve_pause_mode(mode: str | None, wait_for_inflight_requests: bool | None
     from_flag = None if wait_for_inflight_requests is None else ("wait" if wait_for_inflight_requests else "abort")
     if mode is None:
         return from_flag or "abort"
-    if mode == "keep":
-        raise InvalidRequestError(
-            "pause_generation(mode='keep') is not supported: asyncllm cannot freeze in-flight requests inside the "
-            "engine; use mode='wait' (let them finish) or mode='abort' (end them now)"
-        )
     if mode not in PAUSE_MODES:
-        raise InvalidRequestError(f"pause_generation(mode={mode!r}) is invalid: must be 'abort' or 'wait'")
+        raise InvalidRequestError(f"pause_generation(mode={mode!r}) is invalid: must be 'abort', 'wait' or 'keep'")
     if from_flag is not None and from_flag != mode:
         raise InvalidRequestError(
             f"pause_generation got mode={mode!r} and wait_for_inflight_requests={wait_for_inflight_requests!r},"
@@ -60,6 +56,7 @@ class PauseGate:
 
     def __init__(self) -> None:
         self.paused = False
+        self.engine_frozen = False  # the engine's scheduler is paused too (mode "keep")
         self._waiters: list[anyio.Event] = []
 
     def pause(self) -> None:

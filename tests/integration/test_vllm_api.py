@@ -45,6 +45,12 @@ async def last_output(stream):
     return outputs[-1]
 
 
+def generated_tokens(llm: AsyncLLM) -> int:
+    """The engine's generation-token counter (`get_metrics()`)."""
+    (counter,) = [m for m in llm.get_metrics() if m.name == "asyncllm:generation_tokens"]
+    return int(counter.value)  # type: ignore[attr-defined]
+
+
 # ---- prompts: vLLM's TokensPrompt / TextPrompt ----------------------------------------------------------------
 
 
@@ -112,10 +118,32 @@ async def test_pause_by_default_aborts_inflight_requests(llm: AsyncLLM) -> None:
     assert final.outputs[0].finish_reason == "abort"
     assert len(final.outputs[0].token_ids) < 200
     assert not llm.has_unfinished_requests()
-    with pytest.raises(InvalidRequestError, match="keep"):
-        await llm.pause_generation(mode="keep")
     await llm.resume_generation()
     assert len((await llm.generate(PROMPT, greedy(3)).collect()).outputs[0].token_ids) == 3
+    await wait_until_idle(llm)
+
+
+async def test_pause_keep_freezes_inflight_requests_until_resume(llm: AsyncLLM) -> None:
+    with pytest.raises(InvalidRequestError, match="clear_cache=False"):
+        await llm.pause_generation(mode="keep")  # clear_cache=True (default) cannot be honoured with kept requests
+    assert not await llm.is_paused()
+    running = llm.generate(PROMPT, greedy(16, ignore_eos=True))
+    first = await running.__anext__()
+    rest = asyncio.create_task(last_output(running))
+    await llm.pause_generation(mode="keep", clear_cache=False)
+    assert await llm.is_paused()
+    stats = await llm.get_scheduler_stats()
+    generated = generated_tokens(llm)
+    await asyncio.sleep(0.5)  # a kept request must not advance
+    assert generated_tokens(llm) == generated
+    assert not rest.done()
+    assert llm.has_unfinished_requests()  # kept, not aborted
+    assert (await llm.get_scheduler_stats()).num_running_reqs == stats.num_running_reqs == 1
+    await llm.resume_generation()
+    final = await asyncio.wait_for(rest, 60)
+    assert final.outputs[0].finish_reason == "length"
+    assert len(final.outputs[0].token_ids) == 16
+    assert final.outputs[0].token_ids[: len(first.outputs[0].token_ids)] == first.outputs[0].token_ids
     await wait_until_idle(llm)
 
 
