@@ -294,3 +294,58 @@ async def test_prompt_logprobs_in_vllms_shape(server: ServerProcess) -> None:
     assert chat_positions[0] is None
     assert len(chat_positions) == chat.usage.prompt_tokens
     assert all(len(p) == 1 for p in chat_positions[1:])
+
+
+async def test_chat_continue_final_message_and_echo(server: ServerProcess) -> None:
+    started = "The capital of France is"
+    messages = [*MESSAGES, {"role": "assistant", "content": started}]
+    closed = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["count"]
+    async with oai(server) as client:
+        reply = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=3,
+            temperature=0,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True},
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True},
+        )
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        with pytest.raises(openai.BadRequestError, match="Cannot set both `continue_final_message`"):
+            await client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=3, extra_body={"continue_final_message": True}
+            )
+    content = reply.choices[0].message.content
+    assert content.startswith(started)
+    assert len(content) > len(started)
+    assert streamed == content
+    end_of_turn = len(
+        post(server, "/tokenize", {"prompt": "<|im_end|>\n", "add_special_tokens": False}).json()["tokens"]
+    )
+    assert reply.usage.prompt_tokens == closed - end_of_turn  # the final message left open
+
+
+async def test_completions_take_structured_outputs_and_response_format(server: ServerProcess) -> None:
+    async with oai(server) as client:
+        choice = await client.completions.create(
+            model=MODEL,
+            prompt="Is the sky blue? Answer:",
+            max_tokens=5,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+        )
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+        shaped = await client.completions.create(
+            model=MODEL,
+            prompt="The capital of France as JSON:",
+            max_tokens=40,
+            temperature=0,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}},
+        )
+    assert choice.choices[0].text in ("yes", "no")
+    assert isinstance(json.loads(shaped.choices[0].text)["city"], str)

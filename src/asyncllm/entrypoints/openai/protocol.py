@@ -135,7 +135,8 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`. `prompt`: a string, a list of strings, token ids, or a list of lists of token ids.
     `logprobs`: top tokens per position (0..20). `echo`: the prompt's text before each completion's (not with
     `logprobs`: prompt logprobs are not sent). `return_token_ids` (vLLM): `prompt_token_ids` and `token_ids` on each
-    choice. Not supported (400 when set): `suffix`, `best_of` other than `n`."""
+    choice. `response_format` / `structured_outputs` constrain the output as for chat. Not supported (400 when set):
+    `suffix`, `best_of` other than `n`."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -144,6 +145,8 @@ class CompletionRequest(SamplingFields):
     suffix: None = None
     best_of: int | None = None
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
 
 class ChatMessage(BaseModel):
@@ -233,6 +236,21 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     # vLLM's: extra variables of the chat template (e.g. {"enable_thinking": false}); not with tools
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the final (assistant) message is left open and continued; needs add_generation_prompt=false
+    continue_final_message: bool = False
+    # vLLM's: the reply starts with the last message's content when that message is the assistant's
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _continue_needs_no_generation_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return self
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before the reply: the last message's text when it is the assistant's, else ""."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @field_validator("tool_choice", mode="before")
     @classmethod

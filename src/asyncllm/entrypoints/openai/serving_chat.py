@@ -122,7 +122,8 @@ def _response(
         reader = setup.new_stream()
         reader.feed(c.text, finished=True)
         calls = tool_call_bodies(reader)
-        message = ChatResponseMessage(content=reader.content if reader.content or not calls else None, tool_calls=calls)
+        content = request.echoed_text() + reader.content if reader.content or not calls else None
+        message = ChatResponseMessage(content=content, tool_calls=calls)
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -163,7 +164,8 @@ class _ChatStreamWriter:
             reader = self.readers.get(completion.index)
             if reader is None:
                 reader = self.readers[completion.index] = self.setup.new_stream()
-                role = ChatChunkChoice(index=completion.index, delta=DeltaMessage(role="assistant", content=""))
+                echoed = self.request.echoed_text()  # vLLM's `echo`: the continued message's text first
+                role = ChatChunkChoice(index=completion.index, delta=DeltaMessage(role="assistant", content=echoed))
                 events.append(self._chunk(role))
             delta = reader.feed(completion.text, completion.finished)
             if not delta.content and not delta.calls and not completion.finished and not self.request.logprobs:

@@ -64,7 +64,7 @@ async def prepare_chat(
         APIError: 400 naming the field (`tools`, `tool_choice`, `response_format`, `structured_outputs`,
             `messages`) for a bad or conflicting value.
     """
-    constraint, constraint_field = _constraint(request)
+    constraint, constraint_field = output_constraint(request)
     if constraint is not None:
         params = msgspec.structs.replace(params, structured_outputs=constraint)
     messages = [_message_dict(m) for m in request.messages]
@@ -72,6 +72,7 @@ async def prepare_chat(
         "chat_template_kwargs": request.chat_template_kwargs is not None,
         "add_generation_prompt": not request.add_generation_prompt,
         "truncate_prompt_tokens": request.truncate_prompt_tokens is not None,
+        "continue_final_message": request.continue_final_message,
     }
     custom_render = any(custom.values())
     if not request.tools and not any(_has_tool_parts(m) for m in messages):
@@ -109,6 +110,15 @@ def _render(
         )
     except InvalidRequestError as error:
         raise APIError(str(error), param="chat_template_kwargs") from error
+    if request.continue_final_message:  # cut the rendering right after the final message's text: left open
+        final = request.messages[-1].text()
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise APIError(
+                "continue_final_message: the final message's text is not in the rendered prompt",
+                param="continue_final_message",
+            )
+        text = text[: end + len(final)]
     ids = tokenizer.encode(text, add_special_tokens=False)
     keep = request.truncate_prompt_tokens
     if keep is None:
@@ -116,7 +126,13 @@ def _render(
     return {"prompt_token_ids": ids[-(max_model_len if keep == -1 else keep) :]}
 
 
-def _constraint(request: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+def output_constraint(request: Any) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output constraint of a chat or completion request (`response_format` or vLLM's `structured_outputs`)
+    and the field it came from.
+
+    Raises:
+        APIError: both given, or a bad constraint (400).
+    """
     fmt, extra = request.response_format, request.structured_outputs
     if fmt is not None and fmt.type != "text" and extra is not None:
         raise APIError("give response_format or structured_outputs, not both", param="structured_outputs")

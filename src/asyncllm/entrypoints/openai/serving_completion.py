@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -26,6 +27,7 @@ from asyncllm.entrypoints.openai.serving_base import (
     sse,
     stream_events,
 )
+from asyncllm.entrypoints.openai.serving_chat_tools import output_constraint
 from asyncllm.outputs import CompletionOutput, RequestOutput
 from asyncllm.processing.input_processor import PromptType
 from asyncllm.streams import GenerateOutputStream
@@ -104,6 +106,9 @@ async def create_completion(llm: Any, ctx: ServingContext, request: CompletionRe
     tokenizer = llm.get_tokenizer()
     prompts = completion_prompts(request, tokenizer, ctx.max_model_len or 0)
     params = request.to_sampling_params(request.max_tokens, request.logprobs)
+    constraint, _ = output_constraint(request)
+    if constraint is not None:
+        params = msgspec.structs.replace(params, structured_outputs=constraint)
     request_id = make_id("cmpl")
     streams = await submit(llm, prompts, params, request_id, request.cache_salt, ctx.lora_request(request.model))
     if request.stream:
