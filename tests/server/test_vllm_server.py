@@ -349,3 +349,44 @@ async def test_completions_take_structured_outputs_and_response_format(server: S
         )
     assert choice.choices[0].text in ("yes", "no")
     assert isinstance(json.loads(shaped.choices[0].text)["city"], str)
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+async def test_tokenize_and_chat_take_tools_with_chat_template_kwargs(server: ServerProcess) -> None:
+    def count(**fields: object) -> int:
+        return int(post(server, "/tokenize", {"messages": MESSAGES, **fields}).json()["count"])
+
+    plain, with_tools = count(), count(tools=[TOOL])
+    no_thinking = count(tools=[TOOL], chat_template_kwargs={"enable_thinking": False})
+    think_tokens = len(post(server, "/tokenize", {"prompt": "<think>\n\n</think>\n\n"}).json()["tokens"])
+    assert with_tools > plain  # the tools' system prompt
+    assert no_thinking == with_tools + think_tokens
+    async with oai(server) as client:
+        reply = await client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=2,
+            tools=[TOOL],
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        )
+    assert reply.usage.prompt_tokens == no_thinking
+    opened = post(
+        server,
+        "/tokenize",
+        {
+            "messages": [*MESSAGES, {"role": "assistant", "content": "The capital"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    ).json()["tokens"]
+    text = post(server, "/detokenize", {"tokens": opened}).json()["prompt"]
+    assert text.endswith("assistant\nThe capital")

@@ -43,6 +43,7 @@ from asyncllm.entrypoints.openai.serving_embedding import create_embedding
 from asyncllm.errors import ConfigError
 from asyncllm.lora.checker import LoRAChecker
 from asyncllm.lora.request import LoRARequest
+from asyncllm.processing.tool_calling import normalize_tools, render_chat
 from asyncllm.processing.tool_parsers import get_tool_parser
 from asyncllm.structured_outputs.backend import preload_xgrammar
 
@@ -284,7 +285,26 @@ def _tokenize(tokenizer: Any, body: TokenizeRequest) -> list[int]:
         raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise APIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        if body.tools:
+            if not body.add_generation_prompt:
+                raise APIError("add_generation_prompt=false is not supported with tools yet", param="tools")
+            specs = normalize_tools([tool.model_dump(exclude_none=True) for tool in body.tools])
+            text = render_chat(tokenizer, messages, specs, body.chat_template_kwargs)
+        else:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+            )
+        if body.continue_final_message:
+            final = messages[-1]["content"]
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise APIError("the final message's text is not in the rendered prompt", param="continue_final_message")
+            text = text[: end + len(final)]
         tokens: list[int] = tokenizer.encode(text, add_special_tokens=False)
         return tokens
     assert body.prompt is not None

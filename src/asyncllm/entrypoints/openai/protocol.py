@@ -316,6 +316,10 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False  # vLLM's: also each token's string in the vocabulary ("token_strs")
+    # vLLM's, for `messages` (rendered as a chat request would be)
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -80,13 +80,13 @@ async def prepare_chat(
             raise APIError("tool_choice other than 'none' or 'auto' needs tools", param="tool_choice")
         prompt = _render(tokenizer, messages, request, max_model_len) if custom_render else messages
         return ChatSetup(prompt, params, None, constraint_field)
-    if custom_render:
-        field = next(name for name, given in custom.items() if given)
-        raise APIError(f"{field} is not supported with tools yet", param=field)
+    refused = [name for name, given in custom.items() if given and name != "chat_template_kwargs"]
+    if refused:
+        raise APIError(f"{refused[0]} is not supported with tools yet", param=refused[0])
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
     choice = _tool_choice(request)
     parallel = request.parallel_tool_calls is not False
-    args = (tokenizer, messages, params, tools, choice, parallel, tool_parser)
+    args = (tokenizer, messages, params, tools, choice, parallel, tool_parser, request.chat_template_kwargs)
     try:
         if is_long_prompt(messages):
             plan = await anyio.to_thread.run_sync(plan_chat, *args)
