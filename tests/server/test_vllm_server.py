@@ -38,6 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     flags = ["--dtype", "float32", "--enforce-eager", "--max-logprobs", "30", "--chat-template", str(template)]
     flags += ["--shutdown-timeout", "5", "--num-kv-blocks", "64", "--enable-auto-tool-choice"]
     flags += ["--enable-force-include-usage", "--enable-request-id-headers", "--return-tokens-as-token-ids"]
+    flags += ["--enable-tokenizer-info-endpoint"]
     os.environ["VLLM_API_KEY"] = KEY  # inherited by the server process
     try:
         proc = start_server(*flags)
@@ -390,3 +391,13 @@ async def test_tokenize_and_chat_take_tools_with_chat_template_kwargs(server: Se
     ).json()["tokens"]
     text = post(server, "/detokenize", {"tokens": opened}).json()["prompt"]
     assert text.endswith("assistant\nThe capital")
+
+
+def test_tokenizer_info_endpoint(server: ServerProcess) -> None:
+    info = httpx.get(f"{server.base_url}/tokenizer_info", timeout=30).json()
+    assert info["tokenizer_class"] == "Tokenizer"
+    assert info["chat_template"] == TEMPLATE  # the --chat-template in use
+    assert info["eos_token"] == "<|im_end|>"
+    assert info["vocab_size"] == 49152
+    plain = post(server, "/tokenize", {"prompt": "Hi"}).json()
+    assert plain["token_strs"] is None  # vLLM sends null unless asked

@@ -106,6 +106,11 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="answer with an X-Request-Id header (the client's, or a new one)",
     )
     p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration, chat template included; vLLM's flag)",
+    )
+    p.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
         help="logprobs name tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)",
@@ -187,6 +192,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
         force_include_usage=ns.enable_force_include_usage,
         request_id_headers=ns.enable_request_id_headers,
         return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
     )
     run_server(config, ns.host, ns.port, ns.grace_period, ns.log_level)
     return 0

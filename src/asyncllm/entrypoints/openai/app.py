@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncllm.config import EngineArgs
 from asyncllm.entrypoints.openai.errors import APIError, api_error_response, install_error_handlers
@@ -69,6 +70,7 @@ class ServerConfig:
         force_include_usage: every stream ends with a usage chunk (vLLM's `--enable-force-include-usage`).
         request_id_headers: answer with `X-Request-Id` (vLLM's `--enable-request-id-headers`).
         return_tokens_as_token_ids: logprobs name tokens "token_id:N" unless a request says otherwise.
+        tokenizer_info_endpoint: serve `GET /tokenizer_info` (vLLM's `--enable-tokenizer-info-endpoint`).
     """
 
     engine_args: EngineArgs = field(default_factory=EngineArgs)
@@ -85,6 +87,7 @@ class ServerConfig:
     force_include_usage: bool = False
     request_id_headers: bool = False
     return_tokens_as_token_ids: bool = False
+    tokenizer_info_endpoint: bool = False
 
 
 async def start_engine(args: EngineArgs) -> Any:
@@ -112,6 +115,7 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
             engine.get_tokenizer().chat_template = config.chat_template
         app.state.llm = engine
         app.state.ctx = _make_context(config, engine)
+        app.state.tokenizer_info = config.tokenizer_info_endpoint
         try:
             yield
         finally:
@@ -261,9 +265,26 @@ def _add_ops_routes(app: FastAPI) -> None:
         tokenizer = raw.app.state.llm.get_tokenizer()
         tokens = _tokenize(tokenizer, body)
         answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
-        if body.return_token_strs:  # vLLM's: each token's string in the vocabulary
-            answer["token_strs"] = [tokenizer.hf.id_to_token(t) for t in tokens]
+        # vLLM's: each token's string in the vocabulary when asked, else null
+        answer["token_strs"] = [tokenizer.hf.id_to_token(t) for t in tokens] if body.return_token_strs else None
         return answer
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(raw: Request) -> dict[str, Any]:
+        """vLLM's tokenizer configuration (its `tokenizer_config.json` keys asyncllm knows), only with
+        `--enable-tokenizer-info-endpoint` (it shows the chat template)."""
+        if not raw.app.state.tokenizer_info:
+            raise StarletteHTTPException(HTTPStatus.NOT_FOUND)
+        tokenizer = raw.app.state.llm.get_tokenizer()
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "add_bos_token": tokenizer.add_bos_token,
+            "chat_template": tokenizer.chat_template,
+            "vocab_size": tokenizer.vocab_size,
+            "model_max_length": raw.app.state.ctx.max_model_len,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, str]:
