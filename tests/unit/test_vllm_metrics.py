@@ -4,6 +4,7 @@ Vector), vLLM's `vllm:` names as an option, stat loggers given as classes (added
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -12,7 +13,12 @@ from asyncllm import ConfigError
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig
 from asyncllm.messages.engine import SchedulerStats, SpecDecodeMetrics
 from asyncllm.metrics.defaults import resolve_stat_loggers
-from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
+from asyncllm.metrics.loggers import (
+    AggregatedLoggingStatLogger,
+    LoggingStatLogger,
+    PerEngineStatLoggerAdapter,
+    StatLoggerBase,
+)
 from asyncllm.metrics.prometheus import PrometheusStatLogger
 from asyncllm.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
 from asyncllm.metrics.stats import FinishedRequestStats, IterationStats
@@ -125,3 +131,22 @@ def test_vllms_request_families_are_observed_per_finished_request_and_step() -> 
         "vllm:cache_config_info", {"block_size": "16", "num_gpu_blocks": "64", "enable_prefix_caching": "True"}
     )
     assert info == 1
+
+
+def test_data_parallel_factories_get_one_logger_per_engine_fed_its_own_stats() -> None:
+    cfg = dataclasses.replace(config(), parallel=ParallelConfig(data_parallel_size=2))
+    (adapter,) = [s for s in resolve_stat_loggers(cfg, [CountingLogger]) if isinstance(s, PerEngineStatLoggerAdapter)]
+    assert sorted(adapter.per_engine) == [0, 1]
+    adapter.record(SchedulerStats(1, 0, 10, 40, engine_index=1), IterationStats(num_generation_tokens=2))
+    adapter.record(SchedulerStats(1, 0, 10, 40, engine_index=1), None)
+    adapter.record(SchedulerStats(1, 0, 10, 40, engine_index=0), None)
+    counts = {index: s.records for index, s in adapter.per_engine.items()}  # type: ignore[attr-defined]
+    assert counts == {0: 1, 1: 2}
+    assert [s.engine_index for s in adapter.per_engine.values()] == [0, 1]  # type: ignore[attr-defined]
+    assert all(s.initialized == 1 for s in adapter.per_engine.values())  # type: ignore[attr-defined]
+
+
+def test_aggregated_logging_stat_logger_takes_vllms_arguments() -> None:
+    stat_logger = AggregatedLoggingStatLogger(config(), [0, 1])
+    assert stat_logger.engine_indexes == [0, 1]
+    assert stat_logger.interval == 5.0

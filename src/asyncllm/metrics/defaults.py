@@ -7,7 +7,7 @@ from typing import Any
 
 from asyncllm.engine_config import EngineConfig
 from asyncllm.errors import ConfigError
-from asyncllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
+from asyncllm.metrics.loggers import LoggingStatLogger, PerEngineStatLoggerAdapter, StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger, is_prometheus_available
 
 
@@ -26,9 +26,9 @@ def resolve_stat_loggers(config: EngineConfig, given: Sequence[Any] | None) -> l
     """The AsyncLLM's stat loggers from its `stat_loggers` argument.
 
     None: the defaults. Logger instances: exactly those (the defaults are replaced; asyncllm's way). Classes or
-    other factories (vLLM's way): each built as `factory(config, 0)` and added after the defaults; then each
-    logger's `log_engine_initialized()` runs. With data parallelism a factory's logger gets every engine's stats
-    (`SchedulerStats.engine_index` says whose).
+    other factories (vLLM's way): each built as `factory(config, 0)` and added after the defaults; with data
+    parallelism, one per engine behind a `PerEngineStatLoggerAdapter` (each gets its engine's stats, as vLLM's).
+    Then each logger's `log_engine_initialized()` runs.
 
     Raises:
         ConfigError: instances and factories mixed, or an entry that is neither.
@@ -46,7 +46,12 @@ def resolve_stat_loggers(config: EngineConfig, given: Sequence[Any] | None) -> l
         )
     if instances:
         return instances
-    loggers = make_default_stat_loggers(config) + [factory(config, 0) for factory in factories]
+    ranks = list(range(config.parallel.data_parallel_size))
+    added = [
+        factory(config, 0) if len(ranks) == 1 else PerEngineStatLoggerAdapter(config, ranks, factory)
+        for factory in factories
+    ]
+    loggers = make_default_stat_loggers(config) + added
     for stat_logger in loggers:
         stat_logger.log_engine_initialized()
     return loggers

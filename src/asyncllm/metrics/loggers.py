@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from typing import Any
 
 from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.stats import IterationStats, sum_scheduler_stats
@@ -99,3 +100,46 @@ class LoggingStatLogger(StatLoggerBase):
             )
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self.num_lines_logged += 1
+
+
+class AggregatedLoggingStatLogger(LoggingStatLogger):
+    """vLLM's name for the stats line over every data-parallel engine: asyncllm's `LoggingStatLogger` already sums
+    the engines' latest stats. Built as vLLM builds it: `AggregatedLoggingStatLogger(config, engine_indexes)`.
+
+    Args:
+        config: the engine configuration (its `observability.stats_log_interval`).
+        engine_indexes: the engines' ranks (accepted for vLLM's signature; every engine's stats are summed).
+    """
+
+    def __init__(self, config: Any, engine_indexes: list[int] | None = None) -> None:
+        super().__init__(config.observability.stats_log_interval)
+        self.engine_indexes = list(engine_indexes or [0])
+
+
+class PerEngineStatLoggerAdapter(StatLoggerBase):
+    """vLLM's adapter: one logger per data-parallel engine, built by `factory(config, engine_index)`; each step's
+    stats go to the logger of the engine that sent them (`SchedulerStats.engine_index`; engine 0 when a step has
+    no scheduler stats).
+
+    Args:
+        config: the engine configuration, passed to `factory`.
+        engine_indexes: the engines' ranks.
+        factory: a logger class (or any callable) taking `(config, engine_index)`.
+    """
+
+    def __init__(self, config: Any, engine_indexes: list[int], factory: Any) -> None:
+        self.per_engine: dict[int, StatLoggerBase] = {index: factory(config, index) for index in engine_indexes}
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        index = scheduler_stats.engine_index if scheduler_stats is not None else 0
+        target = self.per_engine.get(index)
+        if target is not None:
+            target.record(scheduler_stats, iteration_stats)
+
+    def log(self) -> None:
+        for stat_logger in self.per_engine.values():
+            stat_logger.log()
+
+    def log_engine_initialized(self) -> None:
+        for stat_logger in self.per_engine.values():
+            stat_logger.log_engine_initialized()
