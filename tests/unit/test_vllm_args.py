@@ -111,3 +111,33 @@ def test_processed_logprobs_are_after_temperature_and_top_k() -> None:
     assert torch.allclose(top3, (expected.values - expected.values.logsumexp(-1)), atol=1e-5)
     greedy_row = lists.logprobs[1][1:]
     assert torch.allclose(torch.tensor(greedy_row), logits[1].log_softmax(-1).sort(descending=True).values, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "speculative", "reaches"),
+    [
+        ({"engine_process": False}, None, True),
+        ({"engine_process": True}, None, False),
+        ({"engine_process": False, "distributed_executor_backend": "mp"}, None, False),
+        ({"engine_process": True, "data_parallel_size": 2}, None, False),
+        ({"engine_process": False}, {"method": "ngram", "num_speculative_tokens": 2}, False),
+    ],
+)
+def test_logits_processors_reach_only_an_in_process_worker(
+    parallel: dict[str, object], speculative: dict[str, object] | None, reaches: bool
+) -> None:
+    from asyncllm.async_llm import callables_reach_the_worker
+    from asyncllm.config import (
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+    )
+
+    spec = None if speculative is None else SpeculativeConfig.from_user(speculative)
+    config = EngineConfig(
+        ModelConfig("m", "m"), CacheConfig(), SchedulerConfig(), ParallelConfig(**parallel), speculative=spec
+    )
+    assert callables_reach_the_worker(config) is reaches
