@@ -26,7 +26,8 @@ from asyncllm.config import DEFAULT_MODEL, EngineArgs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.lora.request import LoRARequest
 from asyncllm.metrics.reader import Metric
-from asyncllm.outputs import RequestOutput
+from asyncllm.outputs import PoolingRequestOutput, RequestOutput
+from asyncllm.pooling_params import PoolingParams
 from asyncllm.processing.input_processor import PromptType
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -124,6 +125,25 @@ class LLM:
         conversations = [messages] if one else list(messages)
         return self.generate(conversations, sampling_params, lora_request=lora_request)  # type: ignore[arg-type]
 
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,  # vLLM's progress bar: asyncllm shows none
+    ) -> list[PoolingRequestOutput]:
+        """Embed one prompt or a list of them (vLLM's `LLM.encode`; `AsyncLLM.encode`, docs/embeddings.md).
+
+        Returns:
+            One `PoolingRequestOutput` per prompt, in order; the vector is its `embedding` list (vLLM's is
+            `outputs.data`, a tensor).
+        Raises:
+            InvalidRequestError: a bad prompt or pooling parameters.
+        """
+        single = isinstance(prompts, str | Mapping)
+        prompt_list: list[Any] = [prompts] if single else list(prompts)
+        results = self._run(_encode(self.llm_engine, prompt_list, pooling_params))
+        return results
+
     def get_metrics(self) -> list[Metric]:
         """The engine's metrics now, as `Counter` / `Gauge` / `Histogram` / `Vector` objects (vLLM's
         `LLM.get_metrics()`; `asyncllm.metrics.reader`)."""
@@ -206,6 +226,11 @@ def _close(llm: AsyncLLM, loop: asyncio.AbstractEventLoop, thread: threading.Thr
 async def _start(args: EngineArgs) -> AsyncLLM:
     """Start the engine (in a worker thread: `AsyncLLM.create`), its output handler on the private loop."""
     return await AsyncLLM.create(args)
+
+
+async def _encode(llm: AsyncLLM, prompts: list[Any], params: PoolingParams | None) -> list[PoolingRequestOutput]:
+    result = await llm.encode(prompts, params)
+    return result if isinstance(result, list) else [result]
 
 
 async def _shutdown(llm: AsyncLLM) -> None:

@@ -86,3 +86,12 @@ def test_get_metrics_reads_the_engines_metrics_back_as_objects(llm: LLM) -> None
     tokens = after["asyncllm:request_generation_tokens"]
     assert isinstance(tokens, Histogram)
     assert tokens.sum - before["asyncllm:request_generation_tokens"].sum == 12
+
+
+def test_encode_embeds_each_prompt_in_order(llm: LLM) -> None:
+    vectors = llm.encode(PROMPTS)
+    (alone,) = llm.encode(PROMPTS[1])
+    assert [len(v.embedding) for v in vectors] == [576] * 3  # SmolLM2-135M's hidden size
+    assert vectors[1].embedding == pytest.approx(alone.embedding, abs=1e-5)
+    assert vectors[0].embedding != pytest.approx(vectors[1].embedding, abs=1e-3)
+    assert sum(x * x for x in vectors[0].embedding) == pytest.approx(1.0, abs=1e-4)  # normalized by default
