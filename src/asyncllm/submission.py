@@ -31,6 +31,7 @@ from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
+from asyncllm.utils import request_callables
 from asyncllm.utils.threads import run_in_daemon_thread
 
 if TYPE_CHECKING:
@@ -218,6 +219,7 @@ class RequestSubmitter:
         internal id: a later request reusing the user's id is not touched."""
         aborted = self._output_processor.abort_requests([internal_id], notify=False, internal=True)
         self._handler.abort_in_engine(aborted)
+        request_callables.forget(internal_id)  # a stream closed before it was submitted (held by a pause)
 
     def stream_aborter(self, internal_id: str) -> Callable[[str], None]:
         """The stream's abort callback: it is called with the user's id, and aborts by `internal_id`."""

@@ -197,6 +197,16 @@ async def test_a_logits_processor_that_bans_a_token_is_honoured_in_a_batch(llm: 
     assert request_callables.num_registered() == 0  # forgotten once the requests finished
 
 
+async def test_a_held_stream_closed_before_resume_leaves_no_logits_processor_behind(llm: AsyncLLM) -> None:
+    await llm.pause_generation(clear_cache=False)
+    held = llm.generate(PROMPT, greedy(2, logits_processors=[lambda ids, logits: logits]))
+    assert request_callables.num_registered() == 1
+    await held.aclose()  # closed while paused: never submitted
+    assert request_callables.num_registered() == 0
+    await llm.resume_generation()
+    assert not llm.has_unfinished_requests()
+
+
 async def test_a_failing_logits_processor_fails_its_request_alone(llm: AsyncLLM) -> None:
     def broken(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("user bug")
