@@ -20,6 +20,7 @@ from asyncllm.sampling_params import RepetitionDetectionParams, RequestOutputKin
 from asyncllm.structured_outputs.params import StructuredOutputsParams
 
 __all__ = [
+    "LLM",
     "AsyncEngineArgs",
     "AsyncLLM",
     "AsyncLLMError",
@@ -76,6 +77,10 @@ def __getattr__(name: str) -> object:
         from asyncllm.async_llm import AsyncLLM
 
         return AsyncLLM
+    if name == "LLM":
+        from asyncllm.llm import LLM
+
+        return LLM
     if name == "GenerateOutputStream":
         from asyncllm.streams import GenerateOutputStream
 
@@ -84,5 +89,5 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    # The lazily imported names (AsyncLLM, GenerateOutputStream) appear for tab completion too.
+    # The lazily imported names (AsyncLLM, LLM, GenerateOutputStream) appear for tab completion too.
     return sorted(set(globals()) | set(__all__))

@@ -24,16 +24,19 @@ from asyncllm.config import AsyncEngineArgs, EngineArgs, load_chat_template
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.engine.dp_client import DPEngineCoreClient, make_engine_client
 from asyncllm.engine_config import EngineConfig
-from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError, InvalidRequestError
 from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import SchedulerStats
-from asyncllm.metrics.defaults import make_default_stat_loggers
+from asyncllm.metrics.defaults import resolve_stat_loggers
 from asyncllm.metrics.loggers import StatLoggerBase
 from asyncllm.metrics.prometheus import PrometheusStatLogger
+from asyncllm.metrics.reader import Metric, get_metrics_snapshot
 from asyncllm.output_handler import OutputHandler
 from asyncllm.outputs import PoolingRequestOutput, RequestOutput
+from asyncllm.pausing import PauseGate, PauseMode, poll_until, resolve_pause_mode
 from asyncllm.pooling_params import PoolingParams
 from asyncllm.processing.input_processor import InputProcessor, PromptType, RequestOptions
+from asyncllm.processing.no_tokenizer import NoTokenizer
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.tool_calling import ToolChoice, plan_chat
 from asyncllm.sampling_params import SamplingParams
@@ -42,6 +45,8 @@ from asyncllm.stopping import PendingShutdown
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
 from asyncllm.submission import LONG_PROMPT_CHARS, RequestSubmitter, is_long_prompt
 from asyncllm.utils.loops import current_loop
+
+RESET_DEADLINE_SECONDS = 30.0  # pause_generation(clear_cache=True) waits this long at most for blocks to be freed
 
 __all__ = ["LONG_PROMPT_CHARS", "AsyncEngineArgs", "AsyncLLM", "PendingShutdown", "is_long_prompt"]
 
@@ -62,7 +67,9 @@ class AsyncLLM:
         config: the engine configuration (for reference).
         tokenizer: `asyncllm.model.loading.tokenizer.Tokenizer` of the model.
         client: a ready engine-core client.
-        stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`).
+        stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`); logger
+            instances replace them; logger classes (vLLM's way) are built and added to them
+            (`metrics.defaults.resolve_stat_loggers`).
     """
 
     def __init__(
@@ -70,10 +77,10 @@ class AsyncLLM:
         config: EngineConfig,
         tokenizer: Any,
         client: EngineCoreClient,
-        stat_loggers: list[StatLoggerBase] | None = None,
+        stat_loggers: Sequence[StatLoggerBase | Any] | None = None,
     ) -> None:
         self.config = config
-        self.stat_loggers = make_default_stat_loggers(config) if stat_loggers is None else list(stat_loggers)
+        self.stat_loggers = resolve_stat_loggers(config, stat_loggers)
         self._tokenizer = tokenizer
         self._client = client
         info = client.ready_info
@@ -85,15 +92,28 @@ class AsyncLLM:
             kv_cache_blocks,
             info.hidden_size,
             lora_config=config.lora,
+            max_logprobs=config.model.max_logprobs,
+            callables_in_process=callables_reach_the_worker(config),
         )
         self._output_processor = OutputProcessor(tokenizer.hf)
+        cache_info = {
+            "block_size": str(config.cache.block_size),
+            "num_gpu_blocks": str(info.num_kv_blocks),  # vLLM's label name; here CPU memory blocks
+            "enable_prefix_caching": str(config.cache.enable_prefix_caching),
+        }
+        for stat_logger in self.stat_loggers:
+            if isinstance(stat_logger, PrometheusStatLogger):
+                stat_logger.log_cache_config(cache_info)
         self._handler = OutputHandler(client, self._output_processor, self.stat_loggers)
         self._submitter = RequestSubmitter(self._input_processor, self._output_processor, client, self._handler)
+        self._pause = PauseGate()
         # Stops the engine if this object is collected or the interpreter exits without shutdown().
         self._finalizer = weakref.finalize(self, client.shutdown)
 
     @classmethod
-    def create(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> StartingAsyncLLM[AsyncLLM]:
+    def create(
+        cls, args: EngineArgs, stat_loggers: Sequence[StatLoggerBase | Any] | None = None
+    ) -> StartingAsyncLLM[AsyncLLM]:
         """Start an engine without blocking the event loop: `llm = await AsyncLLM.create(args)`, or
         `async with AsyncLLM.create(args) as llm:` (shuts it down on exit).
 
@@ -107,7 +127,7 @@ class AsyncLLM:
         return StartingAsyncLLM(bind_start(cls.from_engine_args, args, stat_loggers))
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLoggerBase] | None = None) -> AsyncLLM:
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: Sequence[StatLoggerBase | Any] | None = None) -> AsyncLLM:
         """Resolve the model, load its tokenizer, and start the engine core (blocks until it is ready).
 
         Blocks the calling thread for the whole start-up (seconds); inside a coroutine use `await
@@ -115,18 +135,23 @@ class AsyncLLM:
 
         Args:
             args: the engine arguments.
-            stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`).
+            stat_loggers: receive every step's stats; None = the defaults (`make_default_stat_loggers`); logger
+                instances replace them, logger classes (vLLM's) are added to them.
         Raises:
             ConfigError: bad engine arguments.
             ModelNotFoundError: the model cannot be resolved.
             EngineDeadError: the engine process failed to start (the message carries the engine's error).
         """
+        from asyncllm.model.loading.arch_config import read_arch_config
         from asyncllm.model.loading.tokenizer import Tokenizer
 
         config = args.create_engine_config()
-        tokenizer = Tokenizer.load(config.model.model_path)
-        if args.chat_template is not None:
-            tokenizer.chat_template = load_chat_template(args.chat_template)
+        if config.model.skip_tokenizer_init:  # vLLM's: token ids in and out, no tokenizer loaded
+            tokenizer: Any = NoTokenizer(read_arch_config(config.model.model_path).eos_token_id)
+        else:
+            tokenizer = Tokenizer.load(config.model.model_path)
+            if args.chat_template is not None:
+                tokenizer.chat_template = load_chat_template(args.chat_template)
         llm = cls(config, tokenizer, make_engine_client(config), stat_loggers)
         return llm
 
@@ -156,8 +181,20 @@ class AsyncLLM:
         max_model_len: int = self._client.ready_info.max_model_len
         return max_model_len
 
+    async def do_log_stats(self) -> None:
+        """Have every stat logger write what it recorded now (vLLM's `do_log_stats`: the stats line at once)."""
+        for stat_logger in self.stat_loggers:
+            stat_logger.log()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's Prometheus metrics now, as objects (vLLM's `LLM.get_metrics()`; `metrics.reader`):
+        `Counter`, `Gauge`, `Histogram`, `Vector`. [] without prometheus-client."""
+        prefix = next((s.prefix for s in self.stat_loggers if isinstance(s, PrometheusStatLogger)), "asyncllm")
+        return get_metrics_snapshot(self.prometheus_registry, prefix)
+
     def get_tokenizer(self) -> Any:
-        """The model's `asyncllm.model.loading.tokenizer.Tokenizer`."""
+        """The model's `asyncllm.model.loading.tokenizer.Tokenizer` (with `skip_tokenizer_init`: a
+        `processing.no_tokenizer.NoTokenizer`, whose text operations raise `InvalidRequestError`)."""
         return self._tokenizer
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -175,13 +212,16 @@ class AsyncLLM:
     ) -> GenerateOutputStream:
         """Submit one prompt; returns its output stream at once.
 
-        A short prompt is tokenized and validated here, so bad input raises here. A long one (text or chat
+        A short prompt is tokenized and validated here, so bad input raises here (vLLM raises it from the
+        stream's first iteration; `docs/vllm_compat.md`). A long one (text or chat
         content over `LONG_PROMPT_CHARS` characters) is tokenized in a worker thread when the stream is first
         awaited, so the event loop never stalls on it (vLLM's `generate` validates at its first iteration too);
         its errors then raise from that first await.
 
         Args:
-            prompt: text, `{"prompt_token_ids": [...]}`, or chat messages `[{"role", "content"}, ...]`.
+            prompt: text, `{"prompt_token_ids": [...]}` / `{"prompt": text}` (vLLM's `TokensPrompt` /
+                `TextPrompt` from `asyncllm.inputs`, optionally with "cache_salt"), or chat messages
+                `[{"role", "content"}, ...]`.
             sampling_params: None means `SamplingParams()`; with `n > 1` the n completions share this stream
                 (see `asyncllm.processing.parallel_sampling`).
             request_id: the user's id, carried by every output; None makes one (uuid4 hex). It need not be
@@ -209,7 +249,8 @@ class AsyncLLM:
         submitter = self._submitter
         stream = submitter.stream_later if loop is not None and is_long_prompt(prompt) else submitter.stream_now
         options = RequestOptions(request_id, priority, cache_salt, data_parallel_rank, lora_request)
-        return stream(prompt, sampling_params, options, self._next_output, loop)
+        hold = self._pause.wait_resumed if self._pause.paused else None
+        return stream(prompt, sampling_params, options, self._next_output, loop, hold)
 
     async def encode(
         self,
@@ -241,6 +282,8 @@ class AsyncLLM:
         """
         self._ensure_running()
         self._bind_to_current_loop()
+        await self._pause.wait_resumed()
+        self._ensure_running()
         single = isinstance(prompt, str | Mapping)
         prompts = [prompt] if single else list(prompt)
         if not prompts:
@@ -302,9 +345,89 @@ class AsyncLLM:
 
     # ---- engine administration ------------------------------------------------------------------------
 
-    def check_health(self) -> None:
-        """Raises `EngineDeadError` if the engine died or was shut down."""
+    async def check_health(self) -> None:
+        """Return if the engine serves; a coroutine, as vLLM's (`await llm.check_health()`).
+
+        Raises:
+            EngineDeadError: the engine died or was shut down.
+        """
         self._ensure_running()
+
+    # ---- pausing (vLLM's API for weight updates between RL rollouts; `asyncllm.pausing`) ----------------
+
+    async def pause_generation(
+        self,
+        *,
+        mode: PauseMode | None = None,
+        wait_for_inflight_requests: bool | None = None,
+        clear_cache: bool = True,
+    ) -> None:
+        """Pause generation: new `generate()` / `encode()` requests wait (unsent) until `resume_generation()`.
+
+        Args:
+            mode: "abort" (default): in-flight requests end at once with finish_reason "abort"; "wait": they run
+                to their end, and this returns once the last one finished; "keep": the engine stops scheduling,
+                they keep their place and KV blocks and go on after `resume_generation()`.
+            wait_for_inflight_requests: vLLM's older spelling: True = mode "wait", False = "abort".
+            clear_cache: once nothing runs, forget every cached prompt prefix (`reset_prefix_cache()`), so
+                requests after new weights never reuse KV computed with the old ones.
+        Raises:
+            InvalidRequestError: an unknown mode, `mode` and `wait_for_inflight_requests` disagreeing, or mode
+                "keep" with `clear_cache=True` (the kept requests hold KV blocks; nothing is paused then).
+            EngineDeadError: the engine died or was shut down.
+            AsyncLLMError: the prefix cache could not be cleared (a request still held KV blocks).
+        """
+        resolved = resolve_pause_mode(mode, wait_for_inflight_requests)
+        if resolved == "keep" and clear_cache:
+            raise InvalidRequestError(
+                "pause_generation(mode='keep', clear_cache=True) cannot be honoured: the kept requests hold their KV "
+                "blocks, so the prefix cache cannot be cleared; pass clear_cache=False"
+            )
+        if resolved == "wait" and self._pause.engine_frozen:
+            raise InvalidRequestError(
+                "pause_generation(mode='wait') would never return: a pause with mode='keep' holds the requests; "
+                "call resume_generation() first"
+            )
+        self._ensure_running()
+        self._bind_to_current_loop()
+        self._pause.pause()
+        if resolved == "keep":
+            await self._client.call_utility_async("set_scheduler_paused", True)
+            self._pause.engine_frozen = True
+            return
+        if resolved == "abort":
+            await self.abort(self._output_processor.user_request_ids())
+
+        async def drained() -> bool:
+            self._ensure_running()
+            return self._output_processor.num_unfinished_requests == 0
+
+        await poll_until(drained, None)
+        if clear_cache and not await poll_until(self.reset_prefix_cache, RESET_DEADLINE_SECONDS):
+            raise AsyncLLMError("pause_generation could not clear the prefix cache: requests still hold KV blocks")
+
+    async def resume_generation(self) -> None:
+        """Resume after `pause_generation()`: kept requests go on, and the requests held meanwhile go to the
+        engine. Idempotent."""
+        if self._pause.engine_frozen:
+            self._ensure_running()
+            await self._client.call_utility_async("set_scheduler_paused", False)
+            self._pause.engine_frozen = False
+        self._pause.resume()
+
+    async def is_paused(self) -> bool:
+        """True between `pause_generation()` and `resume_generation()`."""
+        return self._pause.paused
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a submitted request has not finished (vLLM's `output_processor.has_unfinished_requests()`);
+        requests held by a pause are not submitted yet."""
+        return self._output_processor.num_unfinished_requests > 0
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Engine requests submitted and not finished (each completion of an n > 1 request counts)."""
+        return self._output_processor.num_unfinished_requests
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         """The engine scheduler's current counts (running, waiting, free and total KV blocks); with data
@@ -428,3 +551,15 @@ class AsyncLLM:
 
     def _ensure_running(self) -> None:
         self._handler.ensure_running()
+
+
+def callables_reach_the_worker(config: EngineConfig) -> bool:
+    """True when the worker samples in this process (engine core in a thread, "uni" executor, one engine, no
+    speculative decoding), so per-request callables (`SamplingParams.logits_processors`) can reach it."""
+    parallel = config.parallel
+    return (
+        not parallel.engine_process
+        and parallel.distributed_executor_backend == "uni"
+        and parallel.data_parallel_size == 1
+        and config.speculative is None
+    )

@@ -16,11 +16,14 @@ from typing import Any
 
 from asyncllm.engine_config import (
     LINEAR_KERNEL_ENV,
+    LOGPROBS_MODES,
     CacheConfig,
     DataParallelBackend,
     EngineConfig,
     LoadFormat,
+    LogprobsMode,
     LoRAConfig,
+    MetricsPrefix,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -155,6 +158,23 @@ class EngineArgs:
             model's template; a base model without one refuses chat requests (`InvalidRequestError`, HTTP 400).
         enforce_eager: vLLM's switch off CUDA graphs and compilation; asyncllm always runs eagerly (CPU, no graphs,
             no compilation), so True and False both hold as asked, and change nothing (accepted for vLLM code).
+        max_logprobs: vLLM's: `logprobs` / `prompt_logprobs` a request may ask for at most (default 20); -1 = the
+            whole vocabulary (`SamplingParams(logprobs=-1)`).
+        logprobs_mode: vLLM's: what logprobs carry: "raw_logprobs" (default: log_softmax of the model's logits),
+            "raw_logits" (the logits themselves), "processed_logprobs" / "processed_logits" (after every edit the
+            sampler makes: logits processors, bad words, bias, penalties, temperature, min-p, top-k, top-p; sample
+            logprobs only: prompt logprobs stay raw, and greedy rows are processed with temperature 1).
+        skip_tokenizer_init: vLLM's: load no tokenizer: prompts must be token ids, outputs carry token ids and an
+            empty text (`detokenize=False`); stop strings, bad words, chat prompts and structured outputs are
+            refused. EOS comes from the checkpoint's metadata.
+        disable_log_stats: vLLM's switch, the inverse of `log_stats`: True turns the periodic stats log line off
+            (asyncllm's default), False turns it on. None (default) leaves `log_stats` alone. Prometheus metrics
+            are kept either way (vLLM's True would also stop them).
+        metrics_prefix: "asyncllm" (default) or "vllm": the Prometheus metric names' prefix (`vllm:` for vLLM's
+            dashboards; `llm.get_metrics()` reads either).
+        dtype: vLLM's model dtype: "auto", "float32" or "float" (torch.float32 too) run as asked: asyncllm
+            computes in float32 on CPU. "bfloat16", "float16", "half" and other types raise ConfigError (use
+            `quantization="int8"` for smaller weights).
     Raises:
         ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -192,6 +212,12 @@ class EngineArgs:
     max_lora_rank: int = 16
     chat_template: str | None = None
     enforce_eager: bool = False
+    max_logprobs: int = 20
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    skip_tokenizer_init: bool = False
+    disable_log_stats: bool | None = None
+    dtype: Any = "auto"
+    metrics_prefix: MetricsPrefix = "asyncllm"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineArgs:
@@ -252,12 +278,35 @@ class EngineArgs:
             raise ConfigError(f"EngineArgs.stats_log_interval={self.stats_log_interval!r}: must be > 0")
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"EngineArgs.enforce_eager={self.enforce_eager!r}: must be True or False")
+        self._validate_vllm_args()
         if self.speculative_config is not None:
             SpeculativeConfig.from_user(self.speculative_config)
         if self.chat_template is not None:
             load_chat_template(self.chat_template)
         self._validate_data_parallel()
         self._validate_lora()
+
+    def _validate_vllm_args(self) -> None:
+        """vLLM's arguments: `max_logprobs`, `logprobs_mode`, `skip_tokenizer_init`, `disable_log_stats`, `dtype`."""
+        logprobs = self.max_logprobs
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1:
+            raise ConfigError(f"EngineArgs.max_logprobs={logprobs!r} is invalid: must be -1 (the vocabulary) or >= 0")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"EngineArgs.logprobs_mode={self.logprobs_mode!r}: must be one of {list(LOGPROBS_MODES)}")
+        for name in ("skip_tokenizer_init", "disable_log_stats"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name == "disable_log_stats"):
+                raise ConfigError(f"EngineArgs.{name}={value!r}: must be True or False")
+        if self.disable_log_stats is True and self.log_stats:
+            raise ConfigError("EngineArgs.log_stats=True and disable_log_stats=True disagree; give one of them")
+        dtype_name(self.dtype)
+        if self.metrics_prefix not in ("asyncllm", "vllm"):
+            raise ConfigError(f"EngineArgs.metrics_prefix={self.metrics_prefix!r}: must be 'asyncllm' or 'vllm'")
+        if self.logprobs_mode.startswith("processed_") and self.speculative_config is not None:
+            raise ConfigError(
+                f"EngineArgs.logprobs_mode={self.logprobs_mode!r} does not work with speculative_config: verified "
+                "tokens are scored on the raw logits; use 'raw_logprobs' or 'raw_logits'"
+            )
 
     def _validate_lora(self) -> None:
         from asyncllm.lora.peft import MAX_LORA_RANK
@@ -311,6 +360,9 @@ class EngineArgs:
                 f"EngineArgs.enable_lora is not supported for {arch.architecture} models (model/gemma3.py)"
             )
         model = ModelConfig(
+            max_logprobs=self.max_logprobs,
+            logprobs_mode=self.logprobs_mode,
+            skip_tokenizer_init=self.skip_tokenizer_init,
             model=os.fspath(self.model),
             model_path=str(model_path),
             load_format=self.load_format,
@@ -344,8 +396,9 @@ class EngineArgs:
             restart_dead_engines=bool(self.restart_dead_engines),
             engine_timeout=None if self.engine_timeout is None else float(self.engine_timeout),
         )
+        log_stats = bool(self.log_stats) if self.disable_log_stats is None else not self.disable_log_stats
         observability = ObservabilityConfig(
-            log_stats=bool(self.log_stats), stats_log_interval=float(self.stats_log_interval)
+            log_stats=log_stats, stats_log_interval=float(self.stats_log_interval), metrics_prefix=self.metrics_prefix
         )
         speculative = None if self.speculative_config is None else SpeculativeConfig.from_user(self.speculative_config)
         return EngineConfig(
@@ -357,6 +410,24 @@ class EngineArgs:
             speculative=speculative,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None,
         )
+
+
+FLOAT32_DTYPES = ("auto", "float32", "float")  # vLLM's dtype names asyncllm runs as asked (it computes in float32)
+
+
+def dtype_name(dtype: Any) -> str:
+    """vLLM's `dtype` argument as asyncllm runs it: "float32".
+
+    Raises:
+        ConfigError: any dtype other than "auto", "float32", "float" or torch.float32, naming it.
+    """
+    name = str(dtype).removeprefix("torch.") if not isinstance(dtype, str) else dtype
+    if name not in FLOAT32_DTYPES:
+        raise ConfigError(
+            f"EngineArgs.dtype={dtype!r} is not supported: asyncllm computes in float32 on CPU; use dtype='auto' or "
+            "'float32' (quantization='int8' gives smaller weights)"
+        )
+    return "float32"
 
 
 AsyncEngineArgs = EngineArgs

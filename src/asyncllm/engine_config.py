@@ -55,6 +55,11 @@ def parse_linear_kernels(
     return dict(value)
 
 
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+MetricsPrefix = Literal["asyncllm", "vllm"]
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to run.
@@ -68,6 +73,10 @@ class ModelConfig:
         quantization: None (float32 weights) or "int8" (int8 linear weights and LM head, see `model/kernels/int8.py`).
         linear_kernels: a forced kernel per kind of linear product ({"int8": "int_mm"}); kinds left out are chosen
             by measurement on the host (`model/kernels/choice.py`), or forced by `ASYNCLLM_LINEAR_KERNELS`.
+        max_logprobs: `logprobs` / `prompt_logprobs` a request may ask for at most; -1 = the whole vocabulary.
+        logprobs_mode: what logprobs carry (vLLM's `logprobs_mode`, `LOGPROBS_MODES`): "raw_logprobs" (default),
+            "raw_logits", "processed_logprobs", "processed_logits".
+        skip_tokenizer_init: no tokenizer in the frontend: token-id prompts only, outputs without text.
     """
 
     model: str
@@ -77,6 +86,9 @@ class ModelConfig:
     seed: int = 0
     quantization: Quantization | None = None
     linear_kernels: dict[str, str] | None = None
+    max_logprobs: int = 20
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    skip_tokenizer_init: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,10 +269,12 @@ class ObservabilityConfig:
     Fields:
         log_stats: log engine stats periodically (`asyncllm.metrics.loggers.LoggingStatLogger`).
         stats_log_interval: seconds between two stats log lines.
+        metrics_prefix: the Prometheus names' prefix: "asyncllm" or "vllm" (vLLM's names, for its dashboards).
     """
 
     log_stats: bool = False
     stats_log_interval: float = 5.0
+    metrics_prefix: MetricsPrefix = "asyncllm"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -104,10 +104,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         min_tokens: EOS and stop tokens cannot be sampled (masked) before this many tokens.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: leave special tokens out of the detokenized text.
-        logprobs: None, or k >= 0: return per generated token the k most likely tokens' logprobs plus the
-            sampled token's (k = 0: only the sampled token's). Logprobs are of the raw model distribution
-            (log_softmax of the logits before temperature, penalties and masks), as vLLM v1's default.
-        prompt_logprobs: None, or k >= 0: the same for each prompt token (the first entry is None).
+        logprobs: None, -1 (every token of the vocabulary), or k >= 0: return per generated token the sampled
+            token's logprob first, then the k most likely tokens' by rank (k = 0: only the sampled token's), as
+            vLLM. At most `EngineArgs.max_logprobs` (default 20; -1 there allows the whole vocabulary), checked
+            at submission. Logprobs are of the raw model distribution (log_softmax of the logits before
+            temperature, penalties and masks) unless `EngineArgs.logprobs_mode` says otherwise.
+        prompt_logprobs: None, -1 or k >= 0: the same for each prompt token (the first entry is None).
         output_kind: CUMULATIVE, DELTA or FINAL_ONLY.
         stream_interval: emit an output every this many generated tokens (and at the end); >= 1.
         structured_outputs: constrain the output to a JSON schema, JSON object, regex, choice or grammar
@@ -115,6 +117,21 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             may allow only EOS).
         repetition_detection: stop with finish_reason "repetition" when the output's tail repeats a pattern
             (`RepetitionDetectionParams`); None (default) = off.
+        bad_words: words never generated (vLLM's `bad_words`): each word is tokenized as is and with a leading
+            space; the last token of a tokenization is masked whenever the output ends with the tokens before it
+            (a one-token word is never sampled). Set `bad_words_token_ids` at submission.
+        bad_words_token_ids: the token sequences of `bad_words`, filled at submission (not for users to set).
+        logits_processors: per-request callables, as vLLM v0 documents them: `fn(output_token_ids, logits)` or
+            `fn(prompt_token_ids, output_token_ids, logits)`, `logits` the request's [vocab_size] float32 row,
+            returning the new row. Applied before every other edit (grammar, bias, penalties, temperature), one
+            row at a time, in any batch. Callables cannot cross a process boundary without pickle: they need
+            `EngineArgs(engine_process=False)` with the "uni" executor, one engine and no speculative decoding
+            (refused otherwise at submission). An exception in one fails that request alone (its stream raises
+            `EngineGenerateError`).
+        logits_processors_key: set at submission (not for users): where the worker finds the callables.
+        detokenize: False: outputs carry token ids and an empty `text` (no detokenization; stop strings cannot
+            be used then, as vLLM).
+        best_of: vLLM v1's rejection kept: None or 1 only (`best_of > 1` raises, as vLLM v1 does).
     """
 
     n: int = 1
@@ -141,10 +158,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stream_interval: int = 1
     structured_outputs: StructuredOutputsParams | None = None
     repetition_detection: RepetitionDetectionParams | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    logits_processors: list[Any] | None = None
+    logits_processors_key: str | None = None
+    detokenize: bool = True
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.validate()
 
     def validate(self) -> None:
@@ -161,6 +186,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if not isinstance(self.output_kind, RequestOutputKind):
             _bad("output_kind", self.output_kind, "a RequestOutputKind")
         self._validate_structured_outputs()
+        self._validate_vllm_options()
         if self.repetition_detection is not None:
             if not isinstance(self.repetition_detection, RepetitionDetectionParams):
                 _bad("repetition_detection", self.repetition_detection, "a RepetitionDetectionParams or None")
@@ -197,6 +223,23 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.min_tokens > 0:
             _bad("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar may only allow EOS)")
 
+    def _validate_vllm_options(self) -> None:
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, 1, "None or 1")
+            if self.best_of > 1:
+                raise InvalidRequestError(
+                    f"SamplingParams.best_of={self.best_of} is invalid: vLLM V1 does not yet support best_of, "
+                    "and asyncllm follows it (ask for n completions with logprobs and pick one)"
+                )
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            _bad("bad_words", self.bad_words, "a list of non-blank strings")
+        if self.logits_processors is not None and any(not callable(f) for f in self.logits_processors):
+            _bad("logits_processors", self.logits_processors, "a list of callables")
+        if not isinstance(self.detokenize, bool):
+            _bad("detokenize", self.detokenize, "True or False")
+        if not self.detokenize and self.stop:
+            _bad("stop", self.stop, "None with detokenize=False (stop strings need the text; as vLLM)")
+
     def _validate_counts(self) -> None:
         _check_int("n", self.n, 1, f"an integer in [1, {MAX_N}]", MAX_N)
         if self.max_tokens is not None:
@@ -208,7 +251,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, 0, f"None or an integer in [0, {MAX_LOGPROBS}]", MAX_LOGPROBS)
+                _check_int(name, value, -1, "None, -1 (the whole vocabulary) or an integer >= 0")
         if self.seed is not None:
             top = MAX_INT64 - (self.n - 1)  # child i of an n > 1 request uses seed + i
             _check_int("seed", self.seed, 0, f"None or an integer in [0, {top}] (2**63 - n)", top)
@@ -245,7 +288,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _bad("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids")
 
 
-MAX_LOGPROBS = 20  # top logprobs per token at most (as OpenAI's top_logprobs)
+MAX_LOGPROBS = 20  # top logprobs per token at most by default (vLLM's max_logprobs default, OpenAI's top_logprobs)
 MAX_INT64 = 2**63 - 1  # every integer field at most: msgpack's signed 64-bit range, torch's seed range
 MAX_N = 128  # completions per request at most (OpenAI's limit for `n`)
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's `_SAMPLING_EPS`)

@@ -31,6 +31,7 @@ from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.sampling_params import RequestOutputKind, SamplingParams
 from asyncllm.streams import GenerateOutputStream, RequestOutputCollector
+from asyncllm.utils import request_callables
 from asyncllm.utils.threads import run_in_daemon_thread
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 LONG_PROMPT_CHARS = 4096  # longer prompts are tokenized in a worker thread (cost: benchmarks/analysis.md)
 
 NextOutput = Callable[[RequestOutputCollector], Awaitable[RequestOutput]]
+Hold = Callable[[], Awaitable[None]]  # returns once a paused AsyncLLM resumes (`pausing.PauseGate.wait_resumed`)
 
 
 class RequestSubmitter:
@@ -70,8 +72,12 @@ class RequestSubmitter:
         options: RequestOptions,
         next_output: NextOutput,
         loop: Any,
+        hold: Hold | None = None,
     ) -> GenerateOutputStream:
         """Process the prompt here (bad input raises here), submit it, and return its stream (`generate()`).
+
+        With `hold` (generation is paused), the processed request is submitted when the stream is first awaited,
+        after `hold()` returns.
 
         Raises:
             InvalidRequestError: bad input (nothing reaches the engine), naming the field.
@@ -79,9 +85,18 @@ class RequestSubmitter:
         """
         prompt_text, request = self._input_processor.process(prompt, sampling_params, options)
         collector = RequestOutputCollector(request.sampling_params.output_kind)
-        self.submit(prompt_text, request, collector, options.data_parallel_rank)
         abort = self.stream_aborter(request.request_id)
-        return GenerateOutputStream(request.external_req_id or "", collector, abort, next_output, loop)
+        if hold is None:
+            self.submit(prompt_text, request, collector, options.data_parallel_rank)
+            return GenerateOutputStream(request.external_req_id or "", collector, abort, next_output, loop)
+
+        async def submit_when_resumed() -> None:
+            await hold()
+            self._handler.ensure_running()
+            self.submit(prompt_text, request, collector, options.data_parallel_rank)
+
+        external_id = request.external_req_id or ""
+        return GenerateOutputStream(external_id, collector, abort, next_output, loop, start=submit_when_resumed)
 
     def stream_later(
         self,
@@ -90,6 +105,7 @@ class RequestSubmitter:
         options: RequestOptions,
         next_output: NextOutput,
         loop: Any,
+        hold: Hold | None = None,
     ) -> GenerateOutputStream:
         """A stream whose prompt is processed in a worker thread, and submitted, when it is first awaited (a long
         prompt: the event loop never stalls on tokenizing it); its input errors raise from that first await.
@@ -104,6 +120,8 @@ class RequestSubmitter:
         collector = RequestOutputCollector(kind)
 
         async def submit_off_the_loop() -> None:
+            if hold is not None:
+                await hold()
             process = functools.partial(self._input_processor.process, internal_id=internal_id)
             resolved = dataclasses.replace(options, request_id=external_id)
             processed = await run_in_daemon_thread(process, prompt, sampling_params, resolved, name="asyncllm-tokenize")
@@ -201,6 +219,7 @@ class RequestSubmitter:
         internal id: a later request reusing the user's id is not touched."""
         aborted = self._output_processor.abort_requests([internal_id], notify=False, internal=True)
         self._handler.abort_in_engine(aborted)
+        request_callables.forget(internal_id)  # a stream closed before it was submitted (held by a pause)
 
     def stream_aborter(self, internal_id: str) -> Callable[[str], None]:
         """The stream's abort callback: it is called with the user's id, and aborts by `internal_id`."""

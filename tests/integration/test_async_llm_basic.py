@@ -49,7 +49,7 @@ async def test_invalid_input_raises_at_once_and_the_engine_keeps_serving(llm: As
     outputs = await collect(stream)
     assert len(outputs[-1].outputs[0].token_ids) <= 4
     assert (await twin.collect()).outputs[0].token_ids == outputs[-1].outputs[0].token_ids
-    llm.check_health()
+    await llm.check_health()
     assert llm.is_running
     assert not llm.errored
 

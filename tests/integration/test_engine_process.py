@@ -149,7 +149,7 @@ async def test_utility_calls_cross_the_process_boundary(llm: AsyncLLM) -> None:
         await client.call_utility_async("shutdown")
     with pytest.raises(EngineGenerateError, match="no_such_method"):
         await llm.collective_rpc("no_such_method")
-    llm.check_health()
+    await llm.check_health()
 
 
 @module_loop
@@ -209,7 +209,7 @@ async def test_sigkill_with_two_live_streams_raises_engine_dead_within_5s(model_
     assert llm.errored
     assert not llm.is_running
     with pytest.raises(EngineDeadError):
-        llm.check_health()
+        await llm.check_health()
     with pytest.raises(EngineDeadError):
         llm.generate("Hello", greedy(4))
     with pytest.raises(EngineDeadError):
@@ -287,7 +287,7 @@ async def test_death_of_an_idle_engine_is_noticed_without_outputs(tokenizer: Tok
     os.kill(client.process.pid, signal.SIGKILL)
     assert await asyncio.to_thread(wait_until, lambda: llm.errored, 5.0), "death not noticed within 5 s"
     with pytest.raises(EngineDeadError, match="died"):
-        llm.check_health()
+        await llm.check_health()
     with pytest.raises(EngineDeadError):
         llm.generate({"prompt_token_ids": [1]}, greedy(2))
     with pytest.raises(EngineDeadError):

@@ -67,7 +67,7 @@ def test_reader_ends_when_its_stream_is_closed_or_aborted(mode: str, model_path:
                 assert [type(e) for e in errors] == [StreamClosedError]
             else:
                 assert errors == []  # aborted: the stream ended with its final "abort" output
-            assert llm.check_health() is None  # the engine still serves
+            assert await llm.check_health() is None  # the engine still serves
             final = await llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0)).collect()
             assert len(final.outputs[0].token_ids) == 3
 

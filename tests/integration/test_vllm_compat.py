@@ -76,3 +76,21 @@ def test_a_script_leaving_asyncio_run_through_sys_exit_exits(tmp_path: Path) -> 
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() in ("answer: yes", "answer: no"), result.stdout
     print(f"the script exited {time.monotonic() - started:.1f} s after it started")
+
+
+@pytest.mark.timeout(1200)
+def test_vllms_basic_offline_example_runs_unchanged_without_a_warning() -> None:
+    result = run_script(PORTS / "basic.py", timeout=1100)
+    assert result.returncode == 0, result.stdout + result.stderr
+    prompts = [line for line in result.stdout.splitlines() if line.startswith("Prompt:")]
+    assert prompts == [
+        "Prompt:    'Hello, my name is'",
+        "Prompt:    'The president of the United States is'",
+        "Prompt:    'The capital of France is'",
+        "Prompt:    'The future of AI is'",
+    ]
+    outputs = [line for line in result.stdout.splitlines() if line.startswith("Output:")]
+    assert len(outputs) == 4
+    assert all(len(line) > len("Output:    ''") for line in outputs)  # each generated some text
+    for sign in WARNING_SIGNS:
+        assert sign not in result.stderr, result.stderr

@@ -263,7 +263,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "stop": [3]}, "stop"),
-    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "hi", "unknown_field": 1}, "unknown_field"),
     ({"prompt": "word " * 9000}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),

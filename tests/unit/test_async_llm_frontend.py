@@ -200,7 +200,7 @@ async def test_engine_death_reaches_every_stream_and_is_sticky(tokenizer) -> Non
     assert engine.errored
     assert not engine.is_running
     with pytest.raises(EngineDeadError):
-        engine.check_health()
+        await engine.check_health()
     with pytest.raises(EngineDeadError):
         engine.generate("Hi", greedy())
     await engine.shutdown()

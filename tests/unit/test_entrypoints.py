@@ -96,8 +96,8 @@ def test_pydantic_errors_name_the_field() -> None:
     assert error.param.startswith("messages.0.content")
     with pytest.raises(ValidationError, match="extra"):
         CompletionRequest(prompt="hi", echo_twice=True)  # type: ignore[call-arg]
-    with pytest.raises(ValidationError):
-        CompletionRequest(prompt="hi", echo=True)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="Stream options can only be defined when `stream=True`"):
+        CompletionRequest(prompt="hi", stream_options={"include_usage": True})  # type: ignore[arg-type]
 
 
 def test_chat_content_parts_are_joined_text() -> None:

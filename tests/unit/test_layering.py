@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "asyncllm.structured_outputs.params",
             "asyncllm.messages",
             "asyncllm.outputs",
+            "asyncllm.inputs",  # vLLM's prompt TypedDicts
             "asyncllm.utils",
             "asyncllm.processing.prompt_embeds",  # the one request check both the frontend and the engine core run
         ),
@@ -70,7 +71,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "asyncllm.submission",
             "asyncllm.starting",
             "asyncllm.stopping",
+            "asyncllm.pausing",
             "asyncllm.async_llm",
+            "asyncllm.llm",
         ),
     ),
     ("package re-exports", ("asyncllm",)),

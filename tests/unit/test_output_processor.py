@@ -239,7 +239,8 @@ def test_logprobs_align_with_token_ids_in_every_delta_and_after_a_stop_string(hf
     final = outputs[-1].outputs[0]
     assert final.stop_reason == "Paris"
     assert "".join(o.outputs[0].text for o in outputs) == "The capital of France is "
-    assert [next(iter(d)) for d in logprobs] == [1000] * len(token_ids)  # top-1 first, then the sampled one
+    assert [next(iter(d)) for d in logprobs] == token_ids  # vLLM's order: the sampled token first, then the top-k
+    assert [list(d)[1] for d in logprobs] == [1000] * len(token_ids)
     assert [d[t].logprob for d, t in zip(logprobs, token_ids, strict=True)] == pytest.approx(
         [-0.01 * t for t in token_ids]
     )

@@ -167,6 +167,12 @@ class EngineCore:
         """Forget every cached prefix. Returns False (nothing changed) while requests hold KV cache blocks."""
         return self.scheduler.reset_prefix_cache()
 
+    def set_scheduler_paused(self, paused: bool) -> bool:
+        """Pause (True) or resume (False) scheduling: while paused no request runs and none is dropped; each keeps
+        its place and its KV blocks (vLLM's pause mode "keep"). Returns True."""
+        self.scheduler.paused = bool(paused)
+        return True
+
     def collective_rpc(
         self,
         method: str,

@@ -20,6 +20,7 @@ def _concatenate(per_engine: list[list[Any]]) -> list[Any]:
 UTILITY_COMBINERS: dict[str, Callable[[list[Any]], Any]] = {
     "get_scheduler_stats": sum_scheduler_stats,
     "reset_prefix_cache": all,
+    "set_scheduler_paused": all,
     "collective_rpc": _concatenate,  # by engine rank, then worker rank
     "echo": lambda per_engine: per_engine[0],  # every engine echoes the same arguments
 }

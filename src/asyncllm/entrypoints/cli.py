@@ -1,6 +1,7 @@
 """The `asyncllm` command: `serve`, `generate`, `chat`, `models`.
 
     asyncllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+        (vLLM's `VLLM_API_KEY` in the environment counts as `--api-key`; `--shutdown-timeout` is `--grace-period`)
     asyncllm generate "prompt" [--max-tokens N] [--temperature T] [engine flags]
     asyncllm chat [--model MODEL] [--system TEXT]
     asyncllm models
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import sys
 
 from asyncllm.config import DEFAULT_MODEL
@@ -64,7 +67,14 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS methods")
     p.add_argument("--allowed-headers", nargs="*", default=["*"], help="CORS headers")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
-    p.add_argument("--grace-period", type=float, default=10.0, help="seconds in-flight requests may finish on exit")
+    p.add_argument(
+        "--grace-period",
+        "--shutdown-timeout",  # vLLM's name: seconds in-flight requests may finish after a shutdown signal
+        dest="grace_period",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may finish on exit (vLLM's --shutdown-timeout)",
+    )
     p.add_argument("--tool-call-parser", default="hermes", help="reads the model's own tool calls")
     p.add_argument(
         "--lora-modules",
@@ -72,7 +82,33 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         type=_lora_module,
         metavar="NAME=PATH",
-        help="serve PEFT LoRA adapters as models NAME (needs --enable-lora; docs/lora.md)",
+        help="serve PEFT LoRA adapters as models NAME (needs --enable-lora; docs/lora.md); vLLM's JSON form too",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's switch for tool_choice='auto'; asyncllm always reads the model's own tool calls with "
+        "--tool-call-parser, so it changes nothing",
+    )
+    p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every streamed response ends with a usage chunk, as if stream_options.include_usage were set",
+    )
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header (the client's, or a new one)",
+    )
+    p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration, chat template included; vLLM's flag)",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides it)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
@@ -104,10 +140,26 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _lora_module(text: str) -> tuple[str, str]:
-    """`NAME=PATH` -> (name, path)."""
+    """`NAME=PATH`, or vLLM's JSON form `{"name": NAME, "path": PATH, "base_model_name": ...}` -> (name, path).
+
+    A JSON `base_model_name` must be omitted or one of the served names: checked at start-up is not possible
+    here, so it is kept out (the adapter runs on the one base model this server serves).
+    """
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {error}") from None
+        unknown = sorted(set(spec) - {"name", "path", "base_model_name"})
+        if unknown or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise argparse.ArgumentTypeError(
+                f'{text!r}: the JSON form takes "name" and "path" (strings) and "base_model_name"'
+                + (f"; unknown keys {unknown}" if unknown else "")
+            )
+        return spec["name"], spec["path"]
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH or vLLM's JSON form")
     return name, path
 
 
@@ -119,10 +171,11 @@ def _run_serve(ns: argparse.Namespace) -> int:
     from asyncllm.model.loading.resolve import resolve_model_path
 
     resolve_model_path(ns.model)  # fails fast with one line (ModelNotFoundError); fetches a known model once
+    engine_args_from(ns, ns.model).validate()  # a bad flag (e.g. --dtype bfloat16) fails before the server starts
     config = ServerConfig(
         engine_args=engine_args_from(ns, ns.model),
         served_model_names=ns.served_model_name,
-        api_key=ns.api_key,
+        api_key=ns.api_key or os.environ.get("VLLM_API_KEY") or None,  # vLLM's environment variable, as --api-key
         root_path=ns.root_path,
         allowed_origins=ns.allowed_origins,
         allowed_methods=ns.allowed_methods,
@@ -130,6 +183,10 @@ def _run_serve(ns: argparse.Namespace) -> int:
         allow_credentials=ns.allow_credentials,
         tool_call_parser=ns.tool_call_parser,
         lora_modules=dict(ns.lora_modules),
+        force_include_usage=ns.enable_force_include_usage,
+        request_id_headers=ns.enable_request_id_headers,
+        return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+        tokenizer_info_endpoint=ns.enable_tokenizer_info_endpoint,
     )
     run_server(config, ns.host, ns.port, ns.grace_period, ns.log_level)
     return 0

@@ -345,6 +345,7 @@ UTILITY_METHODS: dict[str, Any] = {
     "collective_rpc": list[Any],
     "echo": list[Any],
     "count_request_states": dict[str, int],
+    "set_scheduler_paused": bool,
 }
 """The `EngineCore` methods a client may call, with the type their result is decoded to on the client."""
 

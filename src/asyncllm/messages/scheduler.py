@@ -126,9 +126,12 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         prompt_logprobs: req_id -> logprobs of its prompt tokens 1.. (requests that asked for
             `prompt_logprobs`, in the step that samples their first token).
         pooler_output: req_id -> pooled vector of an embedding request, in the step that finishes its prefill.
+        failed_requests: req_id -> error, for requests the worker could not sample (a per-request logits
+            processor raised); the scheduler fails each alone.
     """
 
     sampled_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
     logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = msgspec.field(default_factory=dict)
     pooler_output: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    failed_requests: dict[str, str] = msgspec.field(default_factory=dict)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from typing import Any
 
 from asyncllm.messages.engine import SchedulerStats
 from asyncllm.metrics.stats import IterationStats, sum_scheduler_stats
@@ -17,11 +18,22 @@ logger = logging.getLogger(__name__)
 
 
 class StatLoggerBase(ABC):
-    """Receives every step's stats on the event loop thread; must be quick (no I/O but logging)."""
+    """Receives every step's stats on the event loop thread; must be quick (no I/O but logging).
+
+    vLLM's interface too: a subclass passed to `AsyncLLM.from_engine_args(args, stat_loggers=[MyLogger])` as a
+    class (a factory) is built as `MyLogger(config, engine_index)` and added to the default loggers; `log()` runs
+    on `await llm.do_log_stats()`, `log_engine_initialized()` once the engine is up.
+    """
 
     @abstractmethod
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         """Take one step's stats (either may be None)."""
+
+    def log(self) -> None:  # noqa: B027  # optional hook, as vLLM's
+        """Write what has been recorded (`AsyncLLM.do_log_stats()`); nothing by default."""
+
+    def log_engine_initialized(self) -> None:  # noqa: B027  # optional hook, as vLLM's
+        """Called once the engine is up; nothing by default."""
 
 
 class LoggingStatLogger(StatLoggerBase):
@@ -58,6 +70,12 @@ class LoggingStatLogger(StatLoggerBase):
             self._log(now - self._last_log_time)
             self._last_log_time = now
 
+    def log(self) -> None:
+        """Write the stats line now (vLLM's `do_log_stats`), and start a new interval."""
+        now = time.monotonic()
+        self._log(max(now - self._last_log_time, 1e-9))
+        self._last_log_time = now
+
     def _log(self, elapsed: float) -> None:
         stats = sum_scheduler_stats(list(self._last_scheduler_stats.values()))
         logger.info(
@@ -82,3 +100,46 @@ class LoggingStatLogger(StatLoggerBase):
             )
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self.num_lines_logged += 1
+
+
+class AggregatedLoggingStatLogger(LoggingStatLogger):
+    """vLLM's name for the stats line over every data-parallel engine: asyncllm's `LoggingStatLogger` already sums
+    the engines' latest stats. Built as vLLM builds it: `AggregatedLoggingStatLogger(config, engine_indexes)`.
+
+    Args:
+        config: the engine configuration (its `observability.stats_log_interval`).
+        engine_indexes: the engines' ranks (accepted for vLLM's signature; every engine's stats are summed).
+    """
+
+    def __init__(self, config: Any, engine_indexes: list[int] | None = None) -> None:
+        super().__init__(config.observability.stats_log_interval)
+        self.engine_indexes = list(engine_indexes or [0])
+
+
+class PerEngineStatLoggerAdapter(StatLoggerBase):
+    """vLLM's adapter: one logger per data-parallel engine, built by `factory(config, engine_index)`; each step's
+    stats go to the logger of the engine that sent them (`SchedulerStats.engine_index`; engine 0 when a step has
+    no scheduler stats).
+
+    Args:
+        config: the engine configuration, passed to `factory`.
+        engine_indexes: the engines' ranks.
+        factory: a logger class (or any callable) taking `(config, engine_index)`.
+    """
+
+    def __init__(self, config: Any, engine_indexes: list[int], factory: Any) -> None:
+        self.per_engine: dict[int, StatLoggerBase] = {index: factory(config, index) for index in engine_indexes}
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        index = scheduler_stats.engine_index if scheduler_stats is not None else 0
+        target = self.per_engine.get(index)
+        if target is not None:
+            target.record(scheduler_stats, iteration_stats)
+
+    def log(self) -> None:
+        for stat_logger in self.per_engine.values():
+            stat_logger.log()
+
+    def log_engine_initialized(self) -> None:
+        for stat_logger in self.per_engine.values():
+            stat_logger.log_engine_initialized()

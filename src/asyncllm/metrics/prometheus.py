@@ -8,6 +8,7 @@ Names after vLLM v1's `vllm/v1/metrics/loggers.py` (`vllm:` -> `asyncllm:`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from asyncllm.messages.engine import SchedulerStats, SpecDecodeMetrics
@@ -16,6 +17,9 @@ from asyncllm.metrics.stats import IterationStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+ITERATION_TOKEN_BUCKETS: list[float] = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]  # vLLM's
+TOKEN_BUCKETS = [m * 10**e for e in range(6) for m in (1, 2, 5)]  # 1, 2, 5, 10, ... 500000: vLLM's 1-2-5 steps
+N_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 128]
 
 
 def is_prometheus_available() -> bool:
@@ -40,24 +44,32 @@ class PrometheusStatLogger(StatLoggerBase):
     `asyncllm:request_queue_time_seconds`. With speculative decoding (registered at its first stats):
     counters `asyncllm:spec_decode_num_drafts_total`, `asyncllm:spec_decode_num_draft_tokens_total`,
     `asyncllm:spec_decode_num_accepted_tokens_total` and `asyncllm:spec_decode_num_accepted_tokens_per_pos_total`
-    (label `position`, 0 = first draft token), as vLLM's.
+    (label `position`, 0 = first draft token), as vLLM's. vLLM's families too: histograms
+    `iteration_tokens_total` (prompt + generation tokens per engine step), `request_prompt_tokens`,
+    `request_generation_tokens`, `request_params_n`, `request_params_max_tokens` (per finished request),
+    `request_prefill_time_seconds`, `request_decode_time_seconds`, `request_inference_time_seconds` (engine clock:
+    first scheduled -> first token -> last token); gauge `cache_config_info` (value 1, the cache settings as
+    labels; `log_cache_config`).
 
     Args:
         model_name: value of the `model_name` label.
         registry: where to register; None makes a new `CollectorRegistry` (`self.registry`).
+        prefix: the names' prefix: "asyncllm" (default), or "vllm" for the names vLLM's dashboards read
+            (`vllm:num_requests_running`, ...; `EngineArgs(metrics_prefix="vllm")`).
     Raises:
         ImportError: prometheus-client is not installed.
     """
 
-    def __init__(self, model_name: str = "", registry: Any = None) -> None:
+    def __init__(self, model_name: str = "", registry: Any = None, prefix: str = "asyncllm") -> None:
         import prometheus_client as prom
 
+        self.prefix = prefix
         self.registry = prom.CollectorRegistry() if registry is None else registry
         labels = {"model_name": model_name}
 
         def make(kind: Any, name: str, doc: str, **kw: Any) -> Any:
             names = ["model_name", *kw.pop("extra_labels", [])]
-            return kind(f"asyncllm:{name}", doc, names, registry=self.registry, **kw)
+            return kind(f"{prefix}:{name}", doc, names, registry=self.registry, **kw)
 
         per_engine = {"extra_labels": ["engine"]}
         self._running = make(prom.Gauge, "num_requests_running", "Requests running in the engine.", **per_engine)
@@ -82,6 +94,31 @@ class PrometheusStatLogger(StatLoggerBase):
         self._queue = make(
             prom.Histogram, "request_queue_time_seconds", "Time waiting.", buckets=REQUEST_LATENCY_BUCKETS
         ).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return make(prom.Histogram, name, doc, buckets=buckets).labels(**labels)
+
+        self._iteration_tokens = histogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKEN_BUCKETS
+        )
+        self._request_prompt = histogram("request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS)
+        self._request_gen = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS
+        )
+        self._params_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self._params_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", TOKEN_BUCKETS
+        )
+        self._prefill_time = histogram(
+            "request_prefill_time_seconds", "Time spent in PREFILL phase.", list(REQUEST_LATENCY_BUCKETS)
+        )
+        self._decode_time = histogram(
+            "request_decode_time_seconds", "Time spent in DECODE phase.", list(REQUEST_LATENCY_BUCKETS)
+        )
+        self._inference_time = histogram(
+            "request_inference_time_seconds", "Time spent in RUNNING phase.", list(REQUEST_LATENCY_BUCKETS)
+        )
+        self._cache_info_family = (prom.Gauge, f"{prefix}:cache_config_info", "Information of the KV cache config.")
         self._last_totals: dict[int, SchedulerStats] = {}  # by engine rank
         self._per_engine: dict[int, tuple[Any, ...]] = {}
         self._make = make
@@ -154,9 +191,16 @@ class PrometheusStatLogger(StatLoggerBase):
             self._per_engine[engine_index] = children
         return children
 
+    def log_cache_config(self, info: dict[str, str]) -> None:
+        """Publish `cache_config_info` (vLLM's): a gauge of value 1 whose labels are the cache settings."""
+        kind, name, doc = self._cache_info_family
+        kind(name, doc, sorted(info), registry=self.registry).labels(**info).set(1)
+
     def _record_iteration_stats(self, stats: IterationStats) -> None:
         self._prompt_tokens.inc(stats.num_prompt_tokens)
         self._gen_tokens.inc(stats.num_generation_tokens)
+        if stats.num_prompt_tokens + stats.num_generation_tokens > 0:
+            self._iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
         for ttft in stats.time_to_first_tokens:
             self._ttft.observe(ttft)
         for itl in stats.inter_token_latencies:
@@ -166,3 +210,15 @@ class PrometheusStatLogger(StatLoggerBase):
             self._e2e.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self._queue.observe(finished.queue_time)
+            self._request_prompt.observe(finished.num_prompt_tokens)
+            self._request_gen.observe(finished.num_generation_tokens)
+            self._params_n.observe(finished.n)
+            if finished.max_tokens is not None:
+                self._params_max_tokens.observe(finished.max_tokens)
+            for phase, seconds in (
+                (self._prefill_time, finished.prefill_time),
+                (self._decode_time, finished.decode_time),
+                (self._inference_time, finished.inference_time),
+            ):
+                if seconds is not None:
+                    phase.observe(max(seconds, 0.0))

@@ -86,6 +86,15 @@ class RequestStateStats:
             return None
         return (self.last_token_ts - self.first_token_ts) / (self.num_generation_tokens - 1)
 
+    def phase_times(self) -> tuple[float | None, float | None, float | None]:
+        """(prefill, decode, inference) engine seconds: first scheduled -> first token -> last token; None where
+        a timestamp is missing (vLLM's `request_{prefill,decode,inference}_time_seconds`)."""
+        scheduled, first, last = self.first_scheduled_ts, self.first_token_ts, self.last_token_ts
+        prefill = first - scheduled if scheduled is not None and first is not None else None
+        decode = last - first if first is not None and last is not None else None
+        inference = last - scheduled if scheduled is not None and last is not None else None
+        return prefill, decode, inference
+
     def to_metrics(self) -> RequestMetrics:
         """A snapshot for `RequestOutput.metrics`."""
         return RequestMetrics(
@@ -109,6 +118,11 @@ class FinishedRequestStats:
         num_prompt_tokens, num_generation_tokens: tokens.
         queue_time: engine seconds waiting before first scheduled (None if unknown).
         mean_inter_token_latency: engine seconds (None with fewer than two tokens).
+        prefill_time: engine seconds from first scheduled to the first token (None if unknown).
+        decode_time: engine seconds from the first token to the last.
+        inference_time: engine seconds from first scheduled to the last token (prefill + decode).
+        n: completions of the user's request (`SamplingParams.n`).
+        max_tokens: the request's `max_tokens` (resolved), None if unknown.
     """
 
     finish_reason: str
@@ -117,6 +131,11 @@ class FinishedRequestStats:
     num_generation_tokens: int
     queue_time: float | None
     mean_inter_token_latency: float | None
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+    n: int = 1
+    max_tokens: int | None = None
 
 
 @dataclass

@@ -27,7 +27,8 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: the model's `tokenizers.Tokenizer`.
-        params: uses `stop`, `include_stop_str_in_output`, `skip_special_tokens`, `min_tokens`.
+        params: uses `stop`, `include_stop_str_in_output`, `skip_special_tokens`, `min_tokens`, `detokenize`
+            (False: token ids only, the text stays "").
     Attributes:
         token_ids: every generated token id fed so far (up to and including the one that completed a stop
             string; later ones are dropped).
@@ -42,6 +43,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
+        self._detokenize = params.detokenize
         self._text = ""  # all text decoded so far (cut at a stop string)
         self._num_pending_tokens = 0  # tokens fed to the stream since it last produced text
         self._num_emittable = 0  # prefix of _text that is safe to emit
@@ -103,6 +105,8 @@ class IncrementalDetokenizer:
             self._flush()
 
     def _append_token(self, token_id: int) -> None:
+        if not self._detokenize:
+            return
         chunk = self._stream.step(self._tokenizer, token_id)
         if chunk is None:
             self._num_pending_tokens += 1

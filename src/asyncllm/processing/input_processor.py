@@ -2,6 +2,7 @@
 
 Prompt forms:
     "text"                                       encoded with the tokenizer (special tokens added, e.g. BOS).
+    (each dict form may carry "cache_salt"; `asyncllm.inputs` has vLLM's TypedDicts for them)
     {"prompt_token_ids": [int, ...]}             used as is (optionally with "prompt": its text).
     {"prompt": "text"}                           same as "text".
     {"prompt_embeds": tensor}                    [num_tokens, hidden_size] float32 vectors the first layer takes
@@ -39,9 +40,11 @@ from asyncllm.lora.checker import LoRAChecker
 from asyncllm.lora.request import LoRARequest
 from asyncllm.messages.engine import EngineCoreRequest
 from asyncllm.pooling_params import PoolingParams
+from asyncllm.processing.no_tokenizer import NoTokenizer
 from asyncllm.processing.prompt_embeds import PLACEHOLDER_TOKEN_ID, check_embeds_params, to_prompt_embeds_array
-from asyncllm.sampling_params import MAX_INT64, RequestOutputKind, SamplingParams
+from asyncllm.sampling_params import MAX_INT64, MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from asyncllm.structured_outputs.backend import check_constraint
+from asyncllm.utils import request_callables
 
 PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
@@ -95,6 +98,9 @@ class InputProcessor:
             errors when the cache is what limits `max_model_len`; None = not known.
         hidden_size: the model's hidden size (handshake), for prompt embeddings and `dimensions`; 0 = unknown.
         lora_config: the engine's LoRA settings (None = LoRA off: a `lora_request` is refused).
+        max_logprobs: `logprobs` / `prompt_logprobs` at most (`EngineArgs.max_logprobs`; -1 = the vocabulary).
+        callables_in_process: the worker runs in this process (engine thread, "uni" executor, no speculative
+            decoding), so `SamplingParams.logits_processors` can reach it; False refuses them.
     """
 
     def __init__(
@@ -105,8 +111,12 @@ class InputProcessor:
         kv_cache_blocks: tuple[int, int] | None = None,
         hidden_size: int = 0,
         lora_config: LoRAConfig | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
+        callables_in_process: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        self._max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+        self._callables_in_process = callables_in_process
         self._hidden_size = hidden_size
         self._lora_checker = LoRAChecker(lora_config)
         self._max_model_len = max_model_len
@@ -148,7 +158,7 @@ class InputProcessor:
         if pooling_params is not None:
             params = self._pooling_placeholder(pooling_params, sampling_params)
         request_id = validate_request_id(options.request_id)
-        priority, cache_salt = options.priority, options.cache_salt
+        priority, cache_salt = options.priority, _prompt_cache_salt(prompt, options.cache_salt)
         _validate_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} is invalid: must be None or a non-empty str")
@@ -162,10 +172,15 @@ class InputProcessor:
         else:
             text, token_ids = self.tokenize(prompt)
         self._validate_token_ids(token_ids)
+        engine_id = internal_id or make_internal_request_id(request_id)
+        params = self._resolve_max_tokens(params, len(token_ids))
+        if params.logits_processors:  # last: nothing after this may raise, or the entry would be left behind
+            request_callables.register(engine_id, params.logits_processors)
+            params = msgspec.structs.replace(params, logits_processors=None, logits_processors_key=engine_id)
         request = EngineCoreRequest(
-            request_id=internal_id or make_internal_request_id(request_id),
+            request_id=engine_id,
             prompt_token_ids=token_ids,
-            sampling_params=self._resolve_max_tokens(params, len(token_ids)),
+            sampling_params=params,
             eos_token_id=self._tokenizer.eos_token_id,
             arrival_time=time.time(),
             priority=priority,
@@ -190,7 +205,7 @@ class InputProcessor:
 
     def _prompt_embeds(self, prompt: Mapping[str, Any], params: SamplingParams) -> np.ndarray:
         """The checked [num_tokens, hidden_size] float32 array of a `{"prompt_embeds": ...}` prompt."""
-        unknown = sorted(set(prompt) - {"prompt_embeds"})
+        unknown = sorted(set(prompt) - {"prompt_embeds", "cache_salt"})
         if unknown:
             raise InvalidRequestError(f"a prompt_embeds prompt takes no other keys; got {unknown}")
         check_embeds_params(params)
@@ -223,9 +238,17 @@ class InputProcessor:
         return list(token_ids)
 
     def _tokenize_dict(self, prompt: Mapping[str, Any]) -> tuple[str | None, list[int]]:
-        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+        not_served = [key for key in unknown if key in VLLM_PROMPT_KEYS_NOT_SERVED]
+        if not_served:
+            raise InvalidRequestError(
+                f"prompt keys {not_served} are not supported: asyncllm serves text-only decoder models "
+                "(vLLM's multi-modal and cross-encoder prompt keys)"
+            )
         if unknown:
-            raise InvalidRequestError(f"unknown prompt keys {unknown}: use 'prompt_token_ids' or 'prompt'")
+            raise InvalidRequestError(
+                f"unknown prompt keys {unknown}: use 'prompt_token_ids' or 'prompt' (and optionally 'cache_salt')"
+            )
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise InvalidRequestError("prompt['prompt'] must be a str")
@@ -272,7 +295,59 @@ class InputProcessor:
         params.validate_vocab(self._vocab_size)
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs)
+        self._validate_logprobs(params)
+        if params.logits_processors and not self._callables_in_process:
+            raise InvalidRequestError(
+                "SamplingParams.logits_processors need the worker in this process: callables cannot be sent to "
+                "another process without pickle. Use EngineArgs(engine_process=False) with the 'uni' executor, one "
+                "engine and no speculative decoding"
+            )
+        if params.logits_processors_key is not None:
+            raise InvalidRequestError("SamplingParams.logits_processors_key is set at submission, not by users")
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
+        if isinstance(self._tokenizer, NoTokenizer):
+            return self._token_ids_only(params)
         return params
+
+    @staticmethod
+    def _token_ids_only(params: SamplingParams) -> SamplingParams:
+        """With `skip_tokenizer_init`: refuse what needs text; outputs are not detokenized (empty text, as vLLM)."""
+        if params.stop:
+            raise InvalidRequestError("SamplingParams.stop needs a tokenizer: the engine has skip_tokenizer_init=True")
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(
+                "structured outputs require a tokenizer, so they cannot be used with skip_tokenizer_init=True"
+            )
+        return msgspec.structs.replace(params, detokenize=False) if params.detokenize else params
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's check of `logprobs` / `prompt_logprobs` (-1 = the vocabulary) against `max_logprobs`."""
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            wanted = self._vocab_size if value == -1 else value
+            if wanted > self._max_logprobs:
+                raise InvalidRequestError(
+                    f"SamplingParams.{name}={value} is invalid: requested {kind} logprobs of {wanted}, which is "
+                    f"greater than max allowed: {self._max_logprobs} (EngineArgs.max_logprobs; -1 there allows "
+                    "the whole vocabulary)"
+                )
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token sequences: the word as written (leading blanks stripped) and with one leading
+        space (when that tokenizes differently, to the same length), as vLLM's `SamplingParams.bad_words`."""
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = self._tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self._tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (bare, spaced):
+                if ids and ids not in sequences and (ids is bare or len(ids) == len(bare)):
+                    sequences.append(list(ids))
+        for ids in sequences:
+            self._validate_token_ids(ids)
+        return sequences
 
     def _resolve_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self._max_model_len - num_prompt_tokens
@@ -289,6 +364,28 @@ class InputProcessor:
                 f"max_tokens must be <= max_model_len ({self._limit}); at most {room} here"
             )
         return params
+
+
+VLLM_PROMPT_KEYS_NOT_SERVED = frozenset(
+    {"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "token_type_ids"}
+)  # keys of vLLM's TextPrompt / TokensPrompt that only multi-modal or cross-encoder models read
+
+
+def _prompt_cache_salt(prompt: PromptType, salt: str | None) -> str | None:
+    """The request's cache salt: `generate(cache_salt=)`, or a dict prompt's "cache_salt" key (vLLM's
+    `TokensPrompt(cache_salt=...)`).
+
+    Raises:
+        InvalidRequestError: both are given and differ.
+    """
+    if not isinstance(prompt, Mapping) or "cache_salt" not in prompt:
+        return salt
+    in_prompt = prompt["cache_salt"]
+    if salt is not None and salt != in_prompt:
+        raise InvalidRequestError(
+            f"cache_salt is given twice and differs: {salt!r} (argument) and {in_prompt!r} (the prompt's key)"
+        )
+    return in_prompt
 
 
 _internal_id_counter = itertools.count()  # next() is atomic in CPython: safe from any thread

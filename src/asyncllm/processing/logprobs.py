@@ -12,7 +12,8 @@ class LogprobsProcessor:
     """Accumulates one sequence's sample and prompt logprobs.
 
     Args:
-        tokenizer: decodes each listed token on its own (`decoded_token`).
+        tokenizer: decodes each listed token on its own (`decoded_token`); None (`detokenize=False`): every
+            `decoded_token` is None, as vLLM.
         num_logprobs: `SamplingParams.logprobs` (None: no sample logprobs).
         num_prompt_logprobs: `SamplingParams.prompt_logprobs` (None: no prompt logprobs).
     Attributes:
@@ -22,7 +23,9 @@ class LogprobsProcessor:
         prompt_logprobs: [None, dict, ...] once the engine sent them, or None.
     """
 
-    def __init__(self, tokenizer: HFTokenizer, num_logprobs: int | None, num_prompt_logprobs: int | None) -> None:
+    def __init__(
+        self, tokenizer: HFTokenizer | None, num_logprobs: int | None, num_prompt_logprobs: int | None
+    ) -> None:
         self._tokenizer = tokenizer
         self.logprobs: SampleLogprobs | None = [] if num_logprobs is not None else None
         self.cumulative_sums: list[float] = [0.0]
@@ -51,15 +54,19 @@ class LogprobsProcessor:
         return float(self.cumulative_sums[min(num_tokens, len(self.cumulative_sums) - 1)])
 
     def _to_dicts(self, lists: LogprobsLists) -> SampleLogprobs:
+        """One dict per position, in vLLM's order: the scored (sampled or prompt) token first, then the top-k by
+        rank; a scored token that is also in the top-k keeps the first place and takes its top-k entry."""
         unique_ids = sorted({t for row in lists.token_ids for t in row})
-        texts = self._tokenizer.decode_batch([[t] for t in unique_ids], skip_special_tokens=False)
-        decoded = dict(zip(unique_ids, texts, strict=True))
+        decoded: dict[int, str | None]
+        if self._tokenizer is None:
+            decoded = dict.fromkeys(unique_ids)
+        else:
+            texts = self._tokenizer.decode_batch([[t] for t in unique_ids], skip_special_tokens=False)
+            decoded = dict(zip(unique_ids, texts, strict=True))
         dicts: SampleLogprobs = []
         for ids, values, rank in zip(lists.token_ids, lists.logprobs, lists.ranks, strict=True):
-            entry = {
-                tid: Logprob(lp, top_rank, decoded[tid])
-                for top_rank, (tid, lp) in enumerate(zip(ids[1:], values[1:], strict=True), 1)
-            }
-            entry.setdefault(ids[0], Logprob(values[0], rank, decoded[ids[0]]))
+            entry = {ids[0]: Logprob(values[0], rank, decoded[ids[0]])}
+            for top_rank, (tid, lp) in enumerate(zip(ids[1:], values[1:], strict=True), 1):
+                entry[tid] = Logprob(lp, top_rank, decoded[tid])
             dicts.append(entry)
         return dicts

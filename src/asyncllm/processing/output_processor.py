@@ -26,6 +26,7 @@ from asyncllm.processing.logprobs import LogprobsProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.processing.request_state import RequestState
 from asyncllm.streams import RequestOutputCollector
+from asyncllm.utils import request_callables
 
 __all__ = ["OutputProcessor", "OutputProcessorResult", "RequestState"]
 
@@ -65,6 +66,10 @@ class OutputProcessor:
     def num_tracked_ids(self) -> tuple[int, int, int]:
         """(engine states, n > 1 parents, user ids) held: all 0 once nothing is in flight (leak checks)."""
         return len(self._states), len(self._parents), len(self._external_ids)
+
+    def user_request_ids(self) -> list[str]:
+        """The user's ids of every in-flight request (each once)."""
+        return list(self._external_ids)
 
     def has_request(self, request_id: str) -> bool:
         """True while the internal id `request_id` (a user request or an engine request) is in flight."""
@@ -111,11 +116,14 @@ class OutputProcessor:
             output_kind=params.output_kind,
             stream_interval=params.stream_interval,
             detokenizer=IncrementalDetokenizer(self._tokenizer, params),
-            logprobs=LogprobsProcessor(self._tokenizer, params.logprobs, params.prompt_logprobs),
+            logprobs=LogprobsProcessor(
+                self._tokenizer if params.detokenize else None, params.logprobs, params.prompt_logprobs
+            ),
             collector=collector,
             parent=parent,
             index=index,
             stats=RequestStateStats(arrival_time=request.arrival_time),
+            max_tokens=params.max_tokens,
         )
         user_level_id = parent.request_id if parent is not None else request.request_id
         if parent is not None:
@@ -236,6 +244,7 @@ class OutputProcessor:
             self._forget_user_request(parent.external_req_id, parent.request_id)
 
     def _forget_user_request(self, external_id: str, user_level_id: str) -> None:
+        request_callables.forget(user_level_id)  # its logits processors, if it had any
         ids = self._external_ids.get(external_id)
         if ids is not None and user_level_id in ids:
             ids.remove(user_level_id)

@@ -44,6 +44,7 @@ class RequestState:
         stats: timing and token counts, for `RequestOutput.metrics` and the stat loggers.
         spec_decode_metrics: the engine's speculative decoding counters of the request, once it finished.
         pooling_output: an embedding request's vector, once the engine sent it.
+        max_tokens: the request's resolved `max_tokens` (for the stat loggers).
     """
 
     request_id: str
@@ -66,6 +67,7 @@ class RequestState:
     stats: RequestStateStats | None = None
     spec_decode_metrics: SpecDecodeMetrics | None = None
     pooling_output: list[float] | None = None
+    max_tokens: int | None = None
 
     @property
     def user_level_id(self) -> str:
@@ -161,6 +163,7 @@ class RequestState:
     def finished_stats(self) -> FinishedRequestStats:
         """The stat loggers' record of this request once it ended (finish reason "abort" when none was set)."""
         stats = self.stats or RequestStateStats(arrival_time=time.time())
+        prefill, decode, inference = stats.phase_times()
         return FinishedRequestStats(
             finish_reason=self.finish_reason or "abort",
             e2e_latency=max(time.time() - stats.arrival_time, 0.0),
@@ -168,6 +171,11 @@ class RequestState:
             num_generation_tokens=stats.num_generation_tokens,
             queue_time=stats.queue_time,
             mean_inter_token_latency=stats.mean_inter_token_latency,
+            prefill_time=prefill,
+            decode_time=decode,
+            inference_time=inference,
+            n=len(self.parent.child_requests) if self.parent is not None else 1,
+            max_tokens=self.max_tokens,
         )
 
 

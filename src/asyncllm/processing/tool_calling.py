@@ -105,6 +105,7 @@ def plan_chat(
     tool_choice: ToolChoice = "auto",
     parallel_tool_calls: bool = True,
     tool_parser: str = "hermes",
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatPlan:
     """Validate the tools and the choice, render the prompt, and pick the sampling constraint.
 
@@ -114,6 +115,7 @@ def plan_chat(
         sampling_params: None means `SamplingParams()`.
         tools, tool_choice, parallel_tool_calls: as in OpenAI's API.
         tool_parser: the registered parser for "auto".
+        template_kwargs: more chat template variables (vLLM's `chat_template_kwargs`).
     Raises:
         InvalidRequestError: malformed tools, an unknown tool_choice or function name, a forced call combined
             with the caller's own `structured_outputs`, or an unknown parser.
@@ -124,7 +126,7 @@ def plan_chat(
     if mode == "auto":
         get_tool_parser(tool_parser)  # fail early on an unknown parser
     offered = specs if mode != "none" else []
-    text = render_chat(tokenizer, messages, offered)
+    text = render_chat(tokenizer, messages, offered, template_kwargs)
     prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
     if mode in ("required", "named"):
         if params.structured_outputs is not None:
@@ -211,16 +213,23 @@ def forced_call_schema(specs: list[dict[str, Any]], forced: str | None, parallel
     return {"type": "array", "items": {"anyOf": variants}, "minItems": 1, "maxItems": max_items}
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], specs: list[dict[str, Any]]) -> str:
-    """The prompt text of `messages` with the tools offered in `specs` (see the module docstring)."""
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    specs: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of `messages` with the tools offered in `specs` (see the module docstring);
+    `template_kwargs` are more template variables (vLLM's `chat_template_kwargs`)."""
     template = tokenizer.chat_template or ""
+    extra = {"template_kwargs": template_kwargs} if template_kwargs else {}
     if specs and "tools" in template:
         tools = [{"type": "function", "function": spec} for spec in specs]
-        return str(tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools))
+        return str(tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, **extra))
     rendered = [_render_message(m) for m in messages]
     if specs:
         rendered = _add_tools_system_prompt(rendered, specs)
-    return str(tokenizer.apply_chat_template(rendered))
+    return str(tokenizer.apply_chat_template(rendered, **extra))
 
 
 def tools_system_prompt(specs: list[dict[str, Any]]) -> str:

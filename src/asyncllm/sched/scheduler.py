@@ -97,6 +97,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.structured_output_manager = structured_output_manager
         self._failed_requests: dict[str, str] = {}  # for the frontend: requests whose grammar failed to compile
+        self.paused = False  # nothing is scheduled while True (`EngineCore.set_scheduler_paused`)
         self.drafter = Drafter(speculative_config) if speculative_config is not None else None
         self.max_loras = max_loras
 
@@ -123,6 +124,10 @@ class Scheduler:
             self.waiting.add_request(req)
 
     def has_unfinished_requests(self) -> bool:
+        """True while a step has requests to run; False while paused (`paused`: nothing is scheduled, so the busy
+        loop waits for input instead of spinning)."""
+        if self.paused:
+            return False
         return bool(self.running) or bool(self.waiting) or self.num_waiting_for_grammar > 0
 
     def reset_prefix_cache(self) -> bool:
@@ -138,6 +143,8 @@ class Scheduler:
         self._queue_grammar_ready()
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = []
+        if self.paused:  # vLLM's pause "keep": requests stay where they are, holding their blocks, until resumed
+            return output
         budget = self.config.max_num_batched_tokens
         if self.policy == "priority":
             self._preempt_for_priority(budget)
@@ -328,10 +335,14 @@ class Scheduler:
             `finished_requests` lists the ids finished this step or aborted since the last step.
         """
         outputs: list[EngineCoreOutput] = []
+        failed = model_runner_output.failed_requests
         for req_id, token_ids in model_runner_output.sampled_token_ids.items():
             req = self.requests.get(req_id)
             if req is None or not token_ids or req_id not in scheduler_output.num_scheduled_tokens:
                 continue  # aborted while the step ran
+            if req_id in failed:  # the worker could not sample it (its logits processor raised)
+                self._fail_request(req, failed[req_id])
+                continue
             try:
                 output = self._update_request(req, token_ids, scheduler_output, model_runner_output)
             except Exception as e:  # this request alone fails

@@ -1,4 +1,5 @@
-"""Per-row logit edits applied before sampling: allowed tokens, min_tokens, logit bias, penalties, min-p.
+"""Per-row logit edits applied before sampling: per-request logits processors (callables), allowed tokens,
+min_tokens, bad words, logit bias, penalties, min-p.
 
 Each edit is a tensor built once per step from the rows' parameters (None when no row in the batch uses it),
 so a batch without these parameters pays nothing. Formulas follow vLLM v1 (`vllm/v1/sample/ops/penalties.py`,
@@ -7,7 +8,9 @@ so a batch without these parameters pays nothing. Formulas follow vLLM v1 (`vllm
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -134,7 +137,7 @@ def _build_additive(params: list[SamplingParams], rows: list[RowTokens], vocab_s
     """Logit bias, allowed-token masks and min_tokens masks as one additive tensor (None if no row needs it)."""
     additive: torch.Tensor | None = None
     for i, (p, row) in enumerate(zip(params, rows, strict=True)):
-        masked = _min_tokens_masked_ids(p, row)
+        masked = _min_tokens_masked_ids(p, row) + _bad_words_masked_ids(p, row)
         if not (p.logit_bias or p.allowed_token_ids or masked):
             continue
         if additive is None:
@@ -159,3 +162,64 @@ def _min_tokens_masked_ids(params: SamplingParams, row: RowTokens) -> list[int]:
     if row.eos_token_id is not None and not params.ignore_eos:
         ids.append(row.eos_token_id)
     return ids
+
+
+def _bad_words_masked_ids(params: SamplingParams, row: RowTokens) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far (a one-token word: always)."""
+    masked = []
+    output = row.output_token_ids
+    for ids in params.bad_words_token_ids or ():
+        prefix = ids[:-1]
+        if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
+            masked.append(ids[-1])
+    return masked
+
+
+def apply_logits_processors(
+    logits: torch.Tensor, processors: dict[int, tuple[tuple[Any, ...], RowTokens]]
+) -> tuple[torch.Tensor, dict[int, str]]:
+    """Run each row's per-request callables (`SamplingParams.logits_processors`) on its logits row, in order.
+
+    Args:
+        logits: [num_reqs, vocab_size] float32 (not modified).
+        processors: row -> (callables, the row's tokens). A callable takes `(output_token_ids, logits_row)` or
+            `(prompt_token_ids, output_token_ids, logits_row)` (by its number of parameters, as vLLM v0) and
+            returns a [vocab_size] tensor.
+    Returns:
+        A new [num_reqs, vocab_size] tensor, and row -> error message for rows whose callable raised or returned
+        something else than a [vocab_size] tensor (those rows are left unprocessed; their requests are failed).
+    """
+    logits = logits.clone()
+    failed: dict[int, str] = {}
+    for row, (functions, tokens) in processors.items():
+        values = logits[row].clone()
+        try:
+            for function in functions:
+                values = _call_processor(function, tokens, values)
+        except Exception as e:  # the user's code: fail its request alone
+            failed[row] = f"a logits processor raised {type(e).__name__}: {e}"
+            continue
+        logits[row] = values
+    return logits, failed
+
+
+def _call_processor(function: Any, tokens: RowTokens, values: torch.Tensor) -> torch.Tensor:
+    """One processor call; its result checked to be a [vocab_size] tensor (TypeError otherwise)."""
+    output_ids = list(tokens.output_token_ids)
+    if _num_positional_parameters(function) >= 3:
+        result = function(list(tokens.prompt_token_ids), output_ids, values)
+    else:
+        result = function(output_ids, values)
+    if not isinstance(result, torch.Tensor) or result.shape != values.shape:
+        shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+        raise TypeError(f"it must return a tensor of shape {tuple(values.shape)}, returned {shape}")
+    return result.to(torch.float32)
+
+
+def _num_positional_parameters(function: Any) -> int:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in parameters if p.kind in kinds)

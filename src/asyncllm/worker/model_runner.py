@@ -138,9 +138,17 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: CausalLM, block_size: int, vocab_size: int, seed: int = 0, lora_manager: LoRAManager | None = None
+        self,
+        model: CausalLM,
+        block_size: int,
+        vocab_size: int,
+        seed: int = 0,
+        lora_manager: LoRAManager | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
+        self.logprobs_as_logits = logprobs_mode.endswith("_logits")  # vLLM's logprobs_mode
+        self.processed_logprobs = logprobs_mode.startswith("processed_")
         self.lora_manager = lora_manager
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -204,6 +212,9 @@ class ModelRunner:
         """One token per sampling request from the logits of its last scheduled row."""
         logits = self.model.compute_logits(hidden[rows])
         sampling_meta = self._make_sampling_metadata(sampled_states)
+        sampling_meta.keep_processed = self.processed_logprobs and any(
+            s.sampling_params.logprobs is not None for s in sampled_states
+        )
         if scheduler_output.grammar_bitmask is not None:
             self._add_grammar_bitmask(sampling_meta, sampled_states, scheduler_output)
         sampled = self.sampler(logits, sampling_meta)
@@ -211,7 +222,10 @@ class ModelRunner:
         for state, token_id in zip(sampled_states, token_ids, strict=True):
             state.token_ids.append(token_id)
         output = ModelRunnerOutput({state.req_id: [t] for state, t in zip(sampled_states, token_ids, strict=True)})
-        self._add_logprobs(output, sampled_states, logits, sampled)
+        for row, error in sampling_meta.failed_rows.items():
+            output.failed_requests[sampled_states[row].req_id] = error
+        scored = sampling_meta.processed_logits if sampling_meta.processed_logits is not None else logits
+        self._add_logprobs(output, sampled_states, scored, sampled)
         return output
 
     def _compute_prompt_logprobs(
@@ -234,19 +248,24 @@ class ModelRunner:
                 piece_end = min(piece + PROMPT_LOGPROBS_ROWS, end)
                 rows = hidden[row_start + piece - start : row_start + piece_end - start]
                 targets = torch.tensor(state.token_ids[piece + 1 : piece_end + 1], dtype=torch.int64)
-                lists = compute_logprobs(self.model.compute_logits(rows), targets, [k] * (piece_end - piece))
+                num_top = [self._num_top(k)] * (piece_end - piece)
+                lists = compute_logprobs(self.model.compute_logits(rows), targets, num_top, self.logprobs_as_logits)
                 state.prompt_logprobs_parts.append(lists)
 
-    @staticmethod
+    def _num_top(self, k: int) -> int:
+        """Top logprobs to list for a request's `logprobs` / `prompt_logprobs` k (-1: the whole vocabulary)."""
+        return self.vocab_size if k == -1 else k
+
     def _add_logprobs(
-        output: ModelRunnerOutput, states: list[CachedRequestState], logits: torch.Tensor, sampled: torch.Tensor
+        self, output: ModelRunnerOutput, states: list[CachedRequestState], logits: torch.Tensor, sampled: torch.Tensor
     ) -> None:
-        """Put sample logprobs (raw logits of the sampled rows) and finished prompt logprobs into `output`."""
+        """Put sample logprobs (of the sampled rows' raw logits, or the sampler's processed ones) and finished
+        prompt logprobs into `output`."""
         rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
         if rows:
-            num_top = [states[i].sampling_params.logprobs or 0 for i in rows]
+            num_top = [self._num_top(states[i].sampling_params.logprobs or 0) for i in rows]
             index = torch.tensor(rows, dtype=torch.int64)
-            lists = compute_logprobs(logits[index], sampled[index], num_top)
+            lists = compute_logprobs(logits[index], sampled[index], num_top, self.logprobs_as_logits)
             for j, i in enumerate(rows):
                 output.logprobs[states[i].req_id] = LogprobsLists(
                     [lists.token_ids[j]], [lists.logprobs[j]], [lists.ranks[j]]
@@ -337,16 +356,22 @@ class ModelRunner:
         self._add_verified_logprobs(output, states, logits, result)
         return output
 
-    @staticmethod
     def _add_verified_logprobs(
-        output: ModelRunnerOutput, states: list[CachedRequestState], logits: torch.Tensor, result: VerificationResult
+        self,
+        output: ModelRunnerOutput,
+        states: list[CachedRequestState],
+        logits: torch.Tensor,
+        result: VerificationResult,
     ) -> None:
         """Sample logprobs of each emitted token, from the raw logits of the row that emitted it."""
         for state, token_ids, rows in zip(states, result.token_ids, result.rows, strict=True):
             k = state.sampling_params.logprobs
             if k is not None:
                 index = torch.tensor(rows, dtype=torch.int64)
-                lists = compute_logprobs(logits[index], torch.tensor(token_ids, dtype=torch.int64), [k] * len(rows))
+                targets = torch.tensor(token_ids, dtype=torch.int64)
+                lists = compute_logprobs(
+                    logits[index], targets, [self._num_top(k)] * len(rows), self.logprobs_as_logits
+                )
                 output.logprobs[state.req_id] = lists
             state.flush_prompt_logprobs(output)
 
@@ -372,7 +397,7 @@ class ModelRunner:
                 generators[row] = seed_generator(state.generator, seed, state.num_output_tokens)
         params = [s.sampling_params for s in states]
         rows = None
-        if any(p.has_penalties or p.min_tokens > 0 for p in params):
+        if any(p.has_penalties or p.min_tokens > 0 or p.bad_words_token_ids or p.logits_processors_key for p in params):
             rows = [
                 RowTokens(s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :], s.eos_token_id)
                 for s in states

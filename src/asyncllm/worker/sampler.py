@@ -10,13 +10,15 @@ seeded request also gives the same tokens after a preemption (its state is rebui
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured_outputs.bitmask import apply_grammar_bitmask
-from asyncllm.worker.logits_processing import LogitsEdits, RowTokens, apply_min_p
+from asyncllm.utils import request_callables
+from asyncllm.worker.logits_processing import LogitsEdits, RowTokens, apply_logits_processors, apply_min_p
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads (seed, position) pairs over the seed space
 _MAX_PARTIAL_TOP_K = 1024  # up to this k, top-k/top-p use `topk` instead of sorting the whole vocabulary
@@ -34,6 +36,12 @@ class SamplingMetadata:
         edits: logit edits (bias, masks, penalties, min-p) applied before sampling.
         grammar_rows: [num_constrained] int64 rows under a structured-output grammar, or None.
         grammar_allowed: [num_constrained, vocab_size] bool, the tokens each grammar allows next, or None.
+        logits_processors: row -> (the request's callables, its tokens), for rows with
+            `SamplingParams.logits_processors` (in-process workers only); None when no row has them.
+        failed_rows: row -> error, filled by `compute_probs` for rows whose logits processor failed.
+        keep_processed: `compute_probs` keeps the processed logits in `processed_logits` (`logprobs_mode`
+            "processed_*"): [num_reqs, vocab_size], after every edit, temperature, min-p, top-k and top-p (greedy
+            rows: after the edits only).
     """
 
     temperature: torch.Tensor
@@ -43,6 +51,10 @@ class SamplingMetadata:
     edits: LogitsEdits
     grammar_rows: torch.Tensor | None = None
     grammar_allowed: torch.Tensor | None = None
+    logits_processors: dict[int, tuple[tuple[Any, ...], RowTokens]] | None = None
+    failed_rows: dict[int, str] = field(default_factory=dict)
+    keep_processed: bool = False
+    processed_logits: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -63,6 +75,11 @@ class SamplingMetadata:
         """
         if rows is None:
             rows = [RowTokens([], []) for _ in params]
+        processors = {}
+        for row, (p, tokens) in enumerate(zip(params, rows, strict=True)):
+            functions = request_callables.lookup(p.logits_processors_key) if p.logits_processors_key else None
+            if functions:
+                processors[row] = (functions, tokens)
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_ps = [p.top_p for p in params]
         return cls(
@@ -71,6 +88,7 @@ class SamplingMetadata:
             top_p=torch.tensor(top_ps, dtype=torch.float32) if min(top_ps) < 1.0 else None,
             generators=generators,
             edits=LogitsEdits.from_rows(params, rows, vocab_size),
+            logits_processors=processors or None,
         )
 
 
@@ -99,9 +117,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Sample.
 
-        Order (as vLLM v1): the grammar bitmask (structured outputs), logit edits (allowed tokens, min_tokens
-        masks, logit bias, then penalties); greedy rows take the argmax of the edited logits; the others divide
-        by temperature, then min-p, top-k, top-p.
+        Order (as vLLM v1; vLLM v0's per-request logits processors first): the grammar bitmask (structured
+        outputs), logit edits (allowed tokens, min_tokens and bad-words masks, logit bias, then penalties);
+        greedy rows take the argmax of the edited logits; the others divide by temperature, then min-p, top-k,
+        top-p.
 
         Args:
             logits: [num_reqs, vocab_size] float32 (not modified).
@@ -125,11 +144,15 @@ class Sampler:
             float32 probabilities after temperature, min-p, top-k and top-p (None when every row is greedy;
             rows of greedy requests hold their temperature-1 distribution and are not to be sampled from).
         """
+        if meta.logits_processors:
+            logits, meta.failed_rows = apply_logits_processors(logits, meta.logits_processors)
         if meta.grammar_rows is not None and meta.grammar_allowed is not None:
             logits = apply_grammar_bitmask(logits, meta.grammar_rows, meta.grammar_allowed)
         logits = meta.edits.apply_before_temperature(logits)
         greedy_tokens = argmax_rows(logits)
         if meta.all_greedy:
+            if meta.keep_processed:
+                meta.processed_logits = logits
             return greedy_tokens, None
         is_greedy = meta.temperature == 0
         temperature = torch.where(is_greedy, 1.0, meta.temperature)
@@ -140,6 +163,8 @@ class Sampler:
         if top_k is not None:  # greedy rows keep vocab_size (disabled); they must not force a full sort
             top_k = torch.where(is_greedy, top_k[~is_greedy].max(), top_k)
         scaled = apply_top_k_top_p(scaled, top_k, meta.top_p)
+        if meta.keep_processed:
+            meta.processed_logits = torch.where(is_greedy.unsqueeze(1), logits, scaled)
         return greedy_tokens, scaled.softmax(dim=-1)
 
     def draw_noise(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

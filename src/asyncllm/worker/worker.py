@@ -70,7 +70,12 @@ class Worker:
                 raise ConfigError(f"EngineArgs.enable_lora: {type(self.model).__name__} has no decoder layers to adapt")
             lora_manager = LoRAManager(self.arch, list(layers), lora.max_loras, lora.max_lora_rank)
         self.model_runner = ModelRunner(
-            self.model, config.cache.block_size, self.arch.vocab_size, seed=config.model.seed, lora_manager=lora_manager
+            self.model,
+            config.cache.block_size,
+            self.arch.vocab_size,
+            seed=config.model.seed,
+            lora_manager=lora_manager,
+            logprobs_mode=config.model.logprobs_mode,
         )
 
     def linear_kernels(self) -> str:

@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings`, `GET /v1/models`,
 `GET /health` (200, or 503 when the engine is dead), `GET /metrics` (Prometheus text of the engine's registry),
-`GET /stats` (the scheduler's current counts, JSON), `POST /tokenize`, `POST /detokenize`, `GET /version`.
+`GET /stats` (the scheduler's current counts, JSON), `POST /tokenize`, `POST /detokenize`, `GET /version`; vLLM's
+`GET /v1/models/{model}`, `POST /invocations` (the body's shape picks the endpoint) and `GET /load`.
 With an API key, every `/v1/` route needs `Authorization: Bearer <key>` (compared in constant time with
 `hmac.compare_digest`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,7 +22,10 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncllm.config import EngineArgs
 from asyncllm.entrypoints.openai.errors import APIError, api_error_response, install_error_handlers
@@ -39,6 +44,7 @@ from asyncllm.entrypoints.openai.serving_embedding import create_embedding
 from asyncllm.errors import ConfigError
 from asyncllm.lora.checker import LoRAChecker
 from asyncllm.lora.request import LoRARequest
+from asyncllm.processing.tool_calling import normalize_tools, render_chat
 from asyncllm.processing.tool_parsers import get_tool_parser
 from asyncllm.structured_outputs.backend import preload_xgrammar
 
@@ -59,6 +65,10 @@ class ServerConfig:
         tool_call_parser: the registered tool parser that reads the model's own calls for `tool_choice="auto"`.
         lora_modules: LoRA adapters served as models: `model` name -> adapter directory (vLLM's `--lora-modules`;
             ids 1, 2, ... in this order; needs `engine_args.enable_lora`). Each is checked at start-up.
+        force_include_usage: every stream ends with a usage chunk (vLLM's `--enable-force-include-usage`).
+        request_id_headers: answer with `X-Request-Id` (vLLM's `--enable-request-id-headers`).
+        return_tokens_as_token_ids: logprobs name tokens "token_id:N" unless a request says otherwise.
+        tokenizer_info_endpoint: serve `GET /tokenizer_info` (vLLM's `--enable-tokenizer-info-endpoint`).
     """
 
     engine_args: EngineArgs = field(default_factory=EngineArgs)
@@ -71,6 +81,10 @@ class ServerConfig:
     allow_credentials: bool = False
     tool_call_parser: str = "hermes"
     lora_modules: dict[str, str] = field(default_factory=dict)
+    force_include_usage: bool = False
+    request_id_headers: bool = False
+    return_tokens_as_token_ids: bool = False
+    tokenizer_info_endpoint: bool = False
 
 
 async def start_engine(args: EngineArgs) -> Any:
@@ -96,6 +110,7 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
         await anyio.to_thread.run_sync(preload_xgrammar)  # else the first constrained request imports it on the loop
         app.state.llm = engine
         app.state.ctx = _make_context(config, engine)
+        app.state.tokenizer_info = config.tokenizer_info_endpoint
         try:
             yield
         finally:
@@ -106,6 +121,8 @@ def build_app(config: ServerConfig, llm: Any = None) -> FastAPI:
     install_error_handlers(app)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -132,41 +149,79 @@ def _make_context(config: ServerConfig, llm: Any) -> ServingContext:
             lora_modules[name] = checker.check(LoRARequest(name, index, path))
     return ServingContext(
         names=list(names),
+        root=str(config.engine_args.model),
+        force_include_usage=config.force_include_usage,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         max_model_len=llm.max_model_len,
         tool_parser=config.tool_call_parser,
         lora_modules=lora_modules,
     )
 
 
-def _running_llm(request: Request) -> Any:
+async def _running_llm(request: Request) -> Any:
     """The app's engine, if it still serves.
 
     Raises:
         EngineDeadError: it died or was shut down (503).
     """
     llm = request.app.state.llm
-    llm.check_health()
+    await llm.check_health()
     return llm
 
 
 def _add_openai_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await create_completion(_running_llm(raw), raw.app.state.ctx, body, raw)
+        return await create_completion(await _running_llm(raw), raw.app.state.ctx, body, raw)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await create_chat_completion(_running_llm(raw), raw.app.state.ctx, body, raw)
+        return await create_chat_completion(await _running_llm(raw), raw.app.state.ctx, body, raw)
 
     @app.post("/v1/embeddings", response_model=None)
     async def embeddings(body: EmbeddingRequest, raw: Request) -> Any:
-        return await create_embedding(_running_llm(raw), raw.app.state.ctx, body)
+        return await create_embedding(await _running_llm(raw), raw.app.state.ctx, body)
+
+    @app.post("/invocations", response_model=None)
+    async def invocations(raw: Request) -> Any:
+        """SageMaker's route (vLLM's): the body's shape picks the endpoint: `messages` -> chat completions,
+        `prompt` -> completions, `input` -> embeddings."""
+        body = await raw.json()
+        if not isinstance(body, dict):
+            raise APIError("the body must be a JSON object")
+        llm, ctx = await _running_llm(raw), raw.app.state.ctx
+        try:
+            if "messages" in body:
+                return await create_chat_completion(llm, ctx, ChatCompletionRequest.model_validate(body), raw)
+            if "prompt" in body:
+                return await create_completion(llm, ctx, CompletionRequest.model_validate(body), raw)
+            if "input" in body:
+                return await create_embedding(llm, ctx, EmbeddingRequest.model_validate(body))
+        except ValidationError as error:
+            raise RequestValidationError(error.errors()) from error
+        raise APIError("cannot tell the endpoint: the body has none of 'messages', 'prompt', 'input'")
 
     @app.get("/v1/models")
     async def models(raw: Request) -> ModelList:
         ctx: ServingContext = raw.app.state.ctx
-        names = ctx.names + list(ctx.lora_modules)
-        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.max_model_len) for name in names])
+        return ModelList(data=[_model_card(ctx, name) for name in ctx.names + list(ctx.lora_modules)])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, raw: Request) -> ModelCard:
+        ctx: ServingContext = raw.app.state.ctx
+        if model not in ctx.names and model not in ctx.lora_modules:
+            raise APIError(
+                f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model", code="model_not_found"
+            )
+        return _model_card(ctx, model)
+
+
+def _model_card(ctx: ServingContext, name: str) -> ModelCard:
+    """vLLM's model card: `root` the model (or the adapter's directory), `parent` the base model for an adapter."""
+    lora = ctx.lora_modules.get(name)
+    if lora is None:
+        return ModelCard(id=name, root=ctx.root, max_model_len=ctx.max_model_len)
+    return ModelCard(id=name, root=lora.lora_path, parent=ctx.name, max_model_len=ctx.max_model_len)
 
 
 def _add_ops_routes(app: FastAPI) -> None:
@@ -174,6 +229,11 @@ def _add_ops_routes(app: FastAPI) -> None:
     async def health(raw: Request) -> Response:
         status = HTTPStatus.OK if raw.app.state.llm.is_running else HTTPStatus.SERVICE_UNAVAILABLE
         return Response(status_code=int(status))
+
+    @app.get("/load")
+    async def load(raw: Request) -> dict[str, int]:
+        """vLLM's server load: the requests being served now."""
+        return {"server_load": len(raw.app.state.ctx.in_flight)}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -190,15 +250,36 @@ def _add_ops_routes(app: FastAPI) -> None:
 
     @app.get("/stats")
     async def stats(raw: Request) -> dict[str, Any]:
-        scheduler_stats = await _running_llm(raw).get_scheduler_stats()
+        scheduler_stats = await (await _running_llm(raw)).get_scheduler_stats()
         return {name: getattr(scheduler_stats, name) for name in scheduler_stats.__struct_fields__}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
         ctx: ServingContext = raw.app.state.ctx
         ctx.check(body.model)
-        tokens = _tokenize(raw.app.state.llm.get_tokenizer(), body)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+        tokenizer = raw.app.state.llm.get_tokenizer()
+        tokens = _tokenize(tokenizer, body)
+        answer: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+        # vLLM's: each token's string in the vocabulary when asked, else null
+        answer["token_strs"] = [tokenizer.hf.id_to_token(t) for t in tokens] if body.return_token_strs else None
+        return answer
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(raw: Request) -> dict[str, Any]:
+        """vLLM's tokenizer configuration (its `tokenizer_config.json` keys asyncllm knows), only with
+        `--enable-tokenizer-info-endpoint` (it shows the chat template)."""
+        if not raw.app.state.tokenizer_info:
+            raise StarletteHTTPException(HTTPStatus.NOT_FOUND)
+        tokenizer = raw.app.state.llm.get_tokenizer()
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "bos_token": tokenizer.bos_token,
+            "eos_token": tokenizer.eos_token,
+            "add_bos_token": tokenizer.add_bos_token,
+            "chat_template": tokenizer.chat_template,
+            "vocab_size": tokenizer.vocab_size,
+            "model_max_length": raw.app.state.ctx.max_model_len,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, raw: Request) -> dict[str, str]:
@@ -220,12 +301,53 @@ def _tokenize(tokenizer: Any, body: TokenizeRequest) -> list[int]:
         raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt")
     if body.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise APIError(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+        if body.tools:
+            if not body.add_generation_prompt:
+                raise APIError("add_generation_prompt=false is not supported with tools yet", param="tools")
+            specs = normalize_tools([tool.model_dump(exclude_none=True) for tool in body.tools])
+            text = render_chat(tokenizer, messages, specs, body.chat_template_kwargs)
+        else:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs
+            )
+        if body.continue_final_message:
+            final = messages[-1]["content"]
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise APIError("the final message's text is not in the rendered prompt", param="continue_final_message")
+            text = text[: end + len(final)]
         tokens: list[int] = tokenizer.encode(text, add_special_tokens=False)
         return tokens
     assert body.prompt is not None
     tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return tokens
+
+
+class RequestIdMiddleware:
+    """Pure ASGI middleware: every HTTP response carries `X-Request-Id`: the request's own, or a new uuid4 hex
+    (vLLM's `--enable-request-id-headers`)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        request_id = given or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class APIKeyMiddleware:

@@ -6,6 +6,7 @@
 | `InvalidRequestError` from asyncllm (ranges, prompt too long, ...) | 400 | invalid_request_error |
 | unknown model name | 400 | invalid_request_error (code model_not_found) |
 | missing or wrong API key | 401 | authentication_error |
+| unknown route, or a method the route does not take | 404 / 405 | invalid_request_error (OpenAI's "Invalid URL") |
 | the engine is dead or shutting down | 503 | service_unavailable |
 | anything else (a bug) | 500 | internal_error (logged with its traceback) |
 """
@@ -21,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 
@@ -119,6 +121,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return api_error_response(to_api_error(exc))
 
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        message = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) else exc.detail
+        error = APIError(str(message), HTTPStatus(exc.status_code))
+        return api_error_response(error)
+
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(APIError, on_error)
     app.add_exception_handler(InvalidRequestError, on_error)

@@ -68,6 +68,21 @@ class SamplingFields(BaseModel):
     # prefix-cache isolation (`AsyncLLM.generate(cache_salt=)`), vLLM's extra field
     cache_salt: str | None = Field(default=None, min_length=1)
     repetition_detection: RepetitionDetection | None = None
+    allowed_token_ids: list[int] | None = None
+    # keep only the prompt's last k tokens (vLLM's; -1: as many as max_model_len allows with one token to generate)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    # vLLM's: per prompt token, its logprob and the k most likely alternatives (-1: the whole vocabulary)
+    prompt_logprobs: int | None = None
+    # vLLM's: logprobs name tokens "token_id:N" (None: the server's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")  # vLLM's 400
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or >= 1")
+        return self
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's `SamplingParams` (DELTA outputs) for this request.
@@ -95,6 +110,8 @@ class SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA,
             repetition_detection=(
                 RepetitionDetectionParams(**self.repetition_detection.model_dump())
@@ -109,20 +126,27 @@ class SamplingFields(BaseModel):
 
     @property
     def continuous_usage_stats(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Usage on every chunk: only with `include_usage` too, as vLLM."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`. `prompt`: a string, a list with one string, token ids, or a list with one list
-    of token ids. `logprobs`: top tokens per position (0..20). Not supported (400 when set): `echo=true`,
-    `suffix`, `best_of` other than `n`, more than one prompt."""
+    """`POST /v1/completions`. `prompt`: a string, a list of strings, token ids, or a list of lists of token ids.
+    `logprobs`: top tokens per position (0..20). `echo`: the prompt's text before each completion's (not with
+    `logprobs`: prompt logprobs are not sent). `return_token_ids` (vLLM): `prompt_token_ids` and `token_ids` on each
+    choice. `response_format` / `structured_outputs` constrain the output as for chat. Not supported (400 when set):
+    `suffix`, `best_of` other than `n`."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: Literal[False] = False
+    echo: bool = False
     suffix: None = None
     best_of: int | None = None
+    return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
 
 class ChatMessage(BaseModel):
@@ -210,6 +234,23 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     add_generation_prompt: bool = True
+    # vLLM's: extra variables of the chat template (e.g. {"enable_thinking": false}); not with tools
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the final (assistant) message is left open and continued; needs add_generation_prompt=false
+    continue_final_message: bool = False
+    # vLLM's: the reply starts with the last message's content when that message is the assistant's
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _continue_needs_no_generation_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return self
+
+    def echoed_text(self) -> str:
+        """What `echo` puts before the reply: the last message's text when it is the assistant's, else ""."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -274,6 +315,11 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: also each token's string in the vocabulary ("token_strs")
+    # vLLM's, for `messages` (rendered as a chat request would be)
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(BaseModel):

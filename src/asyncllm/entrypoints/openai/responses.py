@@ -33,12 +33,39 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+PromptLogprobsJSON = list[dict[str, dict[str, Any]] | None]
+
+
+def prompt_logprobs_json(prompt_logprobs: Any) -> PromptLogprobsJSON | None:
+    """`RequestOutput.prompt_logprobs` in vLLM's JSON shape: None for the first prompt token, then per token
+    `{str(token id): {"logprob", "rank", "decoded_token"}}` (the prompt token first, then the top-k)."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in position.items()
+        }
+        for position in prompt_logprobs
+    ]
+
+
 class CompletionChoice(BaseModel):
+    """One completion. vLLM's fields: `prompt_logprobs` (with the request's `prompt_logprobs`: None for the first
+    prompt token, then `{token id: {"logprob", "rank", "decoded_token"}}` per token; null otherwise),
+    `prompt_token_ids` and `token_ids` (with `return_token_ids`). In a stream the prompt's are on a choice's
+    first chunk."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -128,6 +155,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's, with the request's `prompt_logprobs`
 
 
 class DeltaMessage(BaseModel):
@@ -156,10 +184,15 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One served model (vLLM's card): `root` is the model (name or path) or the LoRA adapter's directory;
+    `parent` is the base model's served name for an adapter, else null."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "asyncllm"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import Request
 
 from asyncllm.entrypoints.openai.errors import APIError, error_body, to_api_error
+from asyncllm.entrypoints.openai.protocol import StreamOptions
 from asyncllm.entrypoints.openai.responses import UsageInfo
 from asyncllm.lora.request import LoRARequest
 from asyncllm.outputs import RequestOutput
@@ -37,6 +38,9 @@ class ServingContext:
         in_flight: ids of the requests being served (graceful shutdown aborts those left after the grace period).
         tool_parser: the registered tool parser for `tool_choice="auto"` (`asyncllm.processing.tool_parsers`).
         lora_modules: LoRA adapters served as models of their own: `model` name -> its `LoRARequest`.
+        root: the base model's name or path (model cards' `root`).
+        force_include_usage: streams end with a usage chunk whatever `stream_options` says.
+        return_tokens_as_token_ids: logprobs name tokens "token_id:N" unless the request says otherwise.
     """
 
     names: list[str]
@@ -44,6 +48,18 @@ class ServingContext:
     tool_parser: str = "hermes"
     in_flight: set[str] = field(default_factory=set)
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    root: str | None = None
+    force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False
+
+    def apply_server_defaults(self, request: Any) -> None:
+        """Apply the server-wide switches to a completion or chat request: `--enable-force-include-usage` and
+        `--return-tokens-as-token-ids` (a request's own `return_tokens_as_token_ids` wins)."""
+        if request.return_tokens_as_token_ids is None:
+            request.return_tokens_as_token_ids = self.return_tokens_as_token_ids
+        if self.force_include_usage and request.stream:
+            continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+            request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=continuous)
 
     @property
     def name(self) -> str:

@@ -26,6 +26,7 @@ from asyncllm.entrypoints.openai.responses import (
     ChatResponseMessage,
     DeltaMessage,
     make_id,
+    prompt_logprobs_json,
 )
 from asyncllm.entrypoints.openai.serving_base import (
     ServingContext,
@@ -61,13 +62,14 @@ async def create_chat_completion(llm: Any, ctx: ServingContext, request: ChatCom
             response_format, or prompt too long (400, naming the chat field), the engine is dead (503).
     """
     model = ctx.check(request.model)
+    ctx.apply_server_defaults(request)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     request_id = make_id("chatcmpl")
     try:
         params = request.to_sampling_params(max_tokens, _num_logprobs(request))
     except InvalidRequestError as error:
         raise to_api_error(error, field_names(request)) from error
-    setup = await prepare_chat(llm.get_tokenizer(), request, params, ctx.tool_parser)
+    setup = await prepare_chat(llm.get_tokenizer(), request, params, ctx.tool_parser, ctx.max_model_len or 0)
     try:
         stream = llm.generate(
             setup.prompt,
@@ -106,7 +108,8 @@ def _num_logprobs(request: ChatCompletionRequest) -> int | None:
 def _logprobs(request: ChatCompletionRequest, completion: CompletionOutput) -> ChatLogprobs | None:
     if not request.logprobs or completion.logprobs is None:
         return None
-    return to_chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0)
+    as_ids = bool(request.return_tokens_as_token_ids)
+    return to_chat_logprobs(completion.token_ids, completion.logprobs, request.top_logprobs or 0, as_ids)
 
 
 def _response(
@@ -119,7 +122,8 @@ def _response(
         reader = setup.new_stream()
         reader.feed(c.text, finished=True)
         calls = tool_call_bodies(reader)
-        message = ChatResponseMessage(content=reader.content if reader.content or not calls else None, tool_calls=calls)
+        content = request.echoed_text() + reader.content if reader.content or not calls else None
+        message = ChatResponseMessage(content=content, tool_calls=calls)
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -134,6 +138,7 @@ def _response(
         model=model,
         choices=choices,
         usage=make_usage(usage.num_prompt_tokens, usage.num_generated_tokens, usage.num_cached_tokens),
+        prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs),
     )
 
 
@@ -159,7 +164,8 @@ class _ChatStreamWriter:
             reader = self.readers.get(completion.index)
             if reader is None:
                 reader = self.readers[completion.index] = self.setup.new_stream()
-                role = ChatChunkChoice(index=completion.index, delta=DeltaMessage(role="assistant", content=""))
+                echoed = self.request.echoed_text()  # vLLM's `echo`: the continued message's text first
+                role = ChatChunkChoice(index=completion.index, delta=DeltaMessage(role="assistant", content=echoed))
                 events.append(self._chunk(role))
             delta = reader.feed(completion.text, completion.finished)
             if not delta.content and not delta.calls and not completion.finished and not self.request.logprobs:

@@ -55,7 +55,7 @@ class ChatSetup:
 
 
 async def prepare_chat(
-    tokenizer: Any, request: ChatCompletionRequest, params: SamplingParams, tool_parser: str
+    tokenizer: Any, request: ChatCompletionRequest, params: SamplingParams, tool_parser: str, max_model_len: int = 0
 ) -> ChatSetup:
     """Validate the tool and format fields, render the prompt (with tools), and add the output constraint.
 
@@ -64,18 +64,29 @@ async def prepare_chat(
         APIError: 400 naming the field (`tools`, `tool_choice`, `response_format`, `structured_outputs`,
             `messages`) for a bad or conflicting value.
     """
-    constraint, constraint_field = _constraint(request)
+    constraint, constraint_field = output_constraint(request)
     if constraint is not None:
         params = msgspec.structs.replace(params, structured_outputs=constraint)
     messages = [_message_dict(m) for m in request.messages]
+    custom = {
+        "chat_template_kwargs": request.chat_template_kwargs is not None,
+        "add_generation_prompt": not request.add_generation_prompt,
+        "truncate_prompt_tokens": request.truncate_prompt_tokens is not None,
+        "continue_final_message": request.continue_final_message,
+    }
+    custom_render = any(custom.values())
     if not request.tools and not any(_has_tool_parts(m) for m in messages):
         if request.tool_choice not in (None, "none", "auto"):
             raise APIError("tool_choice other than 'none' or 'auto' needs tools", param="tool_choice")
-        return ChatSetup(messages, params, None, constraint_field)
+        prompt = _render(tokenizer, messages, request, max_model_len) if custom_render else messages
+        return ChatSetup(prompt, params, None, constraint_field)
+    refused = [name for name, given in custom.items() if given and name != "chat_template_kwargs"]
+    if refused:
+        raise APIError(f"{refused[0]} is not supported with tools yet", param=refused[0])
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
     choice = _tool_choice(request)
     parallel = request.parallel_tool_calls is not False
-    args = (tokenizer, messages, params, tools, choice, parallel, tool_parser)
+    args = (tokenizer, messages, params, tools, choice, parallel, tool_parser, request.chat_template_kwargs)
     try:
         if is_long_prompt(messages):
             plan = await anyio.to_thread.run_sync(plan_chat, *args)
@@ -87,7 +98,41 @@ async def prepare_chat(
     return ChatSetup(plan.prompt, plan.sampling_params, plan, "tools" if forced else constraint_field)
 
 
-def _constraint(request: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+def _render(
+    tokenizer: Any, messages: list[dict[str, Any]], request: ChatCompletionRequest, max_model_len: int
+) -> dict[str, Any]:
+    """The prompt of a chat request rendered here: with `chat_template_kwargs`, `add_generation_prompt=false` or
+    `truncate_prompt_tokens` (the last k token ids kept; -1: `max_model_len`) (`generate()` renders plain messages
+    otherwise)."""
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=request.add_generation_prompt, template_kwargs=request.chat_template_kwargs
+        )
+    except InvalidRequestError as error:
+        raise APIError(str(error), param="chat_template_kwargs") from error
+    if request.continue_final_message:  # cut the rendering right after the final message's text: left open
+        final = request.messages[-1].text()
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise APIError(
+                "continue_final_message: the final message's text is not in the rendered prompt",
+                param="continue_final_message",
+            )
+        text = text[: end + len(final)]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return {"prompt_token_ids": ids, "prompt": text}
+    return {"prompt_token_ids": ids[-(max_model_len if keep == -1 else keep) :]}
+
+
+def output_constraint(request: Any) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output constraint of a chat or completion request (`response_format` or vLLM's `structured_outputs`)
+    and the field it came from.
+
+    Raises:
+        APIError: both given, or a bad constraint (400).
+    """
     fmt, extra = request.response_format, request.structured_outputs
     if fmt is not None and fmt.type != "text" and extra is not None:
         raise APIError("give response_format or structured_outputs, not both", param="structured_outputs")

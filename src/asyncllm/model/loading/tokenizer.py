@@ -142,16 +142,24 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render chat messages into a prompt string with the model's template.
 
         Rendered in a Jinja2 immutable sandbox with the globals HF templates expect (`raise_exception`,
         `strftime_now`, a `tojson` filter that does not escape HTML, `bos_token`, `eos_token`); `tools` (OpenAI
-        tool dicts) is passed as the template's `tools` variable, as HF `transformers` does.
+        tool dicts) is passed as the template's `tools` variable, as HF `transformers` does. `template_kwargs`
+        (vLLM's `chat_template_kwargs`, e.g. `{"enable_thinking": False}`) are more template variables; they may
+        not redefine the ones above.
 
         Raises:
-            InvalidRequestError: the model has no chat template, or the template rejects the messages.
+            InvalidRequestError: the model has no chat template, the template rejects the messages, or
+                `template_kwargs` redefines a reserved variable.
         """
+        reserved = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+        clash = sorted(reserved & set(template_kwargs or {}))
+        if clash:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {clash}: use the request's own fields")
         if self.chat_template is None:
             raise InvalidRequestError(
                 "this model has no chat template (a base model): send a text prompt (generate(), /v1/completions), "
@@ -164,6 +172,7 @@ class Tokenizer:
                 tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **(template_kwargs or {}),
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
