@@ -32,6 +32,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Mistral: a sliding window on every layer, shorter than the test sequences (a 12-token prompt + 32 decodes), GQA,
+    # untied.
+    "mistral": (
+        "MistralConfig",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_window": 8,
+        },
+    ),
     # Qwen2.5: q/k/v biases, theta 1e6, tied, a sliding window configured but not used (as published).
     "qwen2": (
         "Qwen2Config",
@@ -103,7 +118,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-ARCHITECTURES = {"phi4mini": "phi3"}  # family -> asyncllm's architecture name, where they differ
+ARCHITECTURES = {"phi4mini": "phi3", "mistral": "llama"}  # family -> asyncllm's architecture name, where they differ
 MAX_MODEL_LEN = {"phi4mini": 64}  # LongRoPE's short regime
 
 
@@ -192,12 +207,14 @@ def _llama3_rope_factors(config: Any, head_dim: int) -> Any:
 
 def write_family_gguf(family: str, model: Any, path: pathlib.Path) -> pathlib.Path:
     """Write HF's `model` of `family` as a float32 GGUF file with `gguf`'s writer, llama.cpp's tensor names
-    (`gguf.TensorNameMap`) and metadata keys, Q/K rows permuted for "llama" as llama.cpp's converter does."""
+    (`gguf.TensorNameMap`) and metadata keys, Q/K rows permuted for "llama" (Mistral's GGUF architecture too) as
+    llama.cpp's converter does."""
     import gguf
 
     config = model.config
     arch_name = ARCHITECTURES.get(family, family)
     arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+    arch |= {"mistral": gguf.MODEL_ARCH.LLAMA}
     arch |= {"phi3": gguf.MODEL_ARCH.PHI3, "phi4mini": gguf.MODEL_ARCH.PHI3}
     names = gguf.TensorNameMap(arch[family], config.num_hidden_layers)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -212,6 +229,8 @@ def write_family_gguf(family: str, model: Any, path: pathlib.Path) -> pathlib.Pa
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "sliding_window", None) is not None and family == "mistral":
+        writer.add_sliding_window(config.sliding_window)
     if family == "qwen3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -233,7 +252,7 @@ def write_family_gguf(family: str, model: Any, path: pathlib.Path) -> pathlib.Pa
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         array = tensor.detach().float().numpy()
-        if family == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch_name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             array = _llama_cpp_permute(array, heads if "q_proj" in hf_name else kv_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:

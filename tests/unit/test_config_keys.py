@@ -71,16 +71,13 @@ def test_gelu_activation_is_refused_not_run_as_silu(tmp_path: pathlib.Path) -> N
     assert read_arch_config(_hf_dir(tmp_path / "silu", {**TINY_LLAMA, "hidden_act": "silu"})).hidden_size == 32
 
 
-def test_mistral_sliding_window_shorter_than_a_sequence_is_refused(tmp_path: pathlib.Path) -> None:
+def test_mistral_sliding_window_is_applied_not_refused(tmp_path: pathlib.Path) -> None:
+    """The first silent wrong answer of issue 28 (a Mistral window ignored): the window is now applied on every
+    layer (HF parity over sequences longer than it: `tests/unit/test_families.py`, family "mistral")."""
     path = _hf_dir(tmp_path, {**TINY_LLAMA, "model_type": "mistral", "sliding_window": 16})
-    with pytest.raises(ConfigError, match=r"sliding_window.*16.*max_model_len 128"):
-        _start_up(path)
-    with pytest.raises(ConfigError, match=r"sliding_window.*16.*max_model_len 17"):
-        _start_up(path, max_model_len=17)
-    with pytest.raises(ConfigError, match="sliding_window"):  # a worker given the config directly refuses it too
-        load_model(ModelConfig(model="m", model_path=str(path), load_format="dummy"))
-    # No sequence is longer than the window: every query sees every earlier token, as without a window.
-    assert _start_up(path, max_model_len=16).model.max_model_len == 16
+    assert _start_up(path).model.max_model_len is None
+    model = load_model(ModelConfig(model="m", model_path=str(path), load_format="dummy"))
+    assert [layer.window for layer in model.layers] == [16, 16]
     assert read_arch_config(path).sliding_window == 16
 
 
@@ -281,9 +278,13 @@ def test_gguf_keys_at_their_harmless_value_are_accepted(model_path: str, key: st
     check_gguf_keys({**read_gguf_metadata(model_path), key: value})
 
 
-def test_gguf_sliding_window_is_read_and_checked_like_config_json(model_path: str) -> None:
+def test_gguf_sliding_window_is_read_and_applied_or_checked_like_config_json(model_path: str) -> None:
     check_gguf_keys({**read_gguf_metadata(model_path), "llama.attention.sliding_window": 16})  # read, not refused
     arch = dataclasses.replace(read_arch_config(model_path), sliding_window=16)
+    check_max_model_len(arch, None)  # "llama" (Mistral's GGUF architecture too) applies it
+    assert arch.layer_window(0) == 16
+    qwen2 = dataclasses.replace(arch, architecture="qwen2")  # no window applied: refused unless it covers all
+    assert qwen2.layer_window(0) is None
     with pytest.raises(ConfigError, match=r"sliding_window.*16.*max_model_len 8192"):
-        check_max_model_len(arch, None)
-    check_max_model_len(arch, 16)
+        check_max_model_len(qwen2, None)
+    check_max_model_len(qwen2, 16)

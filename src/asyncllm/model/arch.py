@@ -39,6 +39,13 @@ class LongRopeScaling:
     attention_factor: float
 
 
+# Architectures whose models apply `ModelArchConfig.sliding_window` on their windowed layers (`layer_window`):
+# Mistral (HF `mistral` maps to "llama") and Phi-3 on every layer, Gemma 2/3 on their local layers. For the others
+# (Qwen2/Qwen3 with `use_sliding_window`) a window is accepted only when it covers every sequence
+# (`loading/arch_config.check_max_model_len`), where applying it would change nothing.
+WINDOWED_ARCHITECTURES = frozenset({"llama", "phi3", "gemma2", "gemma3"})
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """Architecture hyper-parameters (names follow HF `LlamaConfig`).
@@ -65,7 +72,7 @@ class ModelArchConfig:
             llama.cpp's converter writes for Llama 3 scaling), None when absent.
         sliding_window: the attention window of the checkpoint's windowed layers, tokens (a query sees itself and
             the `sliding_window - 1` tokens before it), None when no layer has one. Only the architectures in
-            `loading/arch_config.WINDOWED_ARCHITECTURES` apply it; for the others
+            `WINDOWED_ARCHITECTURES` apply it; for the others
             `loading/arch_config.check_max_model_len` accepts a window only when it covers every sequence.
         layer_types: "sliding_attention" or "full_attention" per layer (HF `layer_types`), None when every layer
             is alike (windowed iff `sliding_window` is set).
@@ -108,8 +115,9 @@ class ModelArchConfig:
     final_logit_softcapping: float | None = None
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of decoder layer `layer` (0-based), tokens, or None for full attention."""
-        if self.sliding_window is None:
+        """The sliding window the model applies on decoder layer `layer` (0-based), tokens, or None for full
+        attention (also for an architecture not in `WINDOWED_ARCHITECTURES`, whose window covers every sequence)."""
+        if self.sliding_window is None or self.architecture not in WINDOWED_ARCHITECTURES:
             return None
         if self.layer_types is None:
             return self.sliding_window

@@ -66,6 +66,8 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
         arch: the model's hyper-parameters.
         tp_rank, tp_size: this rank's shard (`num_*_heads` and `intermediate_size` divisible by `tp_size`).
         kernels: the fused row kernels (`model/kernels/row_kernels.py`), or None for torch ops only (same values).
+        window: this layer's sliding attention window, tokens (`ModelArchConfig.layer_window`: Mistral's, Phi-3's),
+            or None for full attention.
     """
 
     def __init__(
@@ -74,9 +76,11 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
         tp_rank: int = 0,
         tp_size: int = 1,
         kernels: RowKernels | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
+        self.window = window
         self.layout = layout_of(arch.architecture)
         self.fused_kernels = kernels
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -196,7 +200,7 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
         q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
         v = qkv[:, rotated:].view(n, -1, d)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks, kernels)
-        return paged_attention(q, kv_cache, meta, new_kv=(k, v), kernels=kernels)
+        return paged_attention(q, kv_cache, meta, new_kv=(k, v), kernels=kernels, window=self.window)
 
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary on the first `rotary_dim` dims of each [num_tokens, heads, head_dim] head (the tables are that
@@ -237,7 +241,8 @@ class LlamaForCausalLM(nn.Module):
         # decode steps read the paged cache directly: the model runner keeps no dense K/V mirror for them
         self.decode_reads_cache = decode_reads_cache(self.fused_kernels, arch.head_dim)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, tp_rank, tp_size, self.fused_kernels) for _ in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, tp_rank, tp_size, self.fused_kernels, arch.layer_window(i))
+            for i in range(arch.num_hidden_layers)
         )
         self.norm = _param(arch.hidden_size)
         self.lm_head: Weight = _param(arch.hidden_size, arch.vocab_size)  # [in, out]

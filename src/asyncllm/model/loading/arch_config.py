@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import ConfigError
-from asyncllm.model.arch import Llama3RopeScaling, LongRopeScaling, ModelArchConfig
+from asyncllm.model.arch import WINDOWED_ARCHITECTURES, Llama3RopeScaling, LongRopeScaling, ModelArchConfig
 from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo, read_gguf_header
 
 # HF config.json `model_type` -> architecture name (`model/registry.py`).
@@ -46,9 +46,6 @@ HF_MODEL_TYPES: dict[str, str] = {
     "gemma3_text": "gemma3",
 }
 GGUF_ARCHITECTURES = frozenset(HF_MODEL_TYPES.values()) - {"gemma2"}  # GGUF gemma2: no file checked against it
-# Architectures whose model applies `ModelArchConfig.sliding_window` on its windowed layers (`layers/attention.py`);
-# for the others a window shorter than a sequence is refused (`check_max_model_len`).
-WINDOWED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # What a GGUF `gemma3` file does not store because llama.cpp fixes it for the architecture (llama.cpp
 # src/llama-model.cpp, LLM_ARCH_GEMMA3 hyper-parameters; transformers' Gemma3TextConfig defaults agree, which is how
 # it loads these files): every 6th layer global (full attention), the others sliding-window; the sliding layers'
