@@ -187,8 +187,9 @@ def _group_attention(
 ) -> torch.Tensor:
     """[num_seqs, max_query_len, num_heads * head_dim] attention output of one padded group.
 
-    GQA without copying K/V: the `num_heads // num_kv_heads` query heads sharing a K/V head (HF's
-    `repeat_kv` order: query head h uses K/V head h // group) are folded into the query-length axis.
+    GQA without copying K/V (HF's `repeat_kv` order: query head h uses K/V head h // group): SDPA's `enable_gqa`,
+    with the `[num_seqs, 1, max_query_len, max_seq_len]` mask broadcast over the heads. With soft-capping (Gemma 2,
+    written out), the query heads sharing a K/V head are folded into the query-length axis instead.
     """
     num_seqs, max_query_len = group.query_index.shape
     _, num_heads, head_dim = padded_query.shape
@@ -196,6 +197,17 @@ def _group_attention(
     num_kv_heads = key.shape[1]
     per_kv = num_heads // num_kv_heads
     q = padded_query[group.query_index]  # [num_seqs, max_query_len, num_heads, head_dim]
+    if softcap is None:
+        bias = group.bias(window)  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            key,
+            value,
+            attn_mask=group.attn_bias if bias is None else bias,
+            scale=scale,
+            enable_gqa=per_kv > 1,
+        )
+        return o.transpose(1, 2).reshape(num_seqs, max_query_len, num_heads * head_dim)
     q = q.view(num_seqs, max_query_len, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, per_kv * max_query_len, head_dim)
     mask = group.bias(window)  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
