@@ -188,8 +188,10 @@ def _group_attention(
     """[num_seqs, max_query_len, num_heads * head_dim] attention output of one padded group.
 
     GQA without copying K/V (HF's `repeat_kv` order: query head h uses K/V head h // group): SDPA's `enable_gqa`,
-    with the `[num_seqs, 1, max_query_len, max_seq_len]` mask broadcast over the heads. With soft-capping (Gemma 2,
-    written out), the query heads sharing a K/V head are folded into the query-length axis instead.
+    with the `[num_seqs, 1, max_query_len, max_seq_len]` mask broadcast over the heads, or `is_causal` for a group
+    of fresh prefills of one length (`AttentionGroup.causal_only`: the same mask, its masked blocks skipped). With
+    soft-capping (Gemma 2, written out), the query heads sharing a K/V head are folded into the query-length axis
+    instead.
     """
     num_seqs, max_query_len = group.query_index.shape
     _, num_heads, head_dim = padded_query.shape
@@ -198,12 +200,14 @@ def _group_attention(
     per_kv = num_heads // num_kv_heads
     q = padded_query[group.query_index]  # [num_seqs, max_query_len, num_heads, head_dim]
     if softcap is None:
-        bias = group.bias(window)  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
+        causal = group.causal_only and (window is None or window >= max_query_len)
+        bias = None if causal else group.bias(window)  # [num_seqs, 1, max_query_len, max_seq_len]: 0 or -inf
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             key,
             value,
-            attn_mask=group.attn_bias if bias is None else bias,
+            attn_mask=None if causal else group.attn_bias if bias is None else bias,
+            is_causal=causal,
             scale=scale,
             enable_gqa=per_kv > 1,
         )

@@ -32,6 +32,9 @@ class AttentionGroup:
             may run without it.
         query_positions: [num_seqs, max_query_len] int64 absolute position of each padded query (padding rows
             included; their output is dropped), for the sliding-window masks (`bias`).
+        causal_only: every sequence computes all its tokens this step, all of one length (a fresh prefill chunk, or
+            several of one length): `attn_mask` is exactly the causal triangle, with no cached prefix and no
+            padding, so attention may use SDPA's `is_causal`, which skips the masked blocks.
     """
 
     block_tables: torch.Tensor
@@ -40,6 +43,7 @@ class AttentionGroup:
     attn_mask: torch.Tensor
     masks_keys: bool = True
     query_positions: torch.Tensor | None = None
+    causal_only: bool = False
     _window_biases: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     @property
@@ -177,4 +181,5 @@ def _build_group(
         attn_mask=torch.from_numpy(mask[:, None, :, :]),
         masks_keys=not bool(mask.all()),
         query_positions=torch.from_numpy(q_pos),
+        causal_only=bool((s == q).all() and (q == max_q).all()),
     )
