@@ -247,7 +247,8 @@ def server_command(server: str, model: str, hf_dir: Path | None, port: int) -> t
 @contextlib.contextmanager
 def running_server(server: str, model: str, hf_dir: Path | None) -> Iterator[str]:
     """Start one server on a free loopback port and wait (up to 15 minutes) until it answers `/v1/models`; yields
-    its base URL; SIGTERM (then SIGKILL) at the end. Raises RuntimeError (with the log's tail) if it exits first."""
+    its base URL; SIGTERM to the server at the end (SIGKILL to its whole process group after 60 s). Raises
+    RuntimeError (with the log's tail) if it exits first."""
     port = free_port()
     cmd, env = server_command(server, model, hf_dir, port)
     log = Path(tempfile.mkstemp(prefix=f"{server}-", suffix=".log")[1])
@@ -267,12 +268,11 @@ def running_server(server: str, model: str, hf_dir: Path | None) -> Iterator[str
             time.sleep(1.0)
         yield base_url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)  # the server stops its own engine processes
         try:
             process.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            os.killpg(process.pid, signal.SIGKILL)  # and whatever it left
             process.wait()
 
 
