@@ -126,3 +126,9 @@ class ModelArchConfig:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV cache block over all layers (float32 K and V)."""
         return self.num_hidden_layers * 2 * block_size * self.num_key_value_heads * self.head_dim * 4
+
+
+def gemma_layer_pattern(layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma's interleaving, as `ModelArchConfig.layer_types`: layer i is global ("full_attention") when
+    (i + 1) % pattern == 0, else "sliding_attention" (HF's `Gemma3TextConfig` / `Gemma2Config`, llama.cpp's gemma3)."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))

@@ -1,6 +1,6 @@
 """Rotary position embedding tables: plain RoPE, Llama 3 frequency scaling and Phi-3's LongRoPE in its short regime
-(read from the config by `loading/arch_config.py`; LongRoPE as HF's `_compute_longrope_parameters`: frequencies
-divided by the short factors, cos and sin times the attention factor).
+(read from the config by `loading/hf_config.py` and `loading/gguf_config.py`; LongRoPE as HF's
+`_compute_longrope_parameters`: frequencies divided by the short factors, cos and sin times the attention factor).
 
 Sources: RoFormer (Su et al., 2021) for the inverse frequencies `theta ** (-2i / head_dim)`; the Llama 3.1 rule for
 stretching them to a longer context, as published with Meta's Llama 3.1 reference code (`apply_scaling` in
