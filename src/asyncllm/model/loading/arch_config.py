@@ -49,24 +49,17 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
 
 def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> None:
     """Refuse a sliding attention window that a sequence of `max_model_len` tokens could outgrow, for an architecture
-    whose model does not apply the window (not in `WINDOWED_ARCHITECTURES`), and a LongRoPE checkpoint whose
-    sequences could outgrow its short regime.
+    whose model does not apply the window (not in `WINDOWED_ARCHITECTURES`).
 
     Such a model attends to the whole sequence. With a window of `w` tokens (a query sees itself and the `w - 1`
     tokens before it, as HF's `sliding_window_overlay`), that is the same math while no sequence is longer than
     `w`. `max_model_len` None means the model's context length, as the worker resolves it.
 
     Raises:
-        ConfigError: naming the window (or LongRoPE's original context) and the sequence length it does not cover.
+        ConfigError: naming the window and the sequence length it does not cover.
     """
     context = arch.max_position_embeddings
     length = min(max_model_len or context, context)
-    if isinstance(arch.rope_scaling, LongRopeScaling) and arch.rope_scaling.original_max_position_embeddings < length:
-        original = arch.rope_scaling.original_max_position_embeddings
-        raise ConfigError(
-            f"LongRoPE: max_model_len {length} > original_max_position_embeddings {original}: asyncllm implements "
-            f"only the short factors HF uses up to {original} tokens; set EngineArgs.max_model_len <= {original}"
-        )
     if arch.architecture in WINDOWED_ARCHITECTURES:
         return
     if arch.sliding_window is not None and arch.sliding_window < length:
@@ -76,3 +69,13 @@ def check_max_model_len(arch: ModelArchConfig, max_model_len: int | None) -> Non
             "attend to more than the model was trained to; "
             f"set EngineArgs.max_model_len <= {arch.sliding_window}"
         )
+
+
+def max_prompt_len(arch: ModelArchConfig) -> int | None:
+    """The longest prompt, tokens, this checkpoint computes as HF does, when that is shorter than its context: a
+    LongRoPE checkpoint's `original_max_position_embeddings` (HF rotates a longer prompt with the long factors from
+    its first position, asyncllm by position alone: `arch.LongRopeScaling`); None: only `max_model_len` limits it.
+    `EngineArgs.create_engine_config` puts it in `ModelConfig.max_prompt_len`, which the frontend enforces."""
+    if isinstance(arch.rope_scaling, LongRopeScaling):
+        return arch.rope_scaling.original_max_position_embeddings
+    return None

@@ -228,8 +228,8 @@ def _arch_from_hf(cfg: dict[str, Any]) -> ModelArchConfig:
     rotary_dim = _hf_rotary_dim(cfg, head_dim) if model_type == "phi3" else None
     if isinstance(rope_scaling, LongRopeScaling) and len(rope_scaling.short_factor) != (rotary_dim or head_dim) // 2:
         raise ConfigError(
-            f"config.json: LongRoPE short_factor has {len(rope_scaling.short_factor)} values; the model rotates "
-            f"{rotary_dim or head_dim} dims of each head, so needs {(rotary_dim or head_dim) // 2}"
+            f"config.json: LongRoPE short_factor and long_factor have {len(rope_scaling.short_factor)} values; the "
+            f"model rotates {rotary_dim or head_dim} dims of each head, so needs {(rotary_dim or head_dim) // 2}"
         )
     eos = cfg.get("eos_token_id")
     return ModelArchConfig(
@@ -405,9 +405,8 @@ def read_hf_rope(cfg: dict[str, Any], phi3: bool = False) -> tuple[float, Llama3
     is `rope_type`, or `type` in the oldest files).
 
     With `phi3`, a `partial_rotary_factor` key is allowed (read by `_hf_rotary_dim`), and so is the rope type
-    "longrope" (or its old name "su"), as HF's Phi-3 applies it: the short factors (what HF uses while a sequence
-    is at most `original_max_position_embeddings` tokens; `check_max_model_len` refuses longer ones) and the
-    attention factor.
+    "longrope" (or its old name "su"), as HF's Phi-3 applies it: the short and long factors (`arch.LongRopeScaling`
+    says which positions take which) and the attention factor.
 
     Returns:
         (rope_theta, the Llama 3 or LongRoPE scaling, or None for plain RoPE).
@@ -454,8 +453,8 @@ def read_hf_rope(cfg: dict[str, Any], phi3: bool = False) -> tuple[float, Llama3
 
 
 def _longrope(cfg: dict[str, Any], merged: dict[str, Any], key: str) -> LongRopeScaling:
-    """LongRoPE's short regime as HF's `_compute_longrope_parameters` computes it: `factor` (default
-    `max_position_embeddings / original_max_position_embeddings`) gives the attention factor
+    """LongRoPE as HF's `_compute_longrope_parameters` computes it: the short and long factors, and `factor` (default
+    `max_position_embeddings / original_max_position_embeddings`) giving the attention factor
     `sqrt(1 + ln(factor) / ln(original))` (1 when factor <= 1) unless `attention_factor` is given."""
     short, long = merged.get("short_factor"), merged.get("long_factor")
     original = merged.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
@@ -467,7 +466,12 @@ def _longrope(cfg: dict[str, Any], merged: dict[str, Any], key: str) -> LongRope
     attention = merged.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return LongRopeScaling(tuple(float(f) for f in short), original, float(attention))
+    return LongRopeScaling(
+        short_factor=tuple(float(f) for f in short),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        long_factor=tuple(float(f) for f in long),
+    )
 
 
 def _safetensors_names(path: pathlib.Path) -> set[str]:
