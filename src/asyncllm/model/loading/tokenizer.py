@@ -104,8 +104,8 @@ PRE_TOKENIZATIONS: dict[str, PreTokenization] = {
     "smaug-bpe": PreTokenization(_LLAMA3_SPLIT),
     # Qwen2, Qwen2.5, Qwen3 (their tokenizer.json: NFC, then the split, digits one by one).
     "qwen2": PreTokenization(_QWEN2_SPLIT, nfc=True),
-    # DeepSeek-R1 distilled into Qwen2.5: Qwen's split (transformers' GGUF mapping and llama.cpp's QWEN2 group);
-    # its tokenizer.json has no normalizer.
+    # DeepSeek-R1 distilled into Qwen2.5: Qwen's split (transformers' GGUF mapping and llama.cpp's QWEN2 group),
+    # without NFC as llama.cpp runs it; not checked against the model's own tokenizer.json (none on this machine).
     "deepseek-r1-qwen": PreTokenization(_QWEN2_SPLIT),
     # Phi-4-mini.
     "gpt-4o": PreTokenization(_GPT4O_SPLIT),
