@@ -9,8 +9,8 @@ tokenizer's roughly, while the vocabulary (and so the LM head) has the model's r
 
     .venv/bin/python benchmarks/random_checkpoint.py qwen3-0.6b /tmp/qwen3-0.6b-random [--layers N]
 
-Presets (published config.json values): qwen3-0.6b, qwen2.5-0.5b, llama-3.2-1b, phi-4-mini (LongRoPE: run with
-`--max-model-len 4096` or less), and `tiny-<family>` (the tests' shapes, for a smoke run).
+Presets (published config.json values): qwen3-0.6b, qwen2.5-0.5b, llama-3.2-1b, phi-4-mini (LongRoPE: prompts of
+at most 4096 tokens, its original context), and `tiny-<family>` (the tests' shapes, for a smoke run).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "eos_token_id": 2,
         },
     ),
-    # Phi-4-mini: as Phi-3, tied, with LongRoPE (short regime: sequences up to original_max_position_embeddings).
+    # Phi-4-mini: as Phi-3, tied, with LongRoPE (long factors from position 64 on, of a 128-token context).
     "phi4mini": (
         "Phi3Config",
         {
@@ -119,7 +119,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 ARCHITECTURES = {"phi4mini": "phi3", "mistral": "llama"}  # family -> asyncllm's architecture name, where they differ
-MAX_MODEL_LEN = {"phi4mini": 64}  # LongRoPE's short regime
 
 
 def hf_family_model(family: str, seed: int = 0) -> Any:

@@ -94,6 +94,7 @@ class AsyncLLM:
             lora_config=config.lora,
             max_logprobs=config.model.max_logprobs,
             callables_in_process=callables_reach_the_worker(config),
+            max_prompt_len=config.model.max_prompt_len,
         )
         self._output_processor = OutputProcessor(tokenizer.hf)
         cache_info = {

@@ -346,7 +346,7 @@ class EngineArgs:
             ModelNotFoundError: the model cannot be resolved or fetched.
         """
         from asyncllm.distributed.tp_sizes import check_tp_divides
-        from asyncllm.model.loading.arch_config import check_max_model_len, read_arch_config
+        from asyncllm.model.loading.arch_config import check_max_model_len, max_prompt_len, read_arch_config
         from asyncllm.model.loading.resolve import resolve_model_path
 
         self.validate()
@@ -370,6 +370,7 @@ class EngineArgs:
             seed=self.seed,
             quantization=self.quantization,
             linear_kernels=parse_linear_kernels(self.linear_kernels) or None,
+            max_prompt_len=max_prompt_len(arch),
         )
         cache = CacheConfig(
             block_size=self.block_size,

@@ -77,6 +77,8 @@ class ModelConfig:
         logprobs_mode: what logprobs carry (vLLM's `logprobs_mode`, `LOGPROBS_MODES`): "raw_logprobs" (default),
             "raw_logits", "processed_logprobs", "processed_logits".
         skip_tokenizer_init: no tokenizer in the frontend: token-id prompts only, outputs without text.
+        max_prompt_len: a longer prompt is refused at submission, tokens (a LongRoPE checkpoint's original context:
+            `model/loading/arch_config.max_prompt_len`); None: only `max_model_len` limits prompts.
     """
 
     model: str
@@ -89,6 +91,7 @@ class ModelConfig:
     max_logprobs: int = 20
     logprobs_mode: LogprobsMode = "raw_logprobs"
     skip_tokenizer_init: bool = False
+    max_prompt_len: int | None = None
 
 
 @dataclass(frozen=True)

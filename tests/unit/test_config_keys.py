@@ -15,16 +15,10 @@ from safetensors.numpy import save_file
 from asyncllm.async_llm import AsyncLLM
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.errors import ConfigError
-from asyncllm.model.loading.arch_config import (
-    GGUF_READ_KEYS,
-    HF_MODEL_TYPES,
-    HF_NO_MATH_KEYS,
-    check_gguf_keys,
-    check_max_model_len,
-    hf_read_keys,
-    read_arch_config,
-)
+from asyncllm.model.loading.arch_config import check_max_model_len, read_arch_config
+from asyncllm.model.loading.gguf_config import GGUF_READ_KEYS, check_gguf_keys
 from asyncllm.model.loading.gguf_metadata import read_gguf_metadata
+from asyncllm.model.loading.hf_config import HF_MODEL_TYPES, HF_NO_MATH_KEYS, hf_read_keys
 from asyncllm.model.loading.loader import load_model
 
 SIZES: dict[str, Any] = {

@@ -10,20 +10,26 @@ prefill equal to the whole one, and int8 within a stated logit error of fp32 and
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import pathlib
 from typing import Any
 
 import pytest
 import torch
 
+from asyncllm import SamplingParams
 from asyncllm.config import ModelConfig
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.model.arch import LongRopeScaling
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.layers.rotary import arch_cos_sin
+from asyncllm.model.loading.arch_config import max_prompt_len
 from asyncllm.model.loading.loader import load_model
+from asyncllm.processing.no_tokenizer import NoTokenizer
 from tests.family_checkpoints import (
     ARCHITECTURES,
     FAMILIES,
-    MAX_MODEL_LEN,
     write_family_checkpoint,
     write_family_gguf,
 )
@@ -93,8 +99,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def load_family(family: str, path: pathlib.Path) -> Any:
-    """asyncllm's model of a family's checkpoint, at the family's max_model_len if it needs one."""
-    return load_model(ModelConfig(model="m", model_path=str(path), max_model_len=MAX_MODEL_LEN.get(family)))
+    """asyncllm's model of a family's checkpoint."""
+    return load_model(ModelConfig(model="m", model_path=str(path)))
 
 
 def test_the_checkpoint_has_the_family_features(family: tuple[str, Any, Any]) -> None:
@@ -182,13 +188,86 @@ def test_gguf_with_llama_cpp_names_matches_hf(family: tuple[str, Any, Any], tmp_
     assert error < LOGIT_ATOL, f"{name} GGUF: max abs logit error {error:.3g} over {DECODE_STEPS + 1} steps"
 
 
-def test_phi4mini_longrope_is_refused_beyond_its_short_regime(tmp_path: pathlib.Path) -> None:
-    """HF switches to LongRoPE's long factors past original_max_position_embeddings; asyncllm does not have them,
-    so a max_model_len beyond it is a ConfigError naming the limit."""
+LONG_PROMPT = [(37 * i + 11) % 160 for i in range(40)]  # 40 tokens, within phi4mini's original context (64)
+LONG_STEPS = 60  # decoding crosses the original context at step 24 and goes on to position 99
+
+
+def hf_cached_greedy(ref: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy continuation as its `generate` computes it: the prompt in one call, then one token per call on
+    its KV cache (HF's LongRoPE picks short or long factors per call); logits after the prompt and each token:
+    [steps + 1, vocab]."""
+    with torch.no_grad():
+        out = ref(torch.tensor([prompt]), use_cache=True)
+        rows, tokens = [out.logits[0, -1]], []
+        for _ in range(steps):
+            tokens.append(int(rows[-1].argmax()))
+            out = ref(torch.tensor([tokens[-1:]]), cache=out.cache, use_cache=True)
+            rows.append(out.logits[0, -1])
+    return tokens, torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """(HF's Phi-4-mini-shaped LongRoPE model, asyncllm's model of it at its whole context, 128 tokens)."""
     pytest.importorskip("transformers")
-    write_family_checkpoint("phi4mini", tmp_path)
-    with pytest.raises(ConfigError, match="LongRoPE: max_model_len 128 > original_max_position_embeddings 64"):
-        load_model(ModelConfig(model="m", model_path=str(tmp_path)))
+    path = tmp_path_factory.mktemp("longrope")
+    ref = write_family_checkpoint("phi4mini", path)
+    model = load_model(ModelConfig(model="m", model_path=str(path)))
+    scaling = model.arch.rope_scaling
+    assert isinstance(scaling, LongRopeScaling)
+    assert scaling.original_max_position_embeddings == 64
+    assert model.arch.max_position_embeddings == 128
+    return ref, model
+
+
+def test_longrope_decoding_past_the_original_context_matches_hf_generate(longrope: tuple[Any, Any]) -> None:
+    """A 40-token prompt decoded for 60 tokens: HF switches to the long factors at position 64 and keeps the keys it
+    cached under the short ones; so does asyncllm, position by position. Without the long factors (the short ones
+    throughout, as before) the logits past the switch are far off: the comparison can fail."""
+    ref, model = longrope
+    tokens, expected = hf_cached_greedy(ref, LONG_PROMPT, LONG_STEPS)
+    ours = prefill_then_decode(model, LONG_PROMPT, tokens)
+    error = (ours - expected).abs().max().item()
+    assert error < LOGIT_ATOL, f"LongRoPE: max abs logit error {error:.3g} over {LONG_STEPS + 1} steps"
+    short_only = copy.deepcopy(model)
+    scaling = short_only.arch.rope_scaling
+    short_arch = dataclasses.replace(
+        short_only.arch, rope_scaling=dataclasses.replace(scaling, long_factor=scaling.short_factor)
+    )
+    short_only.rope_cos, short_only.rope_sin = arch_cos_sin(short_arch)
+    wrong = prefill_then_decode(short_only, LONG_PROMPT, tokens)
+    switch = 64 - len(LONG_PROMPT)  # the row of the first token decoded at position 64
+    assert (wrong[:switch] - expected[:switch]).abs().max().item() < LOGIT_ATOL
+    assert (wrong[switch + 1 :] - expected[switch + 1 :]).abs().max().item() > 1000 * LOGIT_ATOL
+
+
+def test_longrope_recompute_past_the_switch_equals_decoding(longrope: tuple[Any, Any]) -> None:
+    """A sequence that decoded past the original context and is computed again (preemption by recompute, or a
+    prefix-cache hit on its blocks) in prefill chunks of any size gets the same keys and logits: the rotation
+    depends on the position alone."""
+    ref, model = longrope
+    tokens, _ = hf_cached_greedy(ref, LONG_PROMPT, LONG_STEPS)
+    decoded = prefill_then_decode(model, LONG_PROMPT, tokens)
+    ids = LONG_PROMPT + tokens[:-1]
+    for size in (len(ids), 25, 7):
+        cache = Cache(model, 1, len(ids))
+        rows = torch.cat([cache.step([0], [ids[s : s + size]], [s]) for s in range(0, len(ids), size)])
+        torch.testing.assert_close(rows[len(LONG_PROMPT) - 1 :], decoded[:-1], atol=1e-5, rtol=1e-5)
+
+
+def test_longrope_prompts_longer_than_the_original_context_are_refused(longrope: tuple[Any, Any]) -> None:
+    """HF rotates a prompt longer than the original context with the long factors from its first token; asyncllm
+    cannot (its keys depend on the position alone), so such a prompt is refused at submission, naming the limit."""
+    from asyncllm.processing.input_processor import InputProcessor
+
+    _, model = longrope
+    limit = max_prompt_len(model.arch)
+    assert limit == 64
+    assert max_prompt_len(dataclasses.replace(model.arch, rope_scaling=None)) is None
+    processor = InputProcessor(NoTokenizer(2), 128, 160, max_prompt_len=limit)
+    processor.process({"prompt_token_ids": [5] * 64}, SamplingParams(max_tokens=64))
+    with pytest.raises(InvalidRequestError, match=r"at most 64 .*LongRoPE"):
+        processor.process({"prompt_token_ids": [5] * 65}, SamplingParams(max_tokens=8))
 
 
 def test_qwen2_used_sliding_window_is_refused_unless_it_covers_every_sequence(tmp_path: pathlib.Path) -> None:

@@ -12,7 +12,9 @@ import torch
 from asyncllm.errors import ConfigError
 from asyncllm.model.arch import Llama3RopeScaling, ModelArchConfig
 from asyncllm.model.layers.rotary import arch_inv_freq, rope_inv_freq
-from asyncllm.model.loading.arch_config import _check_gguf_rope, read_arch_config, read_hf_rope
+from asyncllm.model.loading.arch_config import read_arch_config
+from asyncllm.model.loading.gguf_config import _check_gguf_rope
+from asyncllm.model.loading.hf_config import read_hf_rope
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,20 +23,30 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class LongRopeScaling:
-    """Phi-3's LongRoPE (`rope_type: "longrope"`; applied by `layers/rotary.py`), in its short regime only: HF uses
-    the short factors while a sequence is at most `original_max_position_embeddings` tokens, and
-    `loading/arch_config.check_max_model_len` refuses longer sequences (the long factors are not implemented).
+    """Phi-3's LongRoPE (`rope_type: "longrope"`; applied by `layers/rotary.py`): the rotary frequencies divided by
+    the short factors at positions below `original_max_position_embeddings`, by the long factors from there on.
+
+    HF's Phi-3 picks one set per forward call, by the call's largest position + 1 (short while it is at most the
+    original context). Its `generate` prefills the prompt in one call, then decodes one token per call and
+    recomputes nothing: a token at position p is rotated with the long factors iff p >= the original context, as
+    here, for every prompt of at most `original_max_position_embeddings` tokens (the keys cached before the switch
+    keep their short rotation in both). A longer prompt HF rotates with the long factors from its first token;
+    asyncllm, whose rotation depends on the position alone (so chunked prefill, prefix caching and preemption see
+    the same keys), refuses it (`ModelConfig.max_prompt_len`, from `loading/arch_config.max_prompt_len`).
 
     Fields:
-        short_factor: per-frequency divisors, [rotary_dim // 2].
-        original_max_position_embeddings: the pre-training context, tokens; the short regime's limit.
-        attention_factor: multiplies the cos and sin tables (HF: `sqrt(1 + ln(factor) / ln(original context))`,
-            factor = `max_position_embeddings / original_max_position_embeddings`, unless given).
+        short_factor: per-frequency divisors below the original context, [rotary_dim // 2].
+        long_factor: per-frequency divisors from the original context on, [rotary_dim // 2].
+        original_max_position_embeddings: the pre-training context, tokens; where the long factors start.
+        attention_factor: multiplies the cos and sin tables in both regimes (HF: `sqrt(1 + ln(factor) /
+            ln(original context))`, factor = `max_position_embeddings / original_max_position_embeddings`, unless
+            given).
     """
 
     short_factor: tuple[float, ...]
     original_max_position_embeddings: int
     attention_factor: float
+    long_factor: tuple[float, ...]
 
 
 # Architectures whose models apply `ModelArchConfig.sliding_window` on their windowed layers (`layer_window`):
@@ -66,8 +76,8 @@ class ModelArchConfig:
         max_position_embeddings: the model's context length, tokens.
         tie_word_embeddings: LM head shares the token embedding.
         bos_token_id, eos_token_id: special ids (None when absent).
-        rope_scaling: Llama 3 frequency scaling (HF `rope_type: "llama3"`), Phi-3's LongRoPE in its short regime,
-            None for plain RoPE.
+        rope_scaling: Llama 3 frequency scaling (HF `rope_type: "llama3"`), Phi-3's LongRoPE (short and long
+            factors), None for plain RoPE.
         rope_freq_divisors: per-frequency divisors, [head_dim // 2] (a GGUF `rope_freqs` tensor, which
             llama.cpp's converter writes for Llama 3 scaling), None when absent.
         sliding_window: the attention window of the checkpoint's windowed layers, tokens (a query sees itself and
@@ -126,3 +136,9 @@ class ModelArchConfig:
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes of one KV cache block over all layers (float32 K and V)."""
         return self.num_hidden_layers * 2 * block_size * self.num_key_value_heads * self.head_dim * 4
+
+
+def gemma_layer_pattern(layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma's interleaving, as `ModelArchConfig.layer_types`: layer i is global ("full_attention") when
+    (i + 1) % pattern == 0, else "sliding_attention" (HF's `Gemma3TextConfig` / `Gemma2Config`, llama.cpp's gemma3)."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers))

@@ -1,7 +1,7 @@
 """Architecture name -> model class.
 
 Names are those of `ModelArchConfig.architecture` (GGUF `general.architecture`, or HF `model_type` mapped
-through `loading/arch_config.HF_MODEL_TYPES`).
+through `loading/hf_config.HF_MODEL_TYPES`).
 """
 
 from __future__ import annotations

@@ -101,6 +101,8 @@ class InputProcessor:
         max_logprobs: `logprobs` / `prompt_logprobs` at most (`EngineArgs.max_logprobs`; -1 = the vocabulary).
         callables_in_process: the worker runs in this process (engine thread, "uni" executor, no speculative
             decoding), so `SamplingParams.logits_processors` can reach it; False refuses them.
+        max_prompt_len: a longer prompt is refused, tokens (`ModelConfig.max_prompt_len`: a LongRoPE checkpoint's
+            original context); None = only `max_model_len` limits it.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class InputProcessor:
         lora_config: LoRAConfig | None = None,
         max_logprobs: int = MAX_LOGPROBS,
         callables_in_process: bool = False,
+        max_prompt_len: int | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
@@ -120,6 +123,7 @@ class InputProcessor:
         self._hidden_size = hidden_size
         self._lora_checker = LoRAChecker(lora_config)
         self._max_model_len = max_model_len
+        self._max_prompt_len = max_prompt_len
         self._vocab_size = vocab_size
         self._limit = f"max_model_len={max_model_len}"
         if kv_cache_blocks is not None and kv_cache_blocks[0] * kv_cache_blocks[1] <= max_model_len:
@@ -284,6 +288,12 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens; at most {self._max_model_len - 1} fit "
                 f"({self._limit}; one token must be left to generate)"
+            )
+        if self._max_prompt_len is not None and len(token_ids) > self._max_prompt_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; this model takes at most {self._max_prompt_len} "
+                "(LongRoPE's original context: HF rotates a longer prompt with the long factors from its first "
+                "token, asyncllm only from that position on)"
             )
 
     def _validate_params(self, params: SamplingParams | None) -> SamplingParams:

@@ -4,8 +4,12 @@ From a GGUF file (`tokenizer.ggml.model == "gpt2"`, byte-level BPE) the tokenize
 `transformers` does it in `integrations/gguf/gguf_tokenizer_mapping.py` (v5), so token ids match
 `AutoTokenizer.from_pretrained(dir, gguf_file=name)`:
 - BPE over the file's tokens (re-spelled into the byte-level alphabet if needed) and merges, no unk token;
-- pre-tokenizer: a `Split` regex chosen by `tokenizer.ggml.pre` for the families in `_PRE_TOKENIZER_SPLITS`,
-  otherwise the plain GPT-2 `ByteLevel(add_prefix_space=False, use_regex=True)`; decoder `ByteLevel`;
+- pre-tokenization by `tokenizer.ggml.pre` (`PRE_TOKENIZATIONS`; the names llama.cpp's `llama-vocab.cpp` reads):
+  the family's `Split` regex then `ByteLevel(use_regex=False)`, or the plain GPT-2
+  `ByteLevel(add_prefix_space=False, use_regex=True)`; NFC first for Qwen2/Qwen3 ("qwen2") and `ignore_merges` for
+  Llama 3 ("llama-bpe"), as their tokenizer.json files have them; decoder `ByteLevel`. A missing or unknown name
+  is a `ConfigError` (llama.cpp would fall back to a "default" split and warn of degraded quality). Checked
+  against each family's tokenizer.json (`tests/unit/test_gguf_tokenizers.py`);
 - tokens typed CONTROL (3) become special added tokens, USER_DEFINED (4) plain added tokens, so
   `<|im_start|>` / `<|im_end|>` are matched whole in text;
 - BOS/EOS are added only if `tokenizer.ggml.add_bos_token` / `add_eos_token` say so (SmolLM2: neither).
@@ -23,10 +27,10 @@ fallback, as in Gemma 3) it is rebuilt the way transformers' `gemma_tokenizer` d
 Incremental detokenization (`processing/detokenizer.py`'s `DecodeStream`) holds back a partial UTF-8 sequence of
 byte-fallback tokens, as it does for byte-level BPE.
 
-Known difference from the true SmolLM2 tokenizer: its `tokenizer.json` (pre-tokenizer `smollm` in llama.cpp)
-splits digits individually (`Digits(individual_digits=True)` before `ByteLevel`), so "2024" is 4 tokens
-there. transformers has no entry for `smollm` and falls back to the GPT-2 regex, which keeps runs of digits
-together (" 2024" may be one or two tokens). We match transformers, as required; prompts with numbers
+Known difference from the true SmolLM2 tokenizer: its `tokenizer.json` (pre-tokenizer `smollm` in llama.cpp, which
+means the same) splits digits individually (`Digits(individual_digits=True)` before `ByteLevel`), so "2024" is 4
+tokens there. transformers has no entry for `smollm` and falls back to the GPT-2 regex, which keeps runs of
+digits together (" 2024" may be one or two tokens). We match transformers, as required; prompts with numbers
 therefore tokenize slightly differently from the original model's tokenizer.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -44,7 +49,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.model.loading.gguf_metadata import read_gguf_metadata
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
@@ -60,14 +65,53 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# `tokenizer.ggml.pre` -> split regex (as transformers maps them); anything else uses the GPT-2 regex.
-_PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
+# OpenAI's o200k split (Phi-4-mini's tokenizer.json; llama.cpp's GPT4O pre-tokenizer, before its rewrite for
+# its own regex engine): cased words with an optional contraction, digits in threes, "/" kept with punctuation.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenization:
+    """What a GGUF `tokenizer.ggml.pre` name means for byte-level BPE, as the family's own tokenizer.json does it.
+
+    Fields:
+        split: the `Split` regex (behaviour "isolated") run before the byte-level mapping; None: the GPT-2 regex of
+            `ByteLevel(use_regex=True)`.
+        nfc: the text is NFC-normalized first (Qwen2's and Qwen3's tokenizer.json).
+        ignore_merges: a pre-token spelled exactly as a vocabulary token is that token, whatever the merges say
+            (Llama 3's tokenizer.json `"ignore_merges": true`; llama.cpp sets it for the same names).
+    """
+
+    split: str | None
+    nfc: bool = False
+    ignore_merges: bool = False
+
+
+# `tokenizer.ggml.pre` -> its pre-tokenization (names as llama.cpp's `llama-vocab.cpp` reads them and
+# `convert_hf_to_gguf.py` writes them). Anything else, or no name at all, is refused: a wrong split changes the ids.
+PRE_TOKENIZATIONS: dict[str, PreTokenization] = {
+    # GPT-2's own regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT2 names of byte-level models).
+    "gpt-2": PreTokenization(None),
+    "phi-2": PreTokenization(None),
+    # Llama 3 (3.0-3.3; llama.cpp's LLAMA3 group, ignore_merges as in their tokenizer.json).
+    "llama3": PreTokenization(_LLAMA3_SPLIT, ignore_merges=True),
+    "llama-v3": PreTokenization(_LLAMA3_SPLIT, ignore_merges=True),
+    "llama-bpe": PreTokenization(_LLAMA3_SPLIT, ignore_merges=True),
+    "smaug-bpe": PreTokenization(_LLAMA3_SPLIT),
+    # Qwen2, Qwen2.5, Qwen3 (their tokenizer.json: NFC, then the split, digits one by one).
+    "qwen2": PreTokenization(_QWEN2_SPLIT, nfc=True),
+    # DeepSeek-R1 distilled into Qwen2.5: Qwen's split (transformers' GGUF mapping and llama.cpp's QWEN2 group),
+    # without NFC as llama.cpp runs it; not checked against the model's own tokenizer.json (none on this machine).
+    "deepseek-r1-qwen": PreTokenization(_QWEN2_SPLIT),
+    # Phi-4-mini.
+    "gpt-4o": PreTokenization(_GPT4O_SPLIT),
+    # SmolLM/SmolLM2 (the default model): the GPT-2 regex, as transformers loads such a file. llama.cpp and the
+    # model's own tokenizer.json split digits one by one first (see the module docstring).
+    "smollm": PreTokenization(None),
 }
 
 
@@ -106,6 +150,7 @@ class Tokenizer:
         """Load from a `.gguf` file's metadata or from an HF directory (tokenizer.json + tokenizer_config.json).
 
         Raises:
+            ConfigError: a byte-level BPE GGUF whose `tokenizer.ggml.pre` is missing or not in `PRE_TOKENIZATIONS`.
             ValueError: the GGUF tokenizer type is neither byte-level BPE ("gpt2") nor, for a Gemma architecture,
                 SentencePiece ("llama") without a space prefix; or the path is neither.
         """
@@ -186,9 +231,12 @@ def _load_gguf(path: pathlib.Path) -> Tokenizer:
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     if kind == "gpt2":
+        pre = pre_tokenization(meta.get("tokenizer.ggml.pre"), path)
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-        hf = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"])
-        hf.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+        hf = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"], pre.ignore_merges)
+        if pre.nfc:
+            hf.normalizer = normalizers.NFC()
+        hf.pre_tokenizer = _pre_tokenizer(pre)
         hf.decoder = decoders.ByteLevel()
         _add_typed_tokens(hf, tokens, token_types)
     elif kind == "llama" and arch in SENTENCEPIECE_ARCHITECTURES:
@@ -262,7 +310,7 @@ def _byte_alphabet() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str]) -> HFTokenizer:
+def _byte_level_bpe(tokens: list[str], merges: list[str], ignore_merges: bool = False) -> HFTokenizer:
     spelling = _byte_alphabet()
     alphabet = set(spelling.values())
     vocab = {
@@ -270,16 +318,31 @@ def _byte_level_bpe(tokens: list[str], merges: list[str]) -> HFTokenizer:
         for i, tok in enumerate(tokens)
     }
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    return HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))  # type: ignore[arg-type]
+    model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=ignore_merges)  # type: ignore[arg-type]
+    return HFTokenizer(model)
 
 
-def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    split = _PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:
+def pre_tokenization(pre: Any, path: pathlib.Path | str = "GGUF") -> PreTokenization:
+    """The pre-tokenization a GGUF `tokenizer.ggml.pre` value names (`PRE_TOKENIZATIONS`).
+
+    Raises:
+        ConfigError: the value is missing or not a known name (llama.cpp then falls back to a "default" regex and
+            warns that generation quality degrades; asyncllm does not guess).
+    """
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZATIONS:
+        raise ConfigError(
+            f"{path}: tokenizer.ggml.pre={pre!r} is not a byte-level BPE pre-tokenizer asyncllm knows; known: "
+            f"{sorted(PRE_TOKENIZATIONS)}"
+        )
+    return PRE_TOKENIZATIONS[pre]
+
+
+def _pre_tokenizer(pre: PreTokenization) -> pre_tokenizers.PreTokenizer:
+    if pre.split is None:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
