@@ -38,8 +38,8 @@ async def llm() -> AsyncIterator[AsyncLLM]:
     args = EngineArgs(
         model="gemma-3-270m",
         engine_process=False,
-        max_model_len=2048,
-        num_kv_blocks=256,
+        max_model_len=1024,
+        num_kv_blocks=70,  # small enough for the preemption test, enough for every other test's batch
         max_num_batched_tokens=64,  # a 700-token prompt is prefilled in 11 chunks
         chat_template=TEMPLATE,
     )
@@ -85,20 +85,20 @@ async def test_chat_without_a_template_is_refused(llm: AsyncLLM) -> None:
 
 
 async def test_preemption_recomputes_windowed_layers_exactly(llm: AsyncLLM) -> None:
-    """Two 540-token prompts (past the window) decoding 60 tokens each in a 70-block cache (the two need 76):
-    one is preempted and recomputed, and both answers equal the ones computed alone with room to spare."""
+    """Two 540-token prompts (past the window) decoding 60 tokens each in the 70-block cache (the two need 76):
+    one is preempted and recomputed, and both answers equal the ones computed alone. The batched run carries a
+    cache salt, so its prompts are computed afresh rather than read from the blocks the solo runs cached."""
     ids = llm.get_tokenizer().encode(LONG_TEXT * 12)
-    prompts = [{"prompt_token_ids": ids[:540]}, {"prompt_token_ids": ids[100:640]}]
     params = greedy(60, ignore_eos=True)
-    alone = [(await llm.generate(p, params).collect()).outputs[0].token_ids for p in prompts]
-    args = EngineArgs(
-        model="gemma-3-270m", engine_process=False, max_model_len=1024, num_kv_blocks=70, max_num_batched_tokens=64
-    )
-    async with AsyncLLM.from_engine_args(args) as small:
-        streams = [small.generate(p, params) for p in prompts]
-        together = [(await s.collect()).outputs[0].token_ids for s in streams]
-        stats = await small.get_scheduler_stats()
-    assert stats.num_preemptions >= 1
+    alone = []
+    for part in (ids[:540], ids[100:640]):
+        out = await llm.generate({"prompt_token_ids": part}, params).collect()
+        alone.append(out.outputs[0].token_ids)
+    before = (await llm.get_scheduler_stats()).num_preemptions
+    salted = [{"prompt_token_ids": p, "cache_salt": "batched"} for p in (ids[:540], ids[100:640])]
+    streams = [llm.generate(p, params) for p in salted]
+    together = [(await s.collect()).outputs[0].token_ids for s in streams]
+    assert (await llm.get_scheduler_stats()).num_preemptions >= before + 1
     assert together == alone
 
 

@@ -11,7 +11,7 @@ from tests.integration.conftest import greedy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-NUM_TOKENS = 500
+NUM_TOKENS = 200
 
 
 async def stall_one_consumer(llm: AsyncLLM) -> None:
