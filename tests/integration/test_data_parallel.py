@@ -18,6 +18,7 @@ import pytest
 from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, EngineGenerateError, SamplingParams
 from asyncllm.engine.dp_client import DPEngineCoreClient
 from asyncllm.errors import ConfigError, InvalidRequestError
+from tests import state_probes
 from tests.integration.conftest import greedy
 
 pytestmark = pytest.mark.mp
@@ -69,8 +70,8 @@ def reference(single: AsyncLLM) -> dict[str, list[int]]:
 def engine_of(llm: AsyncLLM, user_id: str) -> int | None:
     """The engine rank holding the one in-flight request submitted with `user_id` (the client keys requests by
     their internal ids)."""
-    (internal_id,) = llm._output_processor.internal_ids_of(user_id)
-    return client(llm).engine_of(internal_id)
+    (internal_id,) = state_probes.internal_ids_of(llm._output_processor, user_id)
+    return state_probes.engine_of(client(llm), internal_id)
 
 
 async def _run_all(llm: AsyncLLM, prompts: list[str], params: SamplingParams, ranks: list[int] | None = None):
@@ -153,7 +154,7 @@ def test_scale_to_one_while_16_stream_then_back_to_two(dp, reference) -> None:
     prompts = PROMPTS[:16]
 
     async def body() -> None:
-        pids = client(dp).engine_pids()
+        pids = state_probes.engine_pids(client(dp))
         ranks: list[int] = []
         results: list = []
 
@@ -171,7 +172,7 @@ def test_scale_to_one_while_16_stream_then_back_to_two(dp, reference) -> None:
             assert output.finished
             assert output.outputs[0].token_ids == reference[prompt], prompt
         assert client(dp).engine_ranks == [0]
-        assert client(dp).engine_pids() == {0: pids[0]}
+        assert state_probes.engine_pids(client(dp)) == {0: pids[0]}
         deadline = time.monotonic() + 30
         while not is_gone(pids[1]):
             assert time.monotonic() < deadline
@@ -236,7 +237,7 @@ def test_killing_one_engine_fails_every_stream_within_5_s(model_path: str) -> No
                 tg.start_soon(consume, i)
             while (await llm.get_scheduler_stats()).num_running_reqs < 8:  # noqa: ASYNC110 (polls the engines)
                 await anyio.sleep(0.02)
-            os.kill(client(llm).engine_pids()[1], signal.SIGKILL)
+            os.kill(state_probes.engine_pids(client(llm))[1], signal.SIGKILL)
             killed_at.append(time.monotonic())
         for error, at in errors:
             assert isinstance(error, EngineDeadError), error
@@ -257,7 +258,7 @@ def test_restart_dead_engines_fails_only_that_engines_requests(model_path: str) 
     llm = AsyncLLM.from_engine_args(dp_args(model_path, restart_dead_engines=True))
 
     async def body() -> None:
-        old_pid = client(llm).engine_pids()[1]
+        old_pid = state_probes.engine_pids(client(llm))[1]
         streams = [
             llm.generate(p, greedy(40, ignore_eos=True), data_parallel_rank=i % 2) for i, p in enumerate(PROMPTS[:8])
         ]
@@ -280,7 +281,7 @@ def test_restart_dead_engines_fails_only_that_engines_requests(model_path: str) 
         while client(llm).engine_ranks != [0, 1]:  # a fresh engine takes rank 1
             assert time.monotonic() < deadline
             await anyio.sleep(0.1)
-        assert client(llm).engine_pids()[1] != old_pid
+        assert state_probes.engine_pids(client(llm))[1] != old_pid
         output = await llm.generate("hi", greedy(4), data_parallel_rank=1).collect()
         assert len(output.outputs[0].token_ids) == 4
 

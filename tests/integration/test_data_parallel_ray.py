@@ -17,6 +17,7 @@ from asyncllm import AsyncLLM, EngineArgs, EngineDeadError
 from asyncllm.errors import ConfigError
 from tests.integration.conftest import greedy
 from tests.integration.test_data_parallel import PROMPTS, _run_all, _stream_until_error, client
+from tests.state_probes import engine_pids
 
 ray = pytest.importorskip("ray", reason="needs asyncllm[ray]")
 
@@ -54,7 +55,7 @@ def test_two_engine_actors_split_32_requests_with_greedy_outputs_of_one_engine(
     llm = AsyncLLM.from_engine_args(ray_args(model_path))
 
     async def body() -> None:
-        pids = client(llm).engine_pids()
+        pids = engine_pids(client(llm))
         assert len(set(pids.values())) == 2
         assert os.getpid() not in pids.values()
         ranks: list[int] = []

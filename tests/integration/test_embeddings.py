@@ -26,6 +26,7 @@ from asyncllm import (
     StreamIncompleteError,
 )
 from tests.integration.conftest import MODES, greedy, wait_until_idle
+from tests.state_probes import tracked_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,7 +175,7 @@ def test_abort_and_cancel_of_an_encode_leave_nothing_behind(llm: AsyncLLM) -> No
                 tg.start_soon(cancelled)
                 await anyio.wait_all_tasks_blocked()
                 scope.cancel()
-        assert llm._output_processor.num_tracked_ids == (0, 0, 0)
+        assert tracked_ids(llm._output_processor) == (0, 0, 0)
         await wait_until_idle(llm)  # the engine freed every block of the aborted requests
         assert len((await llm.encode("after", PoolingParams(dimensions=4))).embedding) == 4
 

@@ -8,6 +8,7 @@ import pytest
 
 from asyncllm import AsyncLLM, RequestOutputKind
 from tests.integration.conftest import greedy
+from tests.state_probes import internal_ids_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -24,7 +25,7 @@ async def stall_one_consumer(llm: AsyncLLM) -> None:
     first = await stalled.__anext__()  # the stalled consumer reads one output, then stops reading
     num_first = len(first.outputs[0].token_ids)
     states = llm._output_processor._states
-    (internal_id,) = llm._output_processor.internal_ids_of(stalled.request_id)  # the engine's key of the request
+    (internal_id,) = internal_ids_of(llm._output_processor, stalled.request_id)  # the engine's key of the request
     collector = stalled._collector
     num_busy_outputs = 0
     async for _ in busy:  # another stream keeps the outputs flowing (it drives the output handler)

@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
+from tests.state_probes import has_user_request
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.mp]
 PROMPT = [{"role": "user", "content": "Tell me a long story about the sea."}]
@@ -30,7 +31,7 @@ async def llm(model_path: str):
 
 
 def in_flight(llm: AsyncLLM, request_id: str) -> bool:
-    return llm._output_processor.has_user_request(request_id)
+    return has_user_request(llm._output_processor, request_id)
 
 
 async def wait_until_engine_idle(llm: AsyncLLM, within: float = 30.0) -> None:

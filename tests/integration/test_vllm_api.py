@@ -15,8 +15,8 @@ import torch
 
 from asyncllm import AsyncLLM, EngineArgs, EngineGenerateError, InvalidRequestError, SamplingParams
 from asyncllm.inputs import TextPrompt, TokensPrompt
-from asyncllm.utils import request_callables
 from tests.integration.conftest import greedy, wait_until_idle
+from tests.state_probes import num_registered_callables
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -194,15 +194,15 @@ async def test_a_logits_processor_that_bans_a_token_is_honoured_in_a_batch(llm: 
     assert outputs[2].outputs[0].token_ids == outputs[0].outputs[0].token_ids
     assert seen[0] == []
     assert seen[-1] == outputs[0].outputs[0].token_ids[:-1]
-    assert request_callables.num_registered() == 0  # forgotten once the requests finished
+    assert num_registered_callables() == 0  # forgotten once the requests finished
 
 
 async def test_a_held_stream_closed_before_resume_leaves_no_logits_processor_behind(llm: AsyncLLM) -> None:
     await llm.pause_generation(clear_cache=False)
     held = llm.generate(PROMPT, greedy(2, logits_processors=[lambda ids, logits: logits]))
-    assert request_callables.num_registered() == 1
+    assert num_registered_callables() == 1
     await held.aclose()  # closed while paused: never submitted
-    assert request_callables.num_registered() == 0
+    assert num_registered_callables() == 0
     await llm.resume_generation()
     assert not llm.has_unfinished_requests()
 

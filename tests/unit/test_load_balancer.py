@@ -11,6 +11,7 @@ from asyncllm.engine.load_balancer import LoadBalancer, affinity_slack
 from asyncllm.errors import InvalidRequestError
 from asyncllm.messages.engine import EngineCoreOutputs, EngineCoreRequest, SchedulerStats, SpecDecodeMetrics
 from asyncllm.metrics.stats import sum_scheduler_stats
+from tests.state_probes import latest_stats
 
 
 def request(request_id: str, tokens: list[int]) -> EngineCoreRequest:
@@ -97,7 +98,7 @@ def test_failed_requests_are_untracked_and_unknown_engines_ignored() -> None:
     lb.observe(EngineCoreOutputs(failed_requests={"a": "boom"}, engine_index=0))
     assert lb.num_in_flight(0) == 0
     lb.observe(EngineCoreOutputs(scheduler_stats=SchedulerStats(3, 3), engine_index=9))  # a removed engine
-    assert 9 not in lb.latest_stats()
+    assert 9 not in latest_stats(lb)
 
 
 def test_sum_scheduler_stats() -> None:

@@ -11,6 +11,12 @@ from asyncllm.messages.engine import EngineCoreOutput, EngineCoreRequest, Finish
 from asyncllm.processing.output_processor import OutputProcessor
 from asyncllm.processing.parallel_sampling import ParentRequest
 from asyncllm.streams import RequestOutputCollector
+from tests.state_probes import has_user_request, tracked_ids
+
+
+def child_ids(parent: ParentRequest) -> list[str]:
+    return [child.request_id for child in parent.child_requests]
+
 
 TEXT = "The capital of France is Paris. 😀 Ünïcödé!"
 
@@ -272,7 +278,7 @@ def add_parent(
 
 def test_children_get_derived_seeds_and_n_one() -> None:
     parent = ParentRequest(EngineCoreRequest("p", [1], SamplingParams(n=3, seed=10)))
-    assert parent.child_ids == ["0_p", "1_p", "2_p"]
+    assert child_ids(parent) == ["0_p", "1_p", "2_p"]
     assert [c.sampling_params.seed for c in parent.child_requests] == [10, 11, 12]
     assert {c.sampling_params.n for c in parent.child_requests} == {1}
     unseeded = ParentRequest(EngineCoreRequest("q", [1], SamplingParams(n=2)))
@@ -292,7 +298,7 @@ def test_n_children_interleaved_finish_each_index_once(hf: HFTokenizer, kind: Re
             if step < len(script):
                 last = step == len(script) - 1
                 batch.append(
-                    EngineCoreOutput(parent.child_ids[i], [script[step]], FinishReason.LENGTH if last else None)
+                    EngineCoreOutput(child_ids(parent)[i], [script[step]], FinishReason.LENGTH if last else None)
                 )
         processor.process_outputs(batch)
         if (out := collector.get_nowait()) is not None:
@@ -321,8 +327,8 @@ def test_n_children_interleaved_finish_each_index_once(hf: HFTokenizer, kind: Re
 def test_aborting_the_parent_aborts_every_unfinished_child(hf: HFTokenizer) -> None:
     processor = OutputProcessor(hf)
     parent, collector = add_parent(processor, RequestOutputKind.DELTA)
-    processor.process_outputs([EngineCoreOutput(parent.child_ids[1], [504], FinishReason.STOP)])
-    processor.process_outputs([EngineCoreOutput(cid, [504]) for cid in (parent.child_ids[0], parent.child_ids[2])])
+    processor.process_outputs([EngineCoreOutput(child_ids(parent)[1], [504], FinishReason.STOP)])
+    processor.process_outputs([EngineCoreOutput(cid, [504]) for cid in (child_ids(parent)[0], child_ids(parent)[2])])
     assert processor.abort_requests(["p"]) == ["0_p", "2_p"]
     merged = collector.get_nowait()
     assert merged is not None
@@ -330,6 +336,6 @@ def test_aborting_the_parent_aborts_every_unfinished_child(hf: HFTokenizer) -> N
     assert {c.index: c.finish_reason for c in merged.outputs} == {0: "abort", 1: "stop", 2: "abort"}
     assert processor.num_unfinished_requests == 0
     assert not processor.has_request("p")
-    assert not processor.has_user_request("p")
-    assert processor.num_tracked_ids == (0, 0, 0)
+    assert not has_user_request(processor, "p")
+    assert tracked_ids(processor) == (0, 0, 0)
     assert processor.abort_requests(["p"]) == []

@@ -20,16 +20,17 @@ flows. The engine core itself sends `[ENGINE_CORE_DEAD, reason]` when a step rai
 Unresponsive engine (only with `ParallelConfig.engine_timeout`): a `HeartbeatWatcher` (engine/heartbeat.py)
 marks the client dead the same way when outputs are expected (requests in flight, a utility call) and the
 engine sent no heartbeat for `engine_timeout` seconds; `shutdown()` then kills the process without waiting.
-
-Start-up, death watch and clean-up are the base class's (`ClientLifecycle`, engine/client_lifecycle.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import os
 import secrets
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -39,15 +40,9 @@ import anyio
 import msgspec
 import zmq
 
-from asyncllm.engine.client_lifecycle import (
-    READY_TIMEOUT_S,
-    SHUT_DOWN,
-    SHUTDOWN_TIMEOUT_S,
-    ClientLifecycle,
-    clean_up_leftovers,
-    logger,
-)
+from asyncllm.engine.handshake import decode_handshake, startup_error
 from asyncllm.engine.heartbeat import HeartbeatWatcher
+from asyncllm.engine.launcher import EngineLauncher, launch_engine
 from asyncllm.errors import EngineDeadError, EngineGenerateError, InvalidRequestError
 from asyncllm.messages.engine import (
     ENGINE_CORE_DEAD,
@@ -55,18 +50,26 @@ from asyncllm.messages.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineReadyInfo,
     UtilityCall,
     UtilityResult,
 )
 from asyncllm.messages.serial import MessageDecodeError, MsgpackDecoder, MsgpackEncoder
 from asyncllm.utils.loops import LoopBinding, spawn_background_task
-from asyncllm.utils.process import make_ipc_dir
+from asyncllm.utils.process import ChildProcess, make_ipc_dir, remove_ipc_dir
 
 if TYPE_CHECKING:
     from asyncllm.engine.core_proc import CoreFactory
     from asyncllm.engine_config import EngineConfig
 
 __all__ = ["READY_TIMEOUT_S", "SHUTDOWN_TIMEOUT_S", "EngineCoreClient", "OutputSink"]
+
+logger = logging.getLogger("asyncllm.engine.client")
+READY_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 5.0
+POLL_INTERVAL_MS = 100
+DEATH_GRACE_S = 0.5  # the watcher lets the engine's own death message (with its reason) arrive first
+SHUT_DOWN = "the engine was shut down"
 
 
 class OutputSink(Protocol):
@@ -84,7 +87,7 @@ class OutputSink(Protocol):
         watcher's thread."""
 
 
-class EngineCoreClient(ClientLifecycle):
+class EngineCoreClient:
     """Starts an engine core and talks to it over ZeroMQ with msgspec frames.
 
     Args:
@@ -101,6 +104,8 @@ class EngineCoreClient(ClientLifecycle):
             own error text. Start-up errors that are `asyncllm.errors` classes (e.g. `ModelNotFoundError`,
             `ConfigError`, `ExecutorError`) are raised as that class.
     """
+
+    ready_info: EngineReadyInfo  # set by the engine's handshake (`_wait_for_handshake`)
 
     def __init__(
         self,
@@ -129,7 +134,7 @@ class EngineCoreClient(ClientLifecycle):
         self._changed: anyio.Event | None = None  # set (and dropped) by the reader after each read: wakes waiters
         self._num_waiting = 0  # tasks waiting for a result (utility call, get_output_async)
         self._threads_joined = False  # shutdown() joined the watcher threads: the sockets and context may go
-        self.launcher = None
+        self.launcher: EngineLauncher | None = None
         self._unresponsive = False
         self._heartbeat_watcher: HeartbeatWatcher | None = None
         in_thread = not config.parallel.engine_process if in_thread is None else in_thread
@@ -155,6 +160,16 @@ class EngineCoreClient(ClientLifecycle):
         self._leftovers = weakref.finalize(self, clean_up_leftovers, launcher, self.ipc_dir)
 
     # ---- state ---------------------------------------------------------------------------------------
+
+    @property
+    def process(self) -> ChildProcess | None:
+        """The engine process (process mode), or None (thread mode)."""
+        return getattr(self.launcher, "process", None)
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine died (sticky)."""
+        return self._dead is not None
 
     def check_health(self) -> None:
         """Raises `EngineDeadError` if the engine died or was shut down."""
@@ -256,6 +271,118 @@ class EngineCoreClient(ClientLifecycle):
         self._threads_joined = True  # from here on the output reader, when it ends after us, closes the sockets
         self._close_resources()
         self._leftovers.detach()
+
+    # ---- start-up ------------------------------------------------------------------------------------
+
+    def _start_engines(
+        self, config: EngineConfig, input_address: str, in_thread: bool, core_factory: CoreFactory, timeout_s: float
+    ) -> EngineLauncher:
+        """Launch the engine core and wait for its handshake; returns `launcher` (also sets `ready_info` and the
+        engine's identity)."""
+        self.launcher = launcher = launch_engine(
+            config, input_address, self._output_address, self.ipc_dir, in_thread=in_thread, core_factory=core_factory
+        )
+        self._engine_identity = self._wait_for_handshake(timeout_s)
+        return launcher
+
+    def _open_sockets(self) -> str:
+        """Bind the ROUTER (requests) and PULL (outputs, plus an inproc wake-up address); returns the input
+        address."""
+        input_address, self._output_address = f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
+        self._ctx = zmq.Context(io_threads=1)
+        self._input = self._ctx.socket(zmq.ROUTER)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished engine raises, never drops
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy engine: queue without limit
+        self._input.bind(input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(self._output_address)
+        self._wake_address = f"inproc://asyncllm-wake-{id(self)}-{os.getpid()}"
+        self._output.bind(self._wake_address)  # wake-ups: no socket file, so they survive removing the ipc dir
+        self._output_fd = int(self._output.getsockopt(zmq.FD))
+        return input_address
+
+    def _wait_for_handshake(self, timeout_s: float) -> bytes:
+        """Wait for the engine's handshake; returns its DEALER identity. Raises if it failed or ended."""
+        assert self.launcher is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._input.poll(POLL_INTERVAL_MS):
+                decoded = decode_handshake(self._input.recv_multipart())
+                if decoded is None:
+                    continue
+                identity, handshake = decoded
+                if handshake.ready_info is None:
+                    raise startup_error(handshake)
+                self.ready_info = handshake.ready_info
+                return identity
+            if self.launcher.has_exited():
+                raise EngineDeadError(f"the engine core failed to start: {self.launcher.describe_exit()}")
+        raise EngineDeadError(f"the engine core was not ready within {timeout_s:.0f} s")
+
+    # ---- death watcher (thread) ----------------------------------------------------------------------
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        if reason == SHUT_DOWN and self._closed:
+            return  # our own wake-up at shutdown: `_ensure_alive` says "shut down"
+        self._dead = EngineDeadError(f"the engine core died: {reason}; create a new AsyncLLM")
+        logger.error("%s", self._dead)
+
+    def _watch_engine(self) -> None:
+        assert self.launcher is not None
+        self.launcher.wait()
+        if self._closed:
+            return
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while self._dead is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # a reader may be taking the engine's own death message (with its reason)
+        reason = self.launcher.describe_exit()
+        self._mark_dead(reason)
+        self._push_dead_message(reason)
+
+    def _mark_unresponsive(self, reason: str) -> None:
+        """The heartbeat watcher heard nothing for `engine_timeout` seconds: dead, and wake every waiter."""
+        self._unresponsive = True
+        self._mark_dead(reason)
+        self._push_dead_message(reason)
+
+    def _push_dead_message(self, reason: str) -> None:
+        """Wake a reader through its own socket (thread-safe: a new socket owned by this thread)."""
+        with contextlib.suppress(zmq.ZMQError):
+            socket = self._ctx.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 1000)
+            socket.connect(self._wake_address)
+            socket.send_multipart([ENGINE_CORE_DEAD, reason.encode()])
+            socket.close()
+
+    # ---- clean-up ------------------------------------------------------------------------------------
+
+    def _close_resources(self) -> None:
+        """Stop the engine if it still runs (failed start-up), remove the ipc directory, close the sockets (or
+        leave that to the reader still waiting on them: it is woken by the message `shutdown` pushed). Safe on a
+        partly built client (a start-up that failed half-way): it closes only what exists."""
+        self._closed = True
+        try:
+            if self.launcher is not None and not self.launcher.has_exited():
+                self.launcher.stop(0)
+        finally:
+            remove_ipc_dir(self.ipc_dir)
+            self._release_sockets()
+
+    def _release_sockets(self) -> None:
+        """Close both sockets and the context once the client is closed and no reader waits on the output fd."""
+        with self._send_lock, self._io_lock:
+            ctx = getattr(self, "_ctx", None)
+            if not self._closed or self._reader_active or ctx is None or ctx.closed:
+                return
+            for name in ("_input", "_output"):
+                socket = getattr(self, name, None)
+                if socket is not None:
+                    socket.close(linger=0)
+            ctx.term()
 
     # ---- sending -------------------------------------------------------------------------------------
 
@@ -368,3 +495,10 @@ class EngineCoreClient(ClientLifecycle):
             self._results[result.call_id] = result
         if outputs.outputs or outputs.finished_requests or outputs.failed_requests or outputs.scheduler_stats:
             self._outputs.append(outputs)
+
+
+def clean_up_leftovers(launcher: EngineLauncher, ipc_dir: str) -> None:
+    """The finalizer of a client dropped without `shutdown()`: stop its engine, remove its ipc directory."""
+    if not launcher.has_exited():
+        launcher.stop(0)
+    remove_ipc_dir(ipc_dir)

@@ -106,15 +106,6 @@ class DPEngineCoreClient(EngineCoreClient):
         """Ranks of the engines serving or draining now, ascending."""
         return sorted(self._identities)
 
-    def engine_pids(self) -> dict[int, int]:
-        """The process id of each engine core, by rank."""
-        return self._manager.pids()
-
-    def engine_of(self, request_id: str) -> int | None:
-        """The rank of the engine holding an in-flight request, or None (unknown or finished)."""
-        with self._lb_lock:
-            return self._balancer.owner(request_id)
-
     def num_in_flight(self, rank: int) -> int:
         """This client's unfinished requests on engine `rank`."""
         with self._lb_lock:

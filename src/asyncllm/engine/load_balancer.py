@@ -89,10 +89,6 @@ class LoadBalancer:
         """Running + waiting requests last published by `rank` + requests sent to it since."""
         return self._published.get(rank, 0) + self._sent_since_stats.get(rank, 0)
 
-    def latest_stats(self) -> dict[int, SchedulerStats]:
-        """The scheduler stats each engine published last, by rank."""
-        return dict(self._stats)
-
     # ---- requests --------------------------------------------------------------------------------------
 
     def choose(self, request: EngineCoreRequest, pinned_rank: int | None = None) -> int:

@@ -128,12 +128,6 @@ class EngineProcManager:
         with self._lock:
             return sorted(self._engines)
 
-    def pids(self) -> dict[int, int]:
-        """Process id of each engine, by rank."""
-        with self._lock:
-            launchers = dict(self._engines)
-        return {rank: _pid_of(launcher) for rank, launcher in launchers.items()}
-
     def start(self, rank: int, num_engines: int) -> EngineLauncher:
         """Start the engine core of `rank` (its handshake is the client's to wait for)."""
         launcher = self._launch(engine_config(self._config, rank, num_engines))
@@ -214,9 +208,3 @@ class EngineProcManager:
             thread.start()
         for thread in threads:
             thread.join()
-
-
-def _pid_of(launcher: Any) -> int:
-    """The engine's process id (a Ray actor's `pid`, or an engine process's)."""
-    pid = getattr(launcher, "pid", None)
-    return int(pid if pid is not None else launcher.process.pid)

@@ -40,9 +40,8 @@ from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
 from asyncllm.model.layers.attention import decode_reads_cache, paged_attention, write_kv_cache
 from asyncllm.model.layers.attention_metadata import AttentionMetadata
 from asyncllm.model.layers.rotary import rope_inv_freq, rotary_cos_sin
-from asyncllm.model.layouts import layout_of
 from asyncllm.model.llama import LlamaForCausalLM, rms_norm
-from asyncllm.model.llama_weights import LayerWeights
+from asyncllm.model.llama_weights import LayerWeights, empty_param
 
 if TYPE_CHECKING:
     from asyncllm.lora.weights import LoRABatch
@@ -76,11 +75,7 @@ _LAYER_NORMS = {
 }
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
-
-
-class Gemma3DecoderLayer(nn.Module, LayerWeights):
+class Gemma3DecoderLayer(LayerWeights):
     """One Gemma 3 block with fused `[in, out]` weights, holding this TP rank's shard.
 
     Norm parameters (each holds `1 + w` of HF's weight `w`): `input_norm` (HF `input_layernorm`), `attn_out_norm`
@@ -105,30 +100,17 @@ class Gemma3DecoderLayer(nn.Module, LayerWeights):
         tp_size: int = 1,
         attention_kernels: RowKernels | None = None,
     ) -> None:
-        super().__init__()
-        self.arch = arch
-        self.layout = layout_of(arch.architecture)
+        super().__init__(arch, tp_rank, tp_size)
         self.attention_kernels = attention_kernels
-        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.window = arch.layer_window(layer_index)
         self.local_rope = arch.layer_types is not None and arch.layer_types[layer_index] == "sliding_attention"
         h, d = arch.hidden_size, arch.head_dim
-        self.q_size = arch.num_attention_heads // tp_size * d
-        self.kv_size = arch.num_key_value_heads // tp_size * d
-        self.inter_size = arch.intermediate_size // tp_size
         self.scale = (arch.query_pre_attn_scalar or d) ** -0.5
-        self.input_norm = _param(h)
-        self.attn_out_norm = _param(h)
-        self.post_attention_norm = _param(h)
-        self.mlp_out_norm = _param(h)
-        self.q_norm = _param(d) if arch.architecture == "gemma3" else None
-        self.k_norm = _param(d) if arch.architecture == "gemma3" else None
+        self.attn_out_norm = empty_param(h)
+        self.mlp_out_norm = empty_param(h)
+        self.q_norm = empty_param(d) if arch.architecture == "gemma3" else None
+        self.k_norm = empty_param(d) if arch.architecture == "gemma3" else None
         self.softcap = arch.attn_logit_softcapping
-        self.qkv_bias = None
-        self.qkv_proj: Weight = _param(h, self.q_size + 2 * self.kv_size)
-        self.o_proj: Weight = _param(self.q_size, h)
-        self.gate_up_proj: Weight = _param(h, 2 * self.inter_size)
-        self.down_proj: Weight = _param(self.inter_size, h)
 
     def forward(
         self,
@@ -208,10 +190,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(arch, i, tp_rank, tp_size, attention_kernels) for i in range(arch.num_hidden_layers)
         )
-        self.norm = _param(arch.hidden_size)
-        self.lm_head: Weight = _param(arch.hidden_size, arch.vocab_size)
+        self.norm = empty_param(arch.hidden_size)
+        self.lm_head: Weight = empty_param(arch.hidden_size, arch.vocab_size)
         self.embed_tokens: nn.Parameter | None = (
-            None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
+            None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size)
         )
         self.embed_scale = float(torch.tensor(arch.hidden_size**0.5, dtype=torch.float32))
         for prefix, theta in (("rope", arch.rope_theta), ("rope_local", arch.rope_local_theta or arch.rope_theta)):

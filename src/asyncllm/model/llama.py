@@ -40,15 +40,11 @@ from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_at
 from asyncllm.model.layers.head_norm import head_rms_norm
 from asyncllm.model.layers.rotary import arch_cos_sin
 from asyncllm.model.layouts import layout_of
-from asyncllm.model.llama_weights import LINEAR_WEIGHTS, LayerWeights
+from asyncllm.model.llama_weights import LINEAR_WEIGHTS, LayerWeights, empty_param
 from asyncllm.model.smoothquant import smoothing_scale
 
 if TYPE_CHECKING:
     from asyncllm.lora.weights import LayerLoRA, LoRABatch
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-class LlamaDecoderLayer(nn.Module, LayerWeights):
+class LlamaDecoderLayer(LayerWeights):
     """Pre-norm attention + SwiGLU MLP block with fused [in, out] weights, holding this TP rank's shard.
 
     What the architecture's layout (`layouts.py`) has, the layer has: q/k/v biases (Qwen2), per-head RMSNorm on q
@@ -78,27 +74,13 @@ class LlamaDecoderLayer(nn.Module, LayerWeights):
         kernels: RowKernels | None = None,
         window: int | None = None,
     ) -> None:
-        super().__init__()
-        self.arch = arch
+        super().__init__(arch, tp_rank, tp_size)
         self.window = window
-        self.layout = layout_of(arch.architecture)
         self.fused_kernels = kernels
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        h, d = arch.hidden_size, arch.head_dim
-        self.q_size = arch.num_attention_heads // tp_size * d  # this rank's columns
-        self.kv_size = arch.num_key_value_heads // tp_size * d
-        self.inter_size = arch.intermediate_size // tp_size
-        self.input_norm = _param(h)
-        self.qkv_proj: Weight = _param(h, self.q_size + 2 * self.kv_size)
-        biased = bool(self.layout.biased_parts)
-        self.qkv_bias: nn.Parameter | None = _param(self.q_size + 2 * self.kv_size) if biased else None
-        self.q_norm: nn.Parameter | None = _param(d) if self.layout.qk_norm else None
-        self.k_norm: nn.Parameter | None = _param(d) if self.layout.qk_norm else None
+        d = arch.head_dim
+        self.q_norm: nn.Parameter | None = empty_param(d) if self.layout.qk_norm else None
+        self.k_norm: nn.Parameter | None = empty_param(d) if self.layout.qk_norm else None
         self.rotary_dim = arch.rotary_dim or d
-        self.o_proj: Weight = _param(self.q_size, h)
-        self.post_attention_norm = _param(h)
-        self.gate_up_proj: Weight = _param(h, 2 * self.inter_size)
-        self.down_proj: Weight = _param(self.inter_size, h)
 
     def forward(
         self,
@@ -244,11 +226,11 @@ class LlamaForCausalLM(nn.Module):
             LlamaDecoderLayer(arch, tp_rank, tp_size, self.fused_kernels, arch.layer_window(i))
             for i in range(arch.num_hidden_layers)
         )
-        self.norm = _param(arch.hidden_size)
-        self.lm_head: Weight = _param(arch.hidden_size, arch.vocab_size)  # [in, out]
+        self.norm = empty_param(arch.hidden_size)
+        self.lm_head: Weight = empty_param(arch.hidden_size, arch.vocab_size)  # [in, out]
         # Tied: embeddings are columns of lm_head (no second 113 MB copy); untied: their own [vocab, hidden].
         self.embed_tokens: nn.Parameter | None = (
-            None if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size)
+            None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size)
         )
         cos, sin = arch_cos_sin(arch)
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -1,7 +1,7 @@
 """Where a decoder layer's weights go, as its architecture's layout (`layouts.py`) says: HF tensors into the fused
 `[in, out]` parameters of this TP rank's shard, LoRA pairs sharded like their modules, SmoothQuant factors folded in,
-and the four linear weights converted to int8 or to both fp32 layouts. Mixed into `llama.LlamaDecoderLayer`, which
-owns the attributes declared here.
+and the four linear weights converted to int8 or to both fp32 layouts. `LayerWeights` is the base of every decoder
+layer (`llama.LlamaDecoderLayer`, `gemma3.Gemma3DecoderLayer`) and creates the parameters it places.
 
 Source: tensor-parallel shards after Megatron-LM (Shoeybi et al., 2019); SmoothQuant (Xiao et al., 2023).
 """
@@ -19,29 +19,52 @@ from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, quantize_int8
 from asyncllm.model.kernels.linear import Weight
-from asyncllm.model.layouts import COLUMN_PARALLEL, FUSED_PARTS, WeightLayout, part_inputs, part_widths
+from asyncllm.model.layouts import COLUMN_PARALLEL, FUSED_PARTS, layout_of, part_inputs, part_widths
 from asyncllm.model.smoothquant import smoothing_scale
 
 LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-class LayerWeights:
-    """Weight placement methods of a decoder layer (this TP rank's shard; `[in, out]` fused weights)."""
+def empty_param(*shape: int) -> nn.Parameter:
+    """An uninitialized float32 parameter of `shape` (no gradient): filled by the loader."""
+    return nn.Parameter(torch.empty(*shape, dtype=torch.float32), requires_grad=False)
 
-    arch: ModelArchConfig
-    layout: WeightLayout
-    tp_rank: int
-    tp_size: int
-    q_size: int  # this rank's query columns
-    kv_size: int  # this rank's K (or V) columns
-    inter_size: int  # this rank's MLP columns
-    input_norm: nn.Parameter
-    post_attention_norm: nn.Parameter
-    qkv_bias: nn.Parameter | None
-    qkv_proj: Weight
-    o_proj: Weight
-    gate_up_proj: Weight
-    down_proj: Weight
+
+class LayerWeights(nn.Module):
+    """The weights every decoder layer has, in this TP rank's shard, and where checkpoint tensors go in them.
+
+    Args:
+        arch: the model's hyper-parameters (`num_*_heads` and `intermediate_size` divisible by `tp_size`).
+        tp_rank, tp_size: this rank's shard.
+    Attributes:
+        arch, layout: the hyper-parameters and the architecture's weight layout (`layouts.layout_of`).
+        tp_rank, tp_size: as given.
+        q_size, kv_size, inter_size: this rank's query, K (or V) and MLP columns.
+        input_norm, post_attention_norm: `[hidden_size]` weights of the norms feeding the attention and the MLP.
+        qkv_bias: `[q_size + 2 kv_size]` when the layout has q/k/v biases (Qwen2), else None.
+        qkv_proj: `[hidden_size, q_size + 2 kv_size]`; o_proj: `[q_size, hidden_size]`;
+        gate_up_proj: `[hidden_size, 2 inter_size]`; down_proj: `[inter_size, hidden_size]` (fp32 parameters
+            until `quantize_int8` / `pack_fp32` replace them).
+    """
+
+    def __init__(self, arch: ModelArchConfig, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.layout = layout_of(arch.architecture)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        h, d = arch.hidden_size, arch.head_dim
+        self.q_size = arch.num_attention_heads // tp_size * d
+        self.kv_size = arch.num_key_value_heads // tp_size * d
+        self.inter_size = arch.intermediate_size // tp_size
+        self.input_norm = empty_param(h)
+        self.post_attention_norm = empty_param(h)
+        biased = bool(self.layout.biased_parts)
+        self.qkv_bias: nn.Parameter | None = empty_param(self.q_size + 2 * self.kv_size) if biased else None
+        # Created in this order: dummy weights draw from one generator in parameter order.
+        self.qkv_proj: Weight = empty_param(h, self.q_size + 2 * self.kv_size)
+        self.o_proj: Weight = empty_param(self.q_size, h)
+        self.gate_up_proj: Weight = empty_param(h, 2 * self.inter_size)
+        self.down_proj: Weight = empty_param(self.inter_size, h)
 
     def smooth(self, input_absmax: dict[int, torch.Tensor]) -> None:
         """Apply SmoothQuant factors (`model/kernels/int8.py`) to the four linear inputs, exactly in fp32: each input

@@ -62,11 +62,6 @@ class OutputProcessor:
         """Engine requests with frontend state."""
         return len(self._states)
 
-    @property
-    def num_tracked_ids(self) -> tuple[int, int, int]:
-        """(engine states, n > 1 parents, user ids) held: all 0 once nothing is in flight (leak checks)."""
-        return len(self._states), len(self._parents), len(self._external_ids)
-
     def user_request_ids(self) -> list[str]:
         """The user's ids of every in-flight request (each once)."""
         return list(self._external_ids)
@@ -74,14 +69,6 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         """True while the internal id `request_id` (a user request or an engine request) is in flight."""
         return request_id in self._states or request_id in self._parents
-
-    def has_user_request(self, user_id: str) -> bool:
-        """True while a request submitted with the user's id `user_id` is in flight."""
-        return user_id in self._external_ids
-
-    def internal_ids_of(self, user_id: str) -> list[str]:
-        """The internal ids of the in-flight requests submitted with the user's id `user_id` (empty when none)."""
-        return list(self._external_ids.get(user_id, ()))
 
     def external_id_of(self, request_id: str) -> str:
         """The user's id of the in-flight internal id `request_id` (`request_id` itself when unknown)."""

@@ -36,10 +36,6 @@ class ParentRequest:
         self._final_completions: list[CompletionOutput] = []
 
     @property
-    def child_ids(self) -> list[str]:
-        return [child.request_id for child in self.child_requests]
-
-    @property
     def finished(self) -> bool:
         return not self.unfinished
 

@@ -32,8 +32,3 @@ def lookup(key: str) -> tuple[LogitsProcessor, ...] | None:
 def forget(key: str) -> None:
     """Drop `key`'s processors (no-op when absent)."""
     _registry.pop(key, None)
-
-
-def num_registered() -> int:
-    """Entries held (leak checks: 0 once nothing is in flight)."""
-    return len(_registry)
