@@ -37,17 +37,18 @@ def test_base_model_completions_and_chat_refusal() -> None:
 
 
 def test_cli_generate_on_the_base_model() -> None:
-    """`asyncllm generate` sends a chat message: without a template it exits 1 naming the missing template, and with
-    `--chat-template` it answers (`--raw` itself is checked on the default model in `test_cli.py`)."""
+    """`asyncllm generate --raw` continues the text, and a chat message with `--chat-template` is answered from the
+    same tokens. (Chat without a template is refused with a message naming it: in the engine and server tests above;
+    the CLI's exit code for any `AsyncLLMError` is checked in `test_cli.py`.)"""
 
     def generate(*args: str) -> subprocess.CompletedProcess[str]:
         cmd = [console_script(), "generate", "--model", "gemma-3-270m", "--max-tokens", "9", "--no-engine-process"]
         return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
 
-    chat = generate("The capital of France is")
-    assert chat.returncode == 1
-    assert "no chat template" in chat.stderr
+    raw = generate("--raw", "The capital of France is")
+    assert raw.returncode == 0, raw.stderr
+    assert raw.stdout.startswith(" the capital of the country of France.")
     template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     templated = generate("--chat-template", template, "The capital of France is")
     assert templated.returncode == 0, templated.stderr
-    assert templated.stdout.startswith(" the capital of the country of France.")  # as the raw text continues
+    assert templated.stdout.startswith(" the capital of the country of France.")  # the same text after <bos>

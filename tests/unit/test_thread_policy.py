@@ -67,6 +67,18 @@ def test_contention_drops_to_one_thread_and_recovers() -> None:
     assert policy.threads == 2
 
 
+def test_each_switch_is_logged_with_the_step_times_behind_it(caplog: pytest.LogCaptureFixture) -> None:
+    machine = _Machine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    with caplog.at_level("INFO", logger="asyncllm.worker.thread_policy"):
+        _run(policy, machine, 300)
+        assert caplog.messages == []  # probes that change nothing are not logged
+        machine.contended = True
+        _run(policy, machine, 20)
+    (message,) = caplog.messages
+    assert message == "thread policy: 2 -> 1 threads (step (32, 32): median 40.0 ms at 2 threads, 19.0 ms at 1)"
+
+
 class _PoolMachine(_Machine):
     """Packed products keep two threads when torch runs on one (`model/kernels/fp32.py`), so a quiet one-thread step
     is only 12% slower than a two-thread one and leaves 0.3 CPUs idle, not 1 (as measured: fp32, 32 rows)."""

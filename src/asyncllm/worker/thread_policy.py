@@ -31,6 +31,7 @@ without leaving a CPU idle.
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -38,6 +39,8 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 StepKey = tuple[int, int]  # (scheduled tokens, sampled rows)
 
@@ -193,6 +196,16 @@ class AdaptiveThreads:
         ours, theirs = self._times[self.threads].get(key), self._times[self._other].get(key)
         recent = list(ours)[-self.probe_steps :] if ours else []  # the current count's steps just before the probe
         if recent and theirs and statistics.median(theirs) < (1 - self.hysteresis) * statistics.median(recent):
+            logger.info(
+                "thread policy: %d -> %d threads (step %s: median %.1f ms at %d threads, %.1f ms at %d)",
+                self.threads,
+                self._other,
+                key,
+                1000 * statistics.median(recent),
+                self.threads,
+                1000 * statistics.median(theirs),
+                self._other,
+            )
             self.threads = self._other
             self._times[self.threads] = {key: deque(theirs, maxlen=8)}
             self._times[self._other] = {}
