@@ -151,16 +151,16 @@ def test_the_cache_is_keyed_by_host(tmp_path) -> None:  # type: ignore[no-untype
 
 def test_a_measurement_on_a_busy_machine_is_measured_again_when_quiet(tmp_path) -> None:  # type: ignore[no-untyped-def]
     calls: dict[str, int] = {}
-    busy = _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.001).choose(64, 48)
+    busy = _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.01).choose(64, 48)
     assert busy.how == "measured beside 1.5 busy CPUs"
     assert busy.kernels == ("right",) * len(ROW_CLASSES)
-    again_busy = _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.001).choose(
+    again_busy = _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.01).choose(
         64, 48
     )  # still busy: not measured again
     assert again_busy.how == "cached, measured beside 1.5 busy CPUs"
-    assert _chooser(tmp_path, calls, slow_s=0.001).choose(64, 48).how == "measured"  # quiet now: measured again
+    assert _chooser(tmp_path, calls, slow_s=0.01).choose(64, 48).how == "measured"  # quiet now: measured again
     assert (
-        _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.001).choose(64, 48).how == "cached"
+        _chooser(tmp_path, calls, other_load=BusyLoad, slow_s=0.01).choose(64, 48).how == "cached"
     )  # a quiet measurement
 
 

@@ -89,13 +89,28 @@ def test_output_processor_attaches_metrics_and_fills_iteration_stats(hf: HFToken
     assert finished.queue_time == pytest.approx(0.5)
 
 
-def test_logging_stat_logger_logs_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
-    stat_logger = LoggingStatLogger(interval=0.05)
+class _Clock:
+    """A stand-in for the `time` module whose `monotonic()` moves only when a test advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_logging_stat_logger_logs_once_per_interval(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _Clock()  # a loaded machine cannot stretch a real interval past the first record
+    monkeypatch.setattr("asyncllm.metrics.loggers.time", clock)
+    stat_logger = LoggingStatLogger(interval=5.0)
     stats = SchedulerStats(2, 1, 25, 100, prefix_cache_hit_rate=0.5, num_preemptions=3)
     with caplog.at_level(logging.INFO, logger="asyncllm.metrics.loggers"):
+        clock.now += 4.9
         stat_logger.record(stats, IterationStats(num_prompt_tokens=10, num_generation_tokens=5))
         assert stat_logger.num_lines_logged == 0
-        time.sleep(0.06)
+        clock.now += 0.2
         stat_logger.record(stats, IterationStats(num_generation_tokens=1))
     assert stat_logger.num_lines_logged == 1
     (line,) = [r.getMessage() for r in caplog.records]
