@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import pathlib
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
@@ -66,10 +64,9 @@ def lora_args(model_path: str, **kw: Any) -> EngineArgs:
 
 
 @pytest.fixture(scope="module")
-def lora_llm(mode: str, model_path: str) -> Iterator[AsyncLLM]:
-    engine = AsyncLLM.from_engine_args(lora_args(model_path, engine_process=mode == "process"))
-    yield engine
-    anyio.run(engine.shutdown)
+def llm_overrides() -> dict[str, Any]:
+    """The shared `llm` (both modes) serves LoRA adapters of rank `RANK`, two at a time (as `lora_args`)."""
+    return {"enable_lora": True, "max_lora_rank": RANK, "max_loras": 2}
 
 
 async def generate_all(
@@ -81,14 +78,14 @@ async def generate_all(
 
 
 @pytest.fixture(scope="module")
-def solo(lora_llm: AsyncLLM, adapters: dict[str, Any]) -> dict[tuple[str, str | None], list[int]]:
+def solo(llm: AsyncLLM, adapters: dict[str, Any]) -> dict[tuple[str, str | None], list[int]]:
     """(prompt, adapter name) -> greedy token ids of the request run alone."""
 
     async def body() -> dict[tuple[str, str | None], list[int]]:
         result = {}
         for prompt in PROMPTS:
             for name in ("a", "b", None):
-                (out,) = await generate_all(lora_llm, [(prompt, adapters[name][0])])
+                (out,) = await generate_all(llm, [(prompt, adapters[name][0])])
                 result[(prompt, name)] = list(out.outputs[0].token_ids)
         return result
 
@@ -96,10 +93,10 @@ def solo(lora_llm: AsyncLLM, adapters: dict[str, Any]) -> dict[tuple[str, str | 
 
 
 def test_adapter_logprobs_equal_the_merged_model(
-    lora_llm: AsyncLLM, adapters: dict[str, Any], references: dict[str | None, torch.nn.Module]
+    llm: AsyncLLM, adapters: dict[str, Any], references: dict[str | None, torch.nn.Module]
 ) -> None:
     prompt = PROMPTS[0]
-    (out,) = run("asyncio", generate_all, lora_llm, [(prompt, adapters["a"][0])], {"logprobs": 5, "prompt_logprobs": 5})
+    (out,) = run("asyncio", generate_all, llm, [(prompt, adapters["a"][0])], {"logprobs": 5, "prompt_logprobs": 5})
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
     expected = torch.log_softmax(next_token_logits(references["a"], ids), dim=-1)
     base = torch.log_softmax(next_token_logits(references[None], ids), dim=-1)
@@ -116,23 +113,23 @@ def test_adapter_logprobs_equal_the_merged_model(
 
 
 def test_a_batch_mixing_two_adapters_and_the_base_gives_each_its_solo_output(
-    lora_llm: AsyncLLM, adapters: dict[str, Any], solo: dict[tuple[str, str | None], list[int]]
+    llm: AsyncLLM, adapters: dict[str, Any], solo: dict[tuple[str, str | None], list[int]]
 ) -> None:
     jobs = [(p, name) for p in PROMPTS for name in ("a", None, "b")]
-    outs = run("asyncio", generate_all, lora_llm, [(p, adapters[name][0]) for p, name in jobs])
+    outs = run("asyncio", generate_all, llm, [(p, adapters[name][0]) for p, name in jobs])
     assert [list(o.outputs[0].token_ids) for o in outs] == [solo[job] for job in jobs]
     for prompt in PROMPTS:  # every adapter changes the output
         assert len({tuple(solo[(prompt, name)]) for name in ("a", "b", None)}) == 3
 
 
-def test_the_prefix_cache_is_separate_per_adapter(lora_llm: AsyncLLM, adapters: dict[str, Any]) -> None:
+def test_the_prefix_cache_is_separate_per_adapter(llm: AsyncLLM, adapters: dict[str, Any]) -> None:
     prompt = "Here is a long and unusual story about a lighthouse keeper who counted every wave " * 3
     order = ["a", "b", None, "a", "b", None]
 
     async def body() -> list[int]:
         cached = []
         for name in order:  # one at a time: each request's blocks are cached before the next one starts
-            (out,) = await generate_all(lora_llm, [(prompt, adapters[name][0])])
+            (out,) = await generate_all(llm, [(prompt, adapters[name][0])])
             cached.append(out.num_cached_tokens)
         return cached
 
@@ -142,24 +139,24 @@ def test_the_prefix_cache_is_separate_per_adapter(lora_llm: AsyncLLM, adapters: 
 
 
 def test_refused_adapters_fail_their_request_alone(
-    lora_llm: AsyncLLM, adapters: dict[str, Any], tmp_path: pathlib.Path, model_path: str
+    llm: AsyncLLM, adapters: dict[str, Any], tmp_path: pathlib.Path, model_path: str
 ) -> None:
-    (out,) = run("asyncio", generate_all, lora_llm, [(PROMPTS[0], adapters["a"][0])])  # id 1 names adapter "a"
+    (out,) = run("asyncio", generate_all, llm, [(PROMPTS[0], adapters["a"][0])])  # id 1 names adapter "a"
     with pytest.raises(InvalidRequestError, match=r"no adapter_config\.json"):
-        lora_llm.generate("Hi", greedy(), lora_request=LoRARequest("x", 9, str(tmp_path / "absent")))
+        llm.generate("Hi", greedy(), lora_request=LoRARequest("x", 9, str(tmp_path / "absent")))
     write_peft_adapter(tmp_path / "rs", read_arch_config(model_path), config_overrides={"use_rslora": True})
     with pytest.raises(InvalidRequestError, match="use_rslora=True not supported"):
-        lora_llm.generate("Hi", greedy(), lora_request=LoRARequest("rs", 9, str(tmp_path / "rs")))
+        llm.generate("Hi", greedy(), lora_request=LoRARequest("rs", 9, str(tmp_path / "rs")))
     with pytest.raises(InvalidRequestError, match="already names the adapter"):
-        lora_llm.generate("Hi", greedy(), lora_request=LoRARequest("a", 1, str(tmp_path / "rs")))
+        llm.generate("Hi", greedy(), lora_request=LoRARequest("a", 1, str(tmp_path / "rs")))
     # Readable, but shaped for another model: only the engine core knows the model's shapes.
     dims = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
     small = SimpleNamespace(**dims, head_dim=4, num_hidden_layers=2)
     write_peft_adapter(tmp_path / "small", small)
-    stream = lora_llm.generate("Hi", greedy(), lora_request=LoRARequest("small", 10, str(tmp_path / "small")))
+    stream = llm.generate("Hi", greedy(), lora_request=LoRARequest("small", 10, str(tmp_path / "small")))
     with pytest.raises(EngineGenerateError, match=r"\[in, out\]"):
         run("asyncio", stream.collect)
-    (again,) = run("asyncio", generate_all, lora_llm, [(PROMPTS[0], adapters["a"][0])])
+    (again,) = run("asyncio", generate_all, llm, [(PROMPTS[0], adapters["a"][0])])
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
 
 
