@@ -19,8 +19,9 @@ import anyio
 import pytest
 import torch
 
-from asyncllm import AsyncLLM, EngineArgs, LoRARequest, RequestOutput, SamplingParams
+from asyncllm import AsyncLLM, LoRARequest, RequestOutput, SamplingParams
 from asyncllm.model.loading.tokenizer import Tokenizer
+from tests.integration.conftest import EngineFactory
 
 peft = pytest.importorskip("peft")
 
@@ -80,31 +81,33 @@ def hf_outputs(peft_reference: tuple[Any, str], prompts: list[list[int]]) -> lis
     return [_hf_greedy(peft_reference[0], p) for p in prompts]
 
 
-def _engine(model_path: str, speculative: bool) -> AsyncLLM:
-    return AsyncLLM.from_engine_args(
-        EngineArgs(
-            model=model_path,
-            engine_process=False,
-            num_kv_blocks=64,
-            enable_lora=True,
-            max_lora_rank=RANK,
-            speculative_config=SPEC if speculative else None,
-        )
-    )
+def _overrides(speculative: bool) -> dict[str, Any]:
+    """An engine core in a thread serving LoRA adapters of rank `RANK`, with or without n-gram drafts."""
+    return {
+        "engine_process": False,
+        "num_kv_blocks": 64,
+        "enable_lora": True,
+        "max_lora_rank": RANK,
+        "speculative_config": SPEC if speculative else None,
+    }
 
 
 @pytest.fixture(scope="module")
-def lora_llm(model_path: str) -> Iterator[AsyncLLM]:
-    engine = _engine(model_path, speculative=False)
-    yield engine
-    anyio.run(engine.shutdown)
+def engines(model_path: str) -> Iterator[EngineFactory]:
+    """The module's engines, each built on first use and shut down at the module's end."""
+    factory = EngineFactory(model_path)
+    yield factory
+    factory.close()
 
 
 @pytest.fixture(scope="module")
-def speculative_lora_llm(model_path: str) -> Iterator[AsyncLLM]:
-    engine = _engine(model_path, speculative=True)
-    yield engine
-    anyio.run(engine.shutdown)
+def lora_llm(engines: EngineFactory) -> AsyncLLM:
+    return engines(**_overrides(speculative=False))
+
+
+@pytest.fixture(scope="module")
+def speculative_lora_llm(engines: EngineFactory) -> AsyncLLM:
+    return engines(**_overrides(speculative=True))
 
 
 def _generate_all(llm: AsyncLLM, prompts: list[list[int]], lora: LoRARequest | None) -> list[RequestOutput]:
