@@ -1,15 +1,21 @@
 """The one engine factory of the integration tests, and the helpers every file shares.
 
-`llm` is a real SmolLM2 engine per mode ("thread": the engine core in a background thread; "process": its own
-process), built once per module and shut down at its end; `backend` is the event loop a test body runs on
-("asyncio" or "trio"). Test bodies are plain `async def` functions run with `run(backend, body, ...)`
-(`anyio.run`): the project's pytest-asyncio runs in auto mode and would claim every `async def` test for
-asyncio, so the backend is chosen here. One `AsyncLLM` serves every loop of a module in turn (it rebinds when a
-loop has ended), which is itself part of the contract under test.
+`make_llm(**overrides)` builds a real `AsyncLLM` from `ENGINE_DEFAULTS` (the default SmolLM2 model, 128 KV blocks)
+with `EngineArgs` overrides, and shuts every engine it made down at the test's end, passed or failed. `llm` is
+the engine a module's tests share, one per mode ("thread": the engine core in a background thread; "process":
+its own process), built by the same factory once per module with the module's `llm_overrides`; a module that
+runs one mode only overrides `mode`.
+
+Async tests are `async def` tests run by pytest-asyncio (the project's plugin, auto mode). A test that must also
+run on trio takes `backend` ("asyncio" or "trio") and runs a plain `async def` body with `run(backend, body, ...)`
+(`anyio.run`): pytest-asyncio would claim every `async def` test for asyncio, so the backend is chosen here. One
+`AsyncLLM` serves every loop of a module in turn (it rebinds when a loop has ended), which is itself part of the
+contract under test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -27,6 +33,7 @@ MODES = ["thread", pytest.param("process", marks=pytest.mark.mp)]  # a process e
 BACKENDS = ["asyncio", "trio"]
 FAKE_CONFIG = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())
 HELPERS = "tests.integration.engine_helpers"
+ENGINE_DEFAULTS: dict[str, Any] = {"num_kv_blocks": 128}  # what `make_llm` and `llm` build unless overridden
 
 
 def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **kw: Any) -> SamplingParams:
@@ -75,14 +82,54 @@ def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+class EngineFactory:
+    """Builds real engines from `ENGINE_DEFAULTS` plus overrides and shuts down every one it built (`close`).
+
+    Args:
+        model_path: the default model (`model_path` fixture); an override `model=` replaces it.
+    """
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.engines: list[AsyncLLM] = []
+
+    def __call__(self, **overrides: Any) -> AsyncLLM:
+        """A started `AsyncLLM` of `EngineArgs(model=model_path, **ENGINE_DEFAULTS, **overrides)` (blocks for the
+        start-up, seconds). Raises what `AsyncLLM.from_engine_args` raises (nothing is then kept)."""
+        args = EngineArgs(**{"model": self.model_path, **ENGINE_DEFAULTS, **overrides})
+        engine = AsyncLLM.from_engine_args(args)
+        self.engines.append(engine)
+        return engine
+
+    def close(self) -> None:
+        """Shut down every engine built here, newest first (synchronously: called outside any event loop)."""
+        with contextlib.ExitStack() as stack:  # every engine stops even when an earlier shutdown raises
+            for engine in self.engines:
+                stack.callback(engine.shutdown)
+        self.engines.clear()
+
+
+@pytest.fixture
+def make_llm(model_path: str) -> Iterator[EngineFactory]:
+    """`make_llm(**overrides)`: a real engine for this test (`EngineFactory`), shut down at its end."""
+    factory = EngineFactory(model_path)
+    yield factory
+    factory.close()
+
+
 @pytest.fixture(scope="module")
-def llm(mode: str, model_path: str) -> Iterator[AsyncLLM]:
-    """A real SmolLM2 engine in `mode` (128 KV blocks), shared by a module's tests."""
-    engine = AsyncLLM.from_engine_args(
-        EngineArgs(model=model_path, engine_process=mode == "process", num_kv_blocks=128)
-    )
-    yield engine
-    anyio.run(engine.shutdown)
+def llm_overrides() -> dict[str, Any]:
+    """`EngineArgs` overrides of a module's shared `llm` (a module overrides this fixture); none by default."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def llm(mode: str, model_path: str, llm_overrides: dict[str, Any]) -> Iterator[AsyncLLM]:
+    """A real SmolLM2 engine in `mode` (`ENGINE_DEFAULTS` with the module's `llm_overrides`), shared by a
+    module's tests."""
+    factory = EngineFactory(model_path)
+    yield factory(engine_process=mode == "process", **llm_overrides)
+    factory.close()
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,11 @@ PROMPTS = [
 MAX_TOKENS = 12
 
 
+EXECUTOR_OVERRIDES = {"num_kv_blocks": 64, "max_model_len": 256}  # the executor tests' engines (`make_llm` overrides)
+
+
 def engine_args(model_path: str, **kw) -> EngineArgs:
-    return EngineArgs(model=model_path, num_kv_blocks=64, max_model_len=256, **kw)
+    return EngineArgs(model=model_path, **EXECUTOR_OVERRIDES, **kw)
 
 
 async def greedy_ids(llm: AsyncLLM, prompts: list[str]) -> list[list[int]]:

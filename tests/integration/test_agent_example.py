@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 from examples.agent_tools import TOOLS, calculator, run_agent
 
-from asyncllm import AsyncLLM, EngineArgs
+from tests.integration.conftest import EngineFactory
 
 
 def test_calculator_evaluates_arithmetic_only() -> None:
@@ -21,11 +21,10 @@ def test_calculator_evaluates_arithmetic_only() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # three chat turns; minutes on a loaded 2-core machine
 @pytest.mark.asyncio
-async def test_agent_calls_both_tools_with_valid_arguments_and_answers(model_path: str) -> None:
+async def test_agent_calls_both_tools_with_valid_arguments_and_answers(make_llm: EngineFactory) -> None:
     schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
-    args = EngineArgs(model=model_path, engine_process=False, num_kv_blocks=256)
-    async with AsyncLLM.from_engine_args(args) as llm:
-        run = await run_agent(llm, "What is 12 * 7, and what time is it in Paris?", max_tokens=32)
+    llm = make_llm(engine_process=False, num_kv_blocks=256)
+    run = await run_agent(llm, "What is 12 * 7, and what time is it in Paris?", max_tokens=32)
     assert sorted(call.name for call, _ in run.calls) == ["calculator", "clock"]
     for call, result in run.calls:
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -4,30 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
-import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineArgs, RequestOutput, RequestOutputKind
+from asyncllm import AsyncLLM, RequestOutput, RequestOutputKind
 from tests.integration.conftest import collect, greedy, wait_until_idle
 from tests.reference import clear_prefix_len, greedy_margins
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-# Every test runs against both clients: the engine core in its own process (default) and in a thread.
-ENGINE_MODES = [pytest.param(True, id="process", marks=pytest.mark.mp), pytest.param(False, id="thread")]
 
 PARIS_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS_ANSWER = "The capital of France is Paris."
 MARGIN = 0.05  # logits; below this a greedy choice can flip with batch shape (fp32 summation order)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module", params=ENGINE_MODES)
-async def llm(model_path: str, request: pytest.FixtureRequest):
-    args = EngineArgs(model=model_path, engine_process=request.param, num_kv_blocks=512)
-    engine = AsyncLLM.from_engine_args(args)
-    async with engine:
-        yield engine
+@pytest.fixture(scope="module")
+def llm_overrides() -> dict[str, Any]:
+    """The shared `llm` (both modes: the engine core in its own process and in a thread) with 512 KV blocks."""
+    return {"num_kv_blocks": 512}
 
 
 def assert_one_final_and_last(outputs: list[RequestOutput]) -> None:

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutputKind
+from asyncllm import AsyncLLM, InvalidRequestError, RequestOutputKind
 from tests.integration.conftest import collect, greedy, wait_until_idle
 
+# Every test runs against both clients (the shared `llm`, one per mode): the engine core in its own process and
+# in a thread.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-# Every test runs against both clients: the engine core in its own process (default) and in a thread.
-ENGINE_MODES = [pytest.param(True, id="process", marks=pytest.mark.mp), pytest.param(False, id="thread")]
-
 PARIS_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module", params=ENGINE_MODES)
-async def llm(model_path: str, request: pytest.FixtureRequest):
-    args = EngineArgs(model=model_path, engine_process=request.param, num_kv_blocks=128)
-    engine = AsyncLLM.from_engine_args(args)
-    async with engine:
-        yield engine
 
 
 async def test_stop_string_ends_the_request_in_the_engine(llm: AsyncLLM) -> None:

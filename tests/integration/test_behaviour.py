@@ -17,14 +17,13 @@ import pytest
 
 from asyncllm import (
     AsyncLLM,
-    EngineArgs,
     EngineDeadError,
     EngineGenerateError,
     EventLoopError,
     RequestOutputKind,
     StreamBusyError,
 )
-from tests.integration.conftest import MODES, collect, fake_llm, greedy, run, wait_until_idle
+from tests.integration.conftest import MODES, EngineFactory, collect, fake_llm, greedy, run, wait_until_idle
 from tests.integration.engine_helpers import FAKE_TOKENS
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -251,21 +250,12 @@ def test_sigkilled_engine_process_raises_engine_dead_within_5s(tokenizer, backen
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_an_executor_class_as_backend_runs_in_the_engine_in_both_modes(model_path: str, mode: str) -> None:
+async def test_an_executor_class_as_backend_runs_in_the_engine_in_both_modes(
+    make_llm: EngineFactory, mode: str
+) -> None:
     from tests.integration.custom_executor import TaggedExecutor
 
-    args = EngineArgs(
-        model=model_path,
-        engine_process=mode == "process",
-        distributed_executor_backend=TaggedExecutor,
-        num_kv_blocks=64,
-    )
-    llm = AsyncLLM.from_engine_args(args)
-
-    async def body() -> None:
-        async with llm:
-            assert await llm.collective_rpc("get_model_info") == [[8192, 49152, "tagged"]]
-            outputs = await collect(llm.generate(PARIS, greedy(32)))
-            assert outputs[-1].outputs[0].text == PARIS_ANSWER
-
-    run("asyncio", body)
+    llm = make_llm(engine_process=mode == "process", distributed_executor_backend=TaggedExecutor, num_kv_blocks=64)
+    assert await llm.collective_rpc("get_model_info") == [[8192, 49152, "tagged"]]
+    outputs = await collect(llm.generate(PARIS, greedy(32)))
+    assert outputs[-1].outputs[0].text == PARIS_ANSWER

@@ -19,7 +19,7 @@ from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, EngineGenerateError,
 from asyncllm.engine.dp_client import DPEngineCoreClient
 from asyncllm.errors import ConfigError, InvalidRequestError
 from tests import state_probes
-from tests.integration.conftest import greedy
+from tests.integration.conftest import EngineFactory, greedy
 
 pytestmark = pytest.mark.mp
 PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Answer:" for i in range(32)]
@@ -44,16 +44,18 @@ def is_gone(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def single(model_path: str) -> Iterator[AsyncLLM]:
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_path, num_kv_blocks=128))
-    yield engine
-    anyio.run(engine.shutdown)
+    """One engine (its own process, `ENGINE_DEFAULTS`): the reference and the one-rank case."""
+    factory = EngineFactory(model_path)
+    yield factory()
+    factory.close()
 
 
 @pytest.fixture(scope="module")
 def dp(model_path: str) -> Iterator[AsyncLLM]:
-    engine = AsyncLLM.from_engine_args(dp_args(model_path))
-    yield engine
-    anyio.run(engine.shutdown)
+    """Two engine processes behind one client (`ENGINE_DEFAULTS`, data_parallel_size=2)."""
+    factory = EngineFactory(model_path)
+    yield factory(data_parallel_size=2)
+    factory.close()
 
 
 @pytest.fixture(scope="module")
@@ -89,118 +91,103 @@ async def _run_all(llm: AsyncLLM, prompts: list[str], params: SamplingParams, ra
     return results
 
 
-def test_32_requests_split_over_both_engines_with_greedy_outputs_of_one_engine(dp, reference) -> None:
-    async def body() -> None:
-        ranks: list[int] = []
-        outputs = await _run_all(dp, PROMPTS, greedy(16), ranks)
-        counts = Counter(ranks)
-        assert set(counts) == {0, 1}
-        assert min(counts.values()) > 32 * 0.25, counts
-        for prompt, output in zip(PROMPTS, outputs, strict=True):
-            assert output.outputs[0].token_ids == reference[prompt], prompt
-        per_engine = await dp.get_scheduler_stats_per_engine()
-        assert sorted(per_engine) == [0, 1]
-        assert [s.engine_index for s in per_engine.values()] == [0, 1]
-        assert all(s.num_prefix_cache_queries > 0 for s in per_engine.values())  # both engines computed prompts
-        total = await dp.get_scheduler_stats()
-        assert total.num_total_blocks == 256 == sum(s.num_total_blocks for s in per_engine.values())
-        queries = sum(s.num_prefix_cache_queries for s in per_engine.values())
-        assert total.num_prefix_cache_queries == queries
-        registry, model = dp.prometheus_registry, dp.config.model.model
-        for rank in ("0", "1"):  # each engine's scheduler metrics under its own `engine` label
-            labels = {"model_name": model, "engine": rank}
-            assert registry.get_sample_value("asyncllm:prefix_cache_queries_total", labels) > 0
-
-    anyio.run(body)
+async def test_32_requests_split_over_both_engines_with_greedy_outputs_of_one_engine(dp, reference) -> None:
+    ranks: list[int] = []
+    outputs = await _run_all(dp, PROMPTS, greedy(16), ranks)
+    counts = Counter(ranks)
+    assert set(counts) == {0, 1}
+    assert min(counts.values()) > 32 * 0.25, counts
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        assert output.outputs[0].token_ids == reference[prompt], prompt
+    per_engine = await dp.get_scheduler_stats_per_engine()
+    assert sorted(per_engine) == [0, 1]
+    assert [s.engine_index for s in per_engine.values()] == [0, 1]
+    assert all(s.num_prefix_cache_queries > 0 for s in per_engine.values())  # both engines computed prompts
+    total = await dp.get_scheduler_stats()
+    assert total.num_total_blocks == 256 == sum(s.num_total_blocks for s in per_engine.values())
+    queries = sum(s.num_prefix_cache_queries for s in per_engine.values())
+    assert total.num_prefix_cache_queries == queries
+    registry, model = dp.prometheus_registry, dp.config.model.model
+    for rank in ("0", "1"):  # each engine's scheduler metrics under its own `engine` label
+        labels = {"model_name": model, "engine": rank}
+        assert registry.get_sample_value("asyncllm:prefix_cache_queries_total", labels) > 0
 
 
-def test_a_shared_200_token_prefix_follows_its_engine_and_hits_the_prefix_cache(dp) -> None:
+async def test_a_shared_200_token_prefix_follows_its_engine_and_hits_the_prefix_cache(dp) -> None:
     prefix = [(i * 37) % 5000 + 100 for i in range(200)]
 
-    async def body() -> None:
-        first = dp.generate({"prompt_token_ids": [*prefix, 11, 12]}, greedy(4), data_parallel_rank=1)
-        assert engine_of(dp, first.request_id) == 1
-        await first.collect()
-        # Both engines are idle: without affinity the tie would go to rank 0.
-        second = dp.generate({"prompt_token_ids": [*prefix, 21, 22, 23]}, greedy(4))
-        assert engine_of(dp, second.request_id) == 1
-        output = await second.collect()
-        assert output.num_cached_tokens >= 192  # 12 full blocks of the shared 200 tokens
-
-    anyio.run(body)
+    first = dp.generate({"prompt_token_ids": [*prefix, 11, 12]}, greedy(4), data_parallel_rank=1)
+    assert engine_of(dp, first.request_id) == 1
+    await first.collect()
+    # Both engines are idle: without affinity the tie would go to rank 0.
+    second = dp.generate({"prompt_token_ids": [*prefix, 21, 22, 23]}, greedy(4))
+    assert engine_of(dp, second.request_id) == 1
+    output = await second.collect()
+    assert output.num_cached_tokens >= 192  # 12 full blocks of the shared 200 tokens
 
 
-def test_pinning_aborts_and_bad_ranks(dp) -> None:
-    async def body() -> None:
-        stream = dp.generate("Tell me a long story about a dragon.", greedy(200, ignore_eos=True), data_parallel_rank=1)
-        assert engine_of(dp, stream.request_id) == 1
-        async for out in stream:
-            if len(out.outputs[0].token_ids) >= 2:
-                await dp.abort(stream.request_id)
-        assert out.outputs[0].finish_reason == "abort"
-        deadline = time.monotonic() + 30
-        # The abort reached rank 1, and its finished notice (the step after the abort) reached the client.
-        while (await dp.get_scheduler_stats_per_engine())[1].num_running_reqs or client(dp).num_in_flight(1):
-            assert time.monotonic() < deadline
-            await anyio.sleep(0.05)
-        with pytest.raises(InvalidRequestError, match="data_parallel_rank=2"):
-            dp.generate("hi", greedy(2), data_parallel_rank=2)
-        assert (await dp.generate("hi", greedy(2), data_parallel_rank=0).collect()).finished
-
-    anyio.run(body)
+async def test_pinning_aborts_and_bad_ranks(dp) -> None:
+    stream = dp.generate("Tell me a long story about a dragon.", greedy(200, ignore_eos=True), data_parallel_rank=1)
+    assert engine_of(dp, stream.request_id) == 1
+    async for out in stream:
+        if len(out.outputs[0].token_ids) >= 2:
+            await dp.abort(stream.request_id)
+    assert out.outputs[0].finish_reason == "abort"
+    deadline = time.monotonic() + 30
+    # The abort reached rank 1, and its finished notice (the step after the abort) reached the client.
+    while (await dp.get_scheduler_stats_per_engine())[1].num_running_reqs or client(dp).num_in_flight(1):
+        assert time.monotonic() < deadline
+        await anyio.sleep(0.05)
+    with pytest.raises(InvalidRequestError, match="data_parallel_rank=2"):
+        dp.generate("hi", greedy(2), data_parallel_rank=2)
+    assert (await dp.generate("hi", greedy(2), data_parallel_rank=0).collect()).finished
 
 
-def test_scale_to_one_while_16_stream_then_back_to_two(dp, reference) -> None:
+async def test_scale_to_one_while_16_stream_then_back_to_two(dp, reference) -> None:
     prompts = PROMPTS[:16]
 
-    async def body() -> None:
-        pids = state_probes.engine_pids(client(dp))
-        ranks: list[int] = []
-        results: list = []
+    pids = state_probes.engine_pids(client(dp))
+    ranks: list[int] = []
+    results: list = []
 
-        async def stream_all() -> None:
-            results.extend(await _run_all(dp, prompts, greedy(16), ranks))
+    async def stream_all() -> None:
+        results.extend(await _run_all(dp, prompts, greedy(16), ranks))
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(stream_all)
-            while len(ranks) < 16:  # noqa: ASYNC110 (until every request was placed)
-                await anyio.sleep(0.01)
-            assert set(ranks) == {0, 1}
-            await dp.scale_data_parallel(1)
-            assert dp.data_parallel_size == 1
-        for prompt, output in zip(prompts, results, strict=True):  # all 16 complete, correctly
-            assert output.finished
-            assert output.outputs[0].token_ids == reference[prompt], prompt
-        assert client(dp).engine_ranks == [0]
-        assert state_probes.engine_pids(client(dp)) == {0: pids[0]}
-        deadline = time.monotonic() + 30
-        while not is_gone(pids[1]):
-            assert time.monotonic() < deadline
-            await anyio.sleep(0.05)
-        assert sorted(os.listdir(client(dp).ipc_dir)) == ["input", "output"]  # the client's sockets only
-
-        await dp.scale_data_parallel(2)
-        assert client(dp).engine_ranks == [0, 1]
-        ranks.clear()
-        outputs = await _run_all(dp, PROMPTS[16:24], greedy(16), ranks)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(stream_all)
+        while len(ranks) < 16:  # noqa: ASYNC110 (until every request was placed)
+            await anyio.sleep(0.01)
         assert set(ranks) == {0, 1}
-        for prompt, output in zip(PROMPTS[16:24], outputs, strict=True):
-            assert output.outputs[0].token_ids == reference[prompt], prompt
+        await dp.scale_data_parallel(1)
+        assert dp.data_parallel_size == 1
+    for prompt, output in zip(prompts, results, strict=True):  # all 16 complete, correctly
+        assert output.finished
+        assert output.outputs[0].token_ids == reference[prompt], prompt
+    assert client(dp).engine_ranks == [0]
+    assert state_probes.engine_pids(client(dp)) == {0: pids[0]}
+    deadline = time.monotonic() + 30
+    while not is_gone(pids[1]):
+        assert time.monotonic() < deadline
+        await anyio.sleep(0.05)
+    assert sorted(os.listdir(client(dp).ipc_dir)) == ["input", "output"]  # the client's sockets only
 
-    anyio.run(body)
+    await dp.scale_data_parallel(2)
+    assert client(dp).engine_ranks == [0, 1]
+    ranks.clear()
+    outputs = await _run_all(dp, PROMPTS[16:24], greedy(16), ranks)
+    assert set(ranks) == {0, 1}
+    for prompt, output in zip(PROMPTS[16:24], outputs, strict=True):
+        assert output.outputs[0].token_ids == reference[prompt], prompt
 
 
-def test_one_engine_has_rank_0_only_and_cannot_scale(single) -> None:
-    async def body() -> None:
-        assert single.data_parallel_size == 1
-        with pytest.raises(InvalidRequestError, match="data_parallel_rank=1"):
-            single.generate("hi", greedy(2), data_parallel_rank=1)
-        assert (await single.generate("hi", greedy(2), data_parallel_rank=0).collect()).finished
-        with pytest.raises(ConfigError, match="data_parallel_size >= 2"):
-            await single.scale_data_parallel(2)
-        assert list(await single.get_scheduler_stats_per_engine()) == [0]
-
-    anyio.run(body)
+async def test_one_engine_has_rank_0_only_and_cannot_scale(single) -> None:
+    assert single.data_parallel_size == 1
+    with pytest.raises(InvalidRequestError, match="data_parallel_rank=1"):
+        single.generate("hi", greedy(2), data_parallel_rank=1)
+    assert (await single.generate("hi", greedy(2), data_parallel_rank=0).collect()).finished
+    with pytest.raises(ConfigError, match="data_parallel_size >= 2"):
+        await single.scale_data_parallel(2)
+    assert list(await single.get_scheduler_stats_per_engine()) == [0]
 
 
 def test_data_parallel_needs_engine_processes(model_path: str) -> None:
@@ -220,72 +207,58 @@ async def _stream_until_error(stream) -> BaseException | None:
 
 
 @pytest.mark.slow
-def test_killing_one_engine_fails_every_stream_within_5_s(model_path: str) -> None:
-    llm = AsyncLLM.from_engine_args(dp_args(model_path))
+async def test_killing_one_engine_fails_every_stream_within_5_s(make_llm: EngineFactory) -> None:
+    llm = make_llm(data_parallel_size=2)
+    streams = [llm.generate(p, greedy(400, ignore_eos=True)) for p in PROMPTS[:8]]
+    errors: list = [None] * 8
+    killed_at: list[float] = []
 
-    async def body() -> None:
-        streams = [llm.generate(p, greedy(400, ignore_eos=True)) for p in PROMPTS[:8]]
-        errors: list = [None] * 8
-        killed_at: list[float] = []
+    async def consume(i: int) -> None:
+        errors[i] = await _stream_until_error(streams[i])
+        errors[i] = (errors[i], time.monotonic())
 
-        async def consume(i: int) -> None:
-            errors[i] = await _stream_until_error(streams[i])
-            errors[i] = (errors[i], time.monotonic())
-
-        async with anyio.create_task_group() as tg:
-            for i in range(8):
-                tg.start_soon(consume, i)
-            while (await llm.get_scheduler_stats()).num_running_reqs < 8:  # noqa: ASYNC110 (polls the engines)
-                await anyio.sleep(0.02)
-            os.kill(state_probes.engine_pids(client(llm))[1], signal.SIGKILL)
-            killed_at.append(time.monotonic())
-        for error, at in errors:
-            assert isinstance(error, EngineDeadError), error
-            assert at - killed_at[0] < 5.0
-        assert "data-parallel rank 1" in str(errors[0][0]) or "data-parallel rank 1" in str(errors[0][0].__cause__)
-        assert llm.errored
-        with pytest.raises(EngineDeadError):
-            llm.generate("hi", greedy(2))
-
-    try:
-        anyio.run(body)
-    finally:
-        anyio.run(llm.shutdown)
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(consume, i)
+        while (await llm.get_scheduler_stats()).num_running_reqs < 8:  # noqa: ASYNC110 (polls the engines)
+            await anyio.sleep(0.02)
+        os.kill(state_probes.engine_pids(client(llm))[1], signal.SIGKILL)
+        killed_at.append(time.monotonic())
+    for error, at in errors:
+        assert isinstance(error, EngineDeadError), error
+        assert at - killed_at[0] < 5.0
+    assert "data-parallel rank 1" in str(errors[0][0]) or "data-parallel rank 1" in str(errors[0][0].__cause__)
+    assert llm.errored
+    with pytest.raises(EngineDeadError):
+        llm.generate("hi", greedy(2))
 
 
 @pytest.mark.slow
-def test_restart_dead_engines_fails_only_that_engines_requests(model_path: str) -> None:
-    llm = AsyncLLM.from_engine_args(dp_args(model_path, restart_dead_engines=True))
+async def test_restart_dead_engines_fails_only_that_engines_requests(make_llm: EngineFactory) -> None:
+    llm = make_llm(data_parallel_size=2, restart_dead_engines=True)
+    old_pid = state_probes.engine_pids(client(llm))[1]
+    streams = [
+        llm.generate(p, greedy(40, ignore_eos=True), data_parallel_rank=i % 2) for i, p in enumerate(PROMPTS[:8])
+    ]
+    results: list = [None] * 8
 
-    async def body() -> None:
-        old_pid = state_probes.engine_pids(client(llm))[1]
-        streams = [
-            llm.generate(p, greedy(40, ignore_eos=True), data_parallel_rank=i % 2) for i, p in enumerate(PROMPTS[:8])
-        ]
-        results: list = [None] * 8
+    async def consume(i: int) -> None:
+        results[i] = await _stream_until_error(streams[i])
 
-        async def consume(i: int) -> None:
-            results[i] = await _stream_until_error(streams[i])
-
-        async with anyio.create_task_group() as tg:
-            for i in range(8):
-                tg.start_soon(consume, i)
-            while (await llm.get_scheduler_stats_per_engine())[1].num_running_reqs < 4:  # noqa: ASYNC110
-                await anyio.sleep(0.02)
-            os.kill(old_pid, signal.SIGKILL)
-        assert all(results[i] is None for i in range(0, 8, 2))  # rank 0's streams completed
-        assert all(isinstance(results[i], EngineGenerateError) for i in range(1, 8, 2)), results
-        assert "data-parallel rank 1" in str(results[1])
-        assert not llm.errored
-        deadline = time.monotonic() + 120
-        while client(llm).engine_ranks != [0, 1]:  # a fresh engine takes rank 1
-            assert time.monotonic() < deadline
-            await anyio.sleep(0.1)
-        assert state_probes.engine_pids(client(llm))[1] != old_pid
-        output = await llm.generate("hi", greedy(4), data_parallel_rank=1).collect()
-        assert len(output.outputs[0].token_ids) == 4
-
-    try:
-        anyio.run(body)
-    finally:
-        anyio.run(llm.shutdown)
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(consume, i)
+        while (await llm.get_scheduler_stats_per_engine())[1].num_running_reqs < 4:  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+        os.kill(old_pid, signal.SIGKILL)
+    assert all(results[i] is None for i in range(0, 8, 2))  # rank 0's streams completed
+    assert all(isinstance(results[i], EngineGenerateError) for i in range(1, 8, 2)), results
+    assert "data-parallel rank 1" in str(results[1])
+    assert not llm.errored
+    deadline = time.monotonic() + 120
+    while client(llm).engine_ranks != [0, 1]:  # a fresh engine takes rank 1
+        assert time.monotonic() < deadline
+        await anyio.sleep(0.1)
+    assert state_probes.engine_pids(client(llm))[1] != old_pid
+    output = await llm.generate("hi", greedy(4), data_parallel_rank=1).collect()
+    assert len(output.outputs[0].token_ids) == 4

@@ -22,7 +22,6 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 import zmq
 
 from asyncllm import AsyncLLM, EngineArgs, EngineDeadError, EngineGenerateError, SamplingParams
@@ -30,6 +29,7 @@ from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConf
 from asyncllm.engine.client import EngineCoreClient
 from asyncllm.messages.engine import EngineCoreRequestType, SchedulerStats
 from asyncllm.model.loading.tokenizer import Tokenizer
+from tests.integration.conftest import EngineFactory
 from tests.integration.engine_helpers import FAKE_TOKENS
 
 pytestmark = pytest.mark.mp
@@ -85,11 +85,10 @@ def tokenizer(model_path: str) -> Tokenizer:
     return Tokenizer.load(model_path)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def llm(model_path: str):
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=True, num_kv_blocks=128))
-    async with engine:
-        yield engine
+@pytest.fixture(scope="module")
+def mode() -> str:
+    """The shared `llm` runs its engine core in its own process."""
+    return "process"
 
 
 # ---- real model ---------------------------------------------------------------------------------------
@@ -186,8 +185,8 @@ def test_frontend_process_does_not_load_torch(tmp_path: Path, model_path: str) -
 
 
 @module_loop
-async def test_sigkill_with_two_live_streams_raises_engine_dead_within_5s(model_path: str) -> None:
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=model_path, engine_process=True, num_kv_blocks=128))
+async def test_sigkill_with_two_live_streams_raises_engine_dead_within_5s(make_llm: EngineFactory) -> None:
+    llm = make_llm(engine_process=True)
     client = llm._client
     assert isinstance(client, EngineCoreClient)
     streams = [llm.generate(f"Count to a thousand, part {i}:", greedy(2000, ignore_eos=True)) for i in range(2)]

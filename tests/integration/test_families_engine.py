@@ -15,6 +15,7 @@ import torch
 
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from tests.family_checkpoints import write_family_checkpoint
+from tests.integration.conftest import EngineFactory
 
 PROMPTS = [[5, 17, 42, 8, 8, 90, 1, 33, 150, 64, 7, 120], [9, 99, 3, 140, 12, 12, 60], [77, 3, 3, 101]]
 MAX_TOKENS = 16
@@ -33,29 +34,29 @@ def hf_greedy_with_margins(ref: Any, prompt: list[int]) -> tuple[list[int], list
     return ids[len(prompt) :], margins
 
 
-async def engine_ids(path: pathlib.Path, family: str) -> tuple[list[list[int]], list[int]]:
+async def engine_ids(llm: AsyncLLM) -> tuple[list[list[int]], list[int]]:
     """Greedy ids of every prompt in one batch, then of the first prompt alone."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    args = EngineArgs(model=str(path), engine_process=False)
-    async with AsyncLLM.from_engine_args(args) as llm:
-        results: list[list[int]] = [[] for _ in PROMPTS]
+    results: list[list[int]] = [[] for _ in PROMPTS]
 
-        async def one(i: int) -> None:
-            final = await llm.generate({"prompt_token_ids": PROMPTS[i]}, params).collect()
-            results[i] = list(final.outputs[0].token_ids)
+    async def one(i: int) -> None:
+        final = await llm.generate({"prompt_token_ids": PROMPTS[i]}, params).collect()
+        results[i] = list(final.outputs[0].token_ids)
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(PROMPTS)):
-                tg.start_soon(one, i)
-        alone = await llm.generate({"prompt_token_ids": PROMPTS[0]}, params).collect()
-        return results, list(alone.outputs[0].token_ids)
+    async with anyio.create_task_group() as tg:
+        for i in range(len(PROMPTS)):
+            tg.start_soon(one, i)
+    alone = await llm.generate({"prompt_token_ids": PROMPTS[0]}, params).collect()
+    return results, list(alone.outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4mini"])
-def test_engine_greedy_ids_equal_hf(family: str, tmp_path: pathlib.Path) -> None:
+async def test_engine_greedy_ids_equal_hf(family: str, tmp_path: pathlib.Path, make_llm: EngineFactory) -> None:
     pytest.importorskip("transformers")
     ref = write_family_checkpoint(family, tmp_path, tokenizer=True)
-    batch, alone = anyio.run(engine_ids, tmp_path, family)
+    # the KV cache sized from memory (num_kv_blocks=None), as EngineArgs does by default
+    llm = make_llm(model=str(tmp_path), engine_process=False, num_kv_blocks=None)
+    batch, alone = await engine_ids(llm)
     assert alone == batch[0], f"{family}: a request alone differs from itself in a batch"
     for prompt, ours in zip(PROMPTS, batch, strict=True):
         expected, margins = hf_greedy_with_margins(ref, prompt)

@@ -44,43 +44,40 @@ async def shut_down_timed(llm: AsyncLLM) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_exception_in_the_model_forward_fails_every_open_stream(model_path: str, mode: str) -> None:
+async def test_exception_in_the_model_forward_fails_every_open_stream(model_path: str, mode: str) -> None:
     executor = "tests.integration.custom_executor:FaultyForwardExecutor"
     args = EngineArgs(
         model=model_path, engine_process=mode == "process", num_kv_blocks=64, distributed_executor_backend=executor
     )
 
-    async def body() -> None:
-        llm = AsyncLLM.from_engine_args(args)
-        last_output_at = [time.monotonic()]
-        raised_at: list[float] = []
-        errors: list[BaseException] = []
-        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    llm = AsyncLLM.from_engine_args(args)
+    last_output_at = [time.monotonic()]
+    raised_at: list[float] = []
+    errors: list[BaseException] = []
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
-        async def watch(prompt: str) -> None:
-            try:
-                async for _ in llm.generate(prompt, params):
-                    last_output_at[0] = time.monotonic()
-            except Exception as e:
-                errors.append(e)
-                raised_at.append(time.monotonic())
-
+    async def watch(prompt: str) -> None:
         try:
-            with anyio.fail_after(HANG_GUARD_S):
-                async with anyio.create_task_group() as tg:
-                    for prompt in PROMPTS:
-                        tg.start_soon(watch, prompt)
-        finally:
-            took = await shut_down_timed(llm)
-        assert len(errors) == len(PROMPTS), errors
-        assert all(isinstance(e, EngineDeadError) for e in errors), errors
-        assert all(FaultyForwardExecutor.MESSAGE in str(e) for e in errors), errors
-        # the fault happens in the step after the last output: every stream raised within 5 s of it
-        assert max(raised_at) - last_output_at[0] < FAULT_TO_ERROR_S
-        assert llm.errored
-        assert took < SHUTDOWN_S
+            async for _ in llm.generate(prompt, params):
+                last_output_at[0] = time.monotonic()
+        except Exception as e:
+            errors.append(e)
+            raised_at.append(time.monotonic())
 
-    anyio.run(body)
+    try:
+        with anyio.fail_after(HANG_GUARD_S):
+            async with anyio.create_task_group() as tg:
+                for prompt in PROMPTS:
+                    tg.start_soon(watch, prompt)
+    finally:
+        took = await shut_down_timed(llm)
+    assert len(errors) == len(PROMPTS), errors
+    assert all(isinstance(e, EngineDeadError) for e in errors), errors
+    assert all(FaultyForwardExecutor.MESSAGE in str(e) for e in errors), errors
+    # the fault happens in the step after the last output: every stream raised within 5 s of it
+    assert max(raised_at) - last_output_at[0] < FAULT_TO_ERROR_S
+    assert llm.errored
+    assert took < SHUTDOWN_S
 
 
 @pytest.mark.slow

@@ -20,18 +20,18 @@ runs: batched equals alone (with chunked prefill), TP=3 equals TP=1 where the gr
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 
-from asyncllm import AsyncLLM, SamplingParams
+from asyncllm import SamplingParams
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.engine.core import EngineCore
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.tokenizer import Tokenizer
-from tests.integration.executor_helpers import MAX_TOKENS, PROMPTS, engine_args, greedy_ids
+from tests.integration.conftest import EngineFactory
+from tests.integration.executor_helpers import EXECUTOR_OVERRIDES, MAX_TOKENS, PROMPTS, greedy_ids
 from tests.integration.test_engine_core import _assert_all_free, _requests, _run
 from tests.integration.test_model_parity import CHATS, _Runner
 from tests.kernels import require_kernels
@@ -162,10 +162,9 @@ def test_int8_follows_fp32_greedy_answers_where_the_choice_is_clear(model_path: 
     assert tokenizer.decode(ids[len(prompt) :]).startswith("A CPU cache is")
 
 
-async def test_int8_engine_completes_a_prompt(model_path: str) -> None:
-    args = EngineArgs(model=model_path, quantization="int8", engine_process=False, num_kv_blocks=64)
-    async with AsyncLLM.create(args) as llm:
-        final = await llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0)).collect()
+async def test_int8_engine_completes_a_prompt(make_llm: EngineFactory) -> None:
+    llm = make_llm(quantization="int8", engine_process=False, num_kv_blocks=64)
+    final = await llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0)).collect()
     assert final.outputs[0].text.startswith(" Paris")
 
 
@@ -214,16 +213,12 @@ def test_int8_batched_matches_alone_where_greedy_choice_is_clear(model_path: str
 
 @pytest.mark.slow
 @pytest.mark.mp
-def test_int8_tp3_equals_tp1_where_the_choice_is_clear(model_path: str, models: tuple[Any, Any]) -> None:
+async def test_int8_tp3_equals_tp1_where_the_choice_is_clear(make_llm: EngineFactory, models: tuple[Any, Any]) -> None:
     """The TP=1 side is the module's int8 model run densely (the weights a TP=1 engine loads), so only the
     TP=3 engine (3 worker processes) starts here."""
-
-    async def run(**kw: Any) -> tuple[list[list[int]], list[list[int]]]:
-        async with AsyncLLM.create(engine_args(model_path, quantization="int8", **kw)) as llm:
-            prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
-            return prompts, await greedy_ids(llm, PROMPTS)
-
-    prompt_ids, tp3 = asyncio.run(run(distributed_executor_backend="mp", tensor_parallel_size=3))
+    llm = make_llm(**EXECUTOR_OVERRIDES, quantization="int8", distributed_executor_backend="mp", tensor_parallel_size=3)
+    prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    tp3 = await greedy_ids(llm, PROMPTS)
     _, int8 = models
     tp1 = [dense_greedy(int8, prompt, MAX_TOKENS) for prompt in prompt_ids]
     num_compared = 0

@@ -15,12 +15,13 @@ import json
 import sys
 import threading
 import time
+from typing import Any
 
 import anyio
 import pytest
 
-from asyncllm import AsyncLLM, EngineArgs
-from tests.integration.conftest import MODES, greedy
+from asyncllm import AsyncLLM
+from tests.integration.conftest import greedy
 
 pytestmark = pytest.mark.slow
 
@@ -119,17 +120,15 @@ async def _arrivals(arrive, group) -> None:
         await anyio.sleep(1.0 / ARRIVALS_PER_S)
 
 
-@pytest.fixture(scope="module", params=MODES)
-def roomy_llm(request: pytest.FixtureRequest, model_path: str):
-    """Room for the 64 live streams and the arrivals at once (no preemption, no queueing behind them)."""
-    args = EngineArgs(model=model_path, engine_process=request.param == "process", num_kv_blocks=600, max_num_seqs=160)
-    engine = AsyncLLM.from_engine_args(args)
-    yield engine
-    anyio.run(engine.shutdown)
+@pytest.fixture(scope="module")
+def llm_overrides() -> dict[str, Any]:
+    """The shared `llm` (both modes) with room for the 64 live streams and the arrivals at once (no preemption, no
+    queueing behind them)."""
+    return {"num_kv_blocks": 600, "max_num_seqs": 160}
 
 
-def test_the_event_loop_stays_responsive_under_load(roomy_llm: AsyncLLM) -> None:
-    baseline, loaded, num_arrivals_done, num_ticks = anyio.run(measure, roomy_llm)
+def test_the_event_loop_stays_responsive_under_load(llm: AsyncLLM) -> None:
+    baseline, loaded, num_arrivals_done, num_ticks = anyio.run(measure, llm)
     base_max, loaded_max = max(baseline), max(loaded)
     loaded_sorted = sorted(loaded)
     p99 = loaded_sorted[int(0.99 * (len(loaded_sorted) - 1))]
@@ -147,7 +146,7 @@ def test_the_event_loop_stays_responsive_under_load(roomy_llm: AsyncLLM) -> None
     assert p99 <= base_max + MAX_EXTRA_WAIT_S, (
         f"p99 wait {p99 * 1e3:.0f} ms beyond a tick (control {base_max * 1e3:.0f} ms)"
     )
-    if roomy_llm._client.process is not None:
+    if llm._client.process is not None:
         assert loaded_max <= base_max + 3 * MAX_EXTRA_WAIT_S, (
             f"the loop waited {loaded_max * 1e3:.0f} ms beyond a tick (control {base_max * 1e3:.0f} ms)"
         )

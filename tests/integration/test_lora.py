@@ -8,17 +8,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import pathlib
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
-from asyncllm import AsyncLLM, EngineArgs, EngineGenerateError, InvalidRequestError, LoRARequest, SamplingParams
+from asyncllm import AsyncLLM, EngineGenerateError, InvalidRequestError, LoRARequest, SamplingParams
 from asyncllm.model.loading.loader import read_arch_config
-from tests.integration.conftest import run
+from tests.integration.conftest import EngineFactory, run
 from tests.lora_adapters import ATTENTION, merge_adapter, write_peft_adapter
 from tests.reference import clear_prefix_len, greedy_margins, next_token_logits
 
@@ -60,16 +58,13 @@ def references(reference_model: Any, adapters: dict[str, Any]) -> dict[str | Non
     return models
 
 
-def lora_args(model_path: str, **kw: Any) -> EngineArgs:
-    kw.setdefault("max_loras", 2)
-    return EngineArgs(model=model_path, num_kv_blocks=128, enable_lora=True, max_lora_rank=RANK, **kw)
+LORA_OVERRIDES: dict[str, Any] = {"enable_lora": True, "max_lora_rank": RANK, "max_loras": 2}  # engine overrides
 
 
 @pytest.fixture(scope="module")
-def lora_llm(mode: str, model_path: str) -> Iterator[AsyncLLM]:
-    engine = AsyncLLM.from_engine_args(lora_args(model_path, engine_process=mode == "process"))
-    yield engine
-    anyio.run(engine.shutdown)
+def llm_overrides() -> dict[str, Any]:
+    """The shared `llm` (both modes) serves LoRA adapters of rank `RANK`, two at a time."""
+    return dict(LORA_OVERRIDES)
 
 
 async def generate_all(
@@ -81,25 +76,25 @@ async def generate_all(
 
 
 @pytest.fixture(scope="module")
-def solo(lora_llm: AsyncLLM, adapters: dict[str, Any]) -> dict[tuple[str, str | None], list[int]]:
+def solo(llm: AsyncLLM, adapters: dict[str, Any]) -> dict[tuple[str, str | None], list[int]]:
     """(prompt, adapter name) -> greedy token ids of the request run alone."""
 
     async def body() -> dict[tuple[str, str | None], list[int]]:
         result = {}
         for prompt in PROMPTS:
             for name in ("a", "b", None):
-                (out,) = await generate_all(lora_llm, [(prompt, adapters[name][0])])
+                (out,) = await generate_all(llm, [(prompt, adapters[name][0])])
                 result[(prompt, name)] = list(out.outputs[0].token_ids)
         return result
 
     return run("asyncio", body)  # type: ignore[no-any-return]
 
 
-def test_adapter_logprobs_equal_the_merged_model(
-    lora_llm: AsyncLLM, adapters: dict[str, Any], references: dict[str | None, torch.nn.Module]
+async def test_adapter_logprobs_equal_the_merged_model(
+    llm: AsyncLLM, adapters: dict[str, Any], references: dict[str | None, torch.nn.Module]
 ) -> None:
     prompt = PROMPTS[0]
-    (out,) = run("asyncio", generate_all, lora_llm, [(prompt, adapters["a"][0])], {"logprobs": 5, "prompt_logprobs": 5})
+    (out,) = await generate_all(llm, [(prompt, adapters["a"][0])], {"logprobs": 5, "prompt_logprobs": 5})
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
     expected = torch.log_softmax(next_token_logits(references["a"], ids), dim=-1)
     base = torch.log_softmax(next_token_logits(references[None], ids), dim=-1)
@@ -115,72 +110,65 @@ def test_adapter_logprobs_equal_the_merged_model(
     assert clear_prefix_len(margins, MARGIN) >= 3  # the greedy tokens above are the merged model's, not by luck
 
 
-def test_a_batch_mixing_two_adapters_and_the_base_gives_each_its_solo_output(
-    lora_llm: AsyncLLM, adapters: dict[str, Any], solo: dict[tuple[str, str | None], list[int]]
+async def test_a_batch_mixing_two_adapters_and_the_base_gives_each_its_solo_output(
+    llm: AsyncLLM, adapters: dict[str, Any], solo: dict[tuple[str, str | None], list[int]]
 ) -> None:
     jobs = [(p, name) for p in PROMPTS for name in ("a", None, "b")]
-    outs = run("asyncio", generate_all, lora_llm, [(p, adapters[name][0]) for p, name in jobs])
+    outs = await generate_all(llm, [(p, adapters[name][0]) for p, name in jobs])
     assert [list(o.outputs[0].token_ids) for o in outs] == [solo[job] for job in jobs]
     for prompt in PROMPTS:  # every adapter changes the output
         assert len({tuple(solo[(prompt, name)]) for name in ("a", "b", None)}) == 3
 
 
-def test_the_prefix_cache_is_separate_per_adapter(lora_llm: AsyncLLM, adapters: dict[str, Any]) -> None:
+async def test_the_prefix_cache_is_separate_per_adapter(llm: AsyncLLM, adapters: dict[str, Any]) -> None:
     prompt = "Here is a long and unusual story about a lighthouse keeper who counted every wave " * 3
     order = ["a", "b", None, "a", "b", None]
-
-    async def body() -> list[int]:
-        cached = []
-        for name in order:  # one at a time: each request's blocks are cached before the next one starts
-            (out,) = await generate_all(lora_llm, [(prompt, adapters[name][0])])
-            cached.append(out.num_cached_tokens)
-        return cached
-
-    cached = run("asyncio", body)
+    cached = []
+    for name in order:  # one at a time: each request's blocks are cached before the next one starts
+        (out,) = await generate_all(llm, [(prompt, adapters[name][0])])
+        cached.append(out.num_cached_tokens)
     assert cached[:3] == [0, 0, 0]  # the same prompt under another adapter (or none) shares no block
     assert min(cached[3:]) >= 32  # under the same adapter it does
 
 
-def test_refused_adapters_fail_their_request_alone(
-    lora_llm: AsyncLLM, adapters: dict[str, Any], tmp_path: pathlib.Path, model_path: str
+async def test_refused_adapters_fail_their_request_alone(
+    llm: AsyncLLM, adapters: dict[str, Any], tmp_path: pathlib.Path, model_path: str
 ) -> None:
-    (out,) = run("asyncio", generate_all, lora_llm, [(PROMPTS[0], adapters["a"][0])])  # id 1 names adapter "a"
+    (out,) = await generate_all(llm, [(PROMPTS[0], adapters["a"][0])])  # id 1 names adapter "a"
     with pytest.raises(InvalidRequestError, match=r"no adapter_config\.json"):
-        lora_llm.generate("Hi", greedy(), lora_request=LoRARequest("x", 9, str(tmp_path / "absent")))
+        llm.generate("Hi", greedy(), lora_request=LoRARequest("x", 9, str(tmp_path / "absent")))
     write_peft_adapter(tmp_path / "rs", read_arch_config(model_path), config_overrides={"use_rslora": True})
     with pytest.raises(InvalidRequestError, match="use_rslora=True not supported"):
-        lora_llm.generate("Hi", greedy(), lora_request=LoRARequest("rs", 9, str(tmp_path / "rs")))
+        llm.generate("Hi", greedy(), lora_request=LoRARequest("rs", 9, str(tmp_path / "rs")))
     with pytest.raises(InvalidRequestError, match="already names the adapter"):
-        lora_llm.generate("Hi", greedy(), lora_request=LoRARequest("a", 1, str(tmp_path / "rs")))
+        llm.generate("Hi", greedy(), lora_request=LoRARequest("a", 1, str(tmp_path / "rs")))
     # Readable, but shaped for another model: only the engine core knows the model's shapes.
     dims = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
     small = SimpleNamespace(**dims, head_dim=4, num_hidden_layers=2)
     write_peft_adapter(tmp_path / "small", small)
-    stream = lora_llm.generate("Hi", greedy(), lora_request=LoRARequest("small", 10, str(tmp_path / "small")))
+    stream = llm.generate("Hi", greedy(), lora_request=LoRARequest("small", 10, str(tmp_path / "small")))
     with pytest.raises(EngineGenerateError, match=r"\[in, out\]"):
-        run("asyncio", stream.collect)
-    (again,) = run("asyncio", generate_all, lora_llm, [(PROMPTS[0], adapters["a"][0])])
+        await stream.collect()
+    (again,) = await generate_all(llm, [(PROMPTS[0], adapters["a"][0])])
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
 
 
 # Eviction is the worker's (the same code in both modes); one engine mode keeps the suite short.
 @pytest.mark.parametrize("mode", ["thread"], indirect=True)
-def test_max_loras_1_alternating_adapters_evict_and_reload(
-    mode: str, model_path: str, adapters: dict[str, Any], solo: dict[tuple[str, str | None], list[int]]
+async def test_max_loras_1_alternating_adapters_evict_and_reload(
+    mode: str, make_llm: EngineFactory, adapters: dict[str, Any], solo: dict[tuple[str, str | None], list[int]]
 ) -> None:
     prompt = PROMPTS[1]
-
-    async def body() -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-        async with AsyncLLM.create(lora_args(model_path, max_loras=1, engine_process=mode == "process")) as llm:
-            sequential = []
-            for name in ("a", "b", "a", None, "b"):  # each adapter evicts the other
-                (out,) = await generate_all(llm, [(prompt, adapters[name][0])])
-                sequential.append(list(out.outputs[0].token_ids))
-            loaded = await llm.collective_rpc("list_loras")
-            together = await generate_all(llm, [(prompt, adapters[name][0]) for name in ("a", "b", "a", None)])
-            return sequential, loaded, [list(o.outputs[0].token_ids) for o in together]
-
-    sequential, loaded, together = run("asyncio", body)
+    llm = make_llm(**{**LORA_OVERRIDES, "max_loras": 1}, engine_process=mode == "process")
+    sequential = []
+    for name in ("a", "b", "a", None, "b"):  # each adapter evicts the other
+        (out,) = await generate_all(llm, [(prompt, adapters[name][0])])
+        sequential.append(list(out.outputs[0].token_ids))
+    loaded = await llm.collective_rpc("list_loras")
+    together = [
+        list(o.outputs[0].token_ids)
+        for o in await generate_all(llm, [(prompt, adapters[name][0]) for name in ("a", "b", "a", None)])
+    ]
     assert sequential == [solo[(prompt, name)] for name in ("a", "b", "a", None, "b")]
     assert loaded == [[2]]  # one adapter loaded at a time: the last one used
     assert together == [solo[(prompt, name)] for name in ("a", "b", "a", None)]  # the scheduler runs one at a time
@@ -189,20 +177,16 @@ def test_max_loras_1_alternating_adapters_evict_and_reload(
 @pytest.mark.slow
 @pytest.mark.mp
 @pytest.mark.parametrize("mode", ["process"], indirect=True)  # one TP=3 engine; TP=1 is the module's process engine
-def test_tp3_equals_tp1(
-    model_path: str,
+async def test_tp3_equals_tp1(
+    make_llm: EngineFactory,
     adapters: dict[str, Any],
     solo: dict[tuple[str, str | None], list[int]],
     references: dict[str | None, torch.nn.Module],
 ) -> None:
     jobs = [(p, name) for p in PROMPTS for name in ("a", "b", None)]
 
-    async def body() -> list[Any]:
-        args = lora_args(model_path, distributed_executor_backend="mp", tensor_parallel_size=3)
-        async with AsyncLLM.create(args) as llm:
-            return await generate_all(llm, [(p, adapters[name][0]) for p, name in jobs])
-
-    outs = run("asyncio", body)
+    llm = make_llm(**LORA_OVERRIDES, distributed_executor_backend="mp", tensor_parallel_size=3)
+    outs = await generate_all(llm, [(p, adapters[name][0]) for p, name in jobs])
     num_compared = 0
     for (prompt, name), out in zip(jobs, outs, strict=True):
         expected = solo[(prompt, name)]

@@ -19,8 +19,9 @@ import anyio
 import pytest
 import torch
 
-from asyncllm import AsyncLLM, EngineArgs, LoRARequest, RequestOutput, SamplingParams
+from asyncllm import AsyncLLM, LoRARequest, RequestOutput, SamplingParams
 from asyncllm.model.loading.tokenizer import Tokenizer
+from tests.integration.conftest import EngineFactory
 
 peft = pytest.importorskip("peft")
 
@@ -80,34 +81,36 @@ def hf_outputs(peft_reference: tuple[Any, str], prompts: list[list[int]]) -> lis
     return [_hf_greedy(peft_reference[0], p) for p in prompts]
 
 
-def _engine(model_path: str, speculative: bool) -> AsyncLLM:
-    return AsyncLLM.from_engine_args(
-        EngineArgs(
-            model=model_path,
-            engine_process=False,
-            num_kv_blocks=64,
-            enable_lora=True,
-            max_lora_rank=RANK,
-            speculative_config=SPEC if speculative else None,
-        )
-    )
+def _overrides(speculative: bool) -> dict[str, Any]:
+    """An engine core in a thread serving LoRA adapters of rank `RANK`, with or without n-gram drafts."""
+    return {
+        "engine_process": False,
+        "num_kv_blocks": 64,
+        "enable_lora": True,
+        "max_lora_rank": RANK,
+        "speculative_config": SPEC if speculative else None,
+    }
 
 
 @pytest.fixture(scope="module")
-def lora_llm(model_path: str) -> Iterator[AsyncLLM]:
-    engine = _engine(model_path, speculative=False)
-    yield engine
-    anyio.run(engine.shutdown)
+def engines(model_path: str) -> Iterator[EngineFactory]:
+    """The module's engines, each built on first use and shut down at the module's end."""
+    factory = EngineFactory(model_path)
+    yield factory
+    factory.close()
 
 
 @pytest.fixture(scope="module")
-def speculative_lora_llm(model_path: str) -> Iterator[AsyncLLM]:
-    engine = _engine(model_path, speculative=True)
-    yield engine
-    anyio.run(engine.shutdown)
+def lora_llm(engines: EngineFactory) -> AsyncLLM:
+    return engines(**_overrides(speculative=False))
 
 
-def _generate_all(llm: AsyncLLM, prompts: list[list[int]], lora: LoRARequest | None) -> list[RequestOutput]:
+@pytest.fixture(scope="module")
+def speculative_lora_llm(engines: EngineFactory) -> AsyncLLM:
+    return engines(**_overrides(speculative=True))
+
+
+async def _generate_all(llm: AsyncLLM, prompts: list[list[int]], lora: LoRARequest | None) -> list[RequestOutput]:
     """All prompts at once (one batch), greedy, EOS ignored, the sampled token's logprob kept."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     results: list[Any] = [None] * len(prompts)
@@ -116,12 +119,9 @@ def _generate_all(llm: AsyncLLM, prompts: list[list[int]], lora: LoRARequest | N
         async for out in llm.generate({"prompt_token_ids": prompts[i]}, params, lora_request=lora):
             results[i] = out
 
-    async def body() -> None:
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-
-    anyio.run(body)
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
     return results
 
 
@@ -147,21 +147,21 @@ def _assert_matches_hf(outputs: list[RequestOutput], hf: list[tuple[list[int], t
     return compared
 
 
-def test_a_peft_written_adapter_gives_hf_peft_logprobs_and_greedy_ids(
+async def test_a_peft_written_adapter_gives_hf_peft_logprobs_and_greedy_ids(
     lora_llm: AsyncLLM,
     peft_reference: tuple[Any, str],
     prompts: list[list[int]],
     hf_outputs: list[tuple[list[int], torch.Tensor]],
 ) -> None:
     lora = LoRARequest("peft", 1, peft_reference[1])
-    outputs = _generate_all(lora_llm, prompts, lora)
+    outputs = await _generate_all(lora_llm, prompts, lora)
     assert _assert_matches_hf(outputs, hf_outputs) >= len(prompts) * MAX_TOKENS // 2
-    base = _generate_all(lora_llm, prompts, None)
+    base = await _generate_all(lora_llm, prompts, None)
     changed = [b.outputs[0].token_ids != o.outputs[0].token_ids for b, o in zip(base, outputs, strict=True)]
     assert any(changed), "the adapter changed no greedy answer: the check above would pass without LoRA"
 
 
-def test_with_speculative_decoding_on_the_adapter_gives_the_same_answers(
+async def test_with_speculative_decoding_on_the_adapter_gives_the_same_answers(
     speculative_lora_llm: AsyncLLM,
     lora_llm: AsyncLLM,
     peft_reference: tuple[Any, str],
@@ -169,9 +169,9 @@ def test_with_speculative_decoding_on_the_adapter_gives_the_same_answers(
     hf_outputs: list[tuple[list[int], torch.Tensor]],
 ) -> None:
     lora = LoRARequest("peft", 1, peft_reference[1])
-    outputs = _generate_all(speculative_lora_llm, prompts, lora)
+    outputs = await _generate_all(speculative_lora_llm, prompts, lora)
     _assert_matches_hf(outputs, hf_outputs)
-    plain = _generate_all(lora_llm, prompts, lora)
+    plain = await _generate_all(lora_llm, prompts, lora)
     for spec_out, plain_out in zip(outputs, plain, strict=True):
         assert spec_out.outputs[0].token_ids == plain_out.outputs[0].token_ids
     accepted = sum(o.spec_decode_metrics.num_accepted_tokens for o in outputs if o.spec_decode_metrics is not None)

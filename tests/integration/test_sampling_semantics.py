@@ -6,12 +6,12 @@ and tests/unit/test_detokenizer.py."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 import pytest
-import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineArgs, InvalidRequestError, RequestOutput, RequestOutputKind, SamplingParams
+from asyncllm import AsyncLLM, InvalidRequestError, RequestOutput, RequestOutputKind, SamplingParams
 from tests.integration.conftest import greedy, wait_until_idle
 from tests.reference import next_token_logits
 
@@ -23,12 +23,16 @@ STORY = "Once upon a time, in a small village by the sea,"
 DELTA, CUMULATIVE, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def llm(model_path: str):
-    args = EngineArgs(model=model_path, engine_process=False, num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)
-    engine = AsyncLLM.from_engine_args(args)
-    async with engine:
-        yield engine
+@pytest.fixture(scope="module")
+def mode() -> str:
+    """The shared `llm` runs its engine core in a thread."""
+    return "thread"
+
+
+@pytest.fixture(scope="module")
+def llm_overrides() -> dict[str, Any]:
+    """The shared `llm` with 256 KV blocks and `MAX_MODEL_LEN`."""
+    return {"num_kv_blocks": 256, "max_model_len": MAX_MODEL_LEN}
 
 
 async def outputs_of(stream, stall: AsyncLLM | None = None) -> list[RequestOutput]:

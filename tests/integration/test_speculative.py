@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 
-from asyncllm import AsyncLLM, EngineArgs, RepetitionDetectionParams, RequestOutput, SamplingParams
-from tests.integration.conftest import MODES, wait_until_idle
+from asyncllm import AsyncLLM, RepetitionDetectionParams, RequestOutput, SamplingParams
+from tests.integration.conftest import MODES, EngineFactory, wait_until_idle
 
 pytestmark = pytest.mark.slow
 
@@ -58,40 +58,41 @@ PROMPTS = [
 ]
 
 
-def _engine_args(model_path: str, spec: bool, process: bool = False, adaptive: bool = False) -> EngineArgs:
+def _overrides(spec: bool, process: bool = False, adaptive: bool = False) -> dict[str, Any]:
     """Chunked prefill (64-token budget), prefix caching and a KV cache too small for all 20 requests at once."""
-    return EngineArgs(
-        model=model_path,
-        engine_process=process,
-        max_model_len=256,
-        num_kv_blocks=20,
-        max_num_batched_tokens=64,
-        enable_prefix_caching=True,
-        speculative_config=(ADAPTIVE_SPEC if adaptive else SPEC) if spec else None,
-    )
+    return {
+        "engine_process": process,
+        "max_model_len": 256,
+        "num_kv_blocks": 20,
+        "max_num_batched_tokens": 64,
+        "enable_prefix_caching": True,
+        "speculative_config": (ADAPTIVE_SPEC if adaptive else SPEC) if spec else None,
+    }
 
 
 @pytest.fixture(scope="module")
-def reference(model_path: str) -> Iterator[AsyncLLM]:
-    engine = AsyncLLM.from_engine_args(_engine_args(model_path, spec=False))
-    yield engine
-    anyio.run(engine.shutdown)
+def engines(model_path: str) -> Iterator[EngineFactory]:
+    """The module's engines, each built on first use and shut down at the module's end."""
+    factory = EngineFactory(model_path)
+    yield factory
+    factory.close()
 
 
 @pytest.fixture(scope="module")
-def speculative(model_path: str) -> Iterator[AsyncLLM]:
+def reference(engines: EngineFactory) -> AsyncLLM:
+    return engines(**_overrides(spec=False))
+
+
+@pytest.fixture(scope="module")
+def speculative(engines: EngineFactory) -> AsyncLLM:
     """The speculative engine in thread mode (most tests)."""
-    engine = AsyncLLM.from_engine_args(_engine_args(model_path, spec=True))
-    yield engine
-    anyio.run(engine.shutdown)
+    return engines(**_overrides(spec=True))
 
 
 @pytest.fixture(scope="module")
-def speculative_process(model_path: str) -> Iterator[AsyncLLM]:
+def speculative_process(engines: EngineFactory) -> AsyncLLM:
     """The speculative engine in its own process, with the adaptive draft length (the default policy)."""
-    engine = AsyncLLM.from_engine_args(_engine_args(model_path, spec=True, process=True, adaptive=True))
-    yield engine
-    anyio.run(engine.shutdown)
+    return engines(**_overrides(spec=True, process=True, adaptive=True))
 
 
 _REFERENCE_OUTPUTS: list[RequestOutput] = []  # the reference engine's greedy answers, computed once per module
@@ -111,70 +112,66 @@ async def _chat_all(llm: AsyncLLM, params: SamplingParams) -> list[RequestOutput
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", MODES)
-def test_greedy_outputs_equal_without_speculation(
+async def test_greedy_outputs_equal_without_speculation(
     reference: AsyncLLM, mode: str, request: pytest.FixtureRequest
 ) -> None:
     speculative: AsyncLLM = request.getfixturevalue("speculative" if mode == "thread" else "speculative_process")
 
-    async def body() -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-        if not _REFERENCE_OUTPUTS:
-            _REFERENCE_OUTPUTS.extend(await _chat_all(reference, params))
-        expected = _REFERENCE_OUTPUTS
-        before = (await speculative.get_scheduler_stats()).num_preemptions
-        got = await _chat_all(speculative, params)
-        for prompt, want, have in zip(PROMPTS, expected, got, strict=True):
-            assert have.outputs[0].token_ids == want.outputs[0].token_ids, prompt
-            assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
-        stats = await speculative.get_scheduler_stats()
-        assert stats.num_preemptions > before  # the small KV cache forced preemptions during the run
-        assert stats.spec_decode is not None
-        assert stats.spec_decode.num_accepted_tokens > 0
-        metrics = [out.spec_decode_metrics for out in got]
-        assert all(m is not None for m in metrics)
-        assert sum(m.num_accepted_tokens for m in metrics if m is not None) > 0
-        extractive = got[0].spec_decode_metrics
-        assert extractive is not None
-        assert extractive.num_accepted_tokens >= len(got[0].outputs[0].token_ids) // 4  # the list is copied
-        await wait_until_idle(speculative, within=30.0)
-
-    anyio.run(body)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    if not _REFERENCE_OUTPUTS:
+        _REFERENCE_OUTPUTS.extend(await _chat_all(reference, params))
+    expected = _REFERENCE_OUTPUTS
+    before = (await speculative.get_scheduler_stats()).num_preemptions
+    got = await _chat_all(speculative, params)
+    for prompt, want, have in zip(PROMPTS, expected, got, strict=True):
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+        assert have.outputs[0].finish_reason == want.outputs[0].finish_reason
+    stats = await speculative.get_scheduler_stats()
+    assert stats.num_preemptions > before  # the small KV cache forced preemptions during the run
+    assert stats.spec_decode is not None
+    assert stats.spec_decode.num_accepted_tokens > 0
+    metrics = [out.spec_decode_metrics for out in got]
+    assert all(m is not None for m in metrics)
+    assert sum(m.num_accepted_tokens for m in metrics if m is not None) > 0
+    extractive = got[0].spec_decode_metrics
+    assert extractive is not None
+    assert extractive.num_accepted_tokens >= len(got[0].outputs[0].token_ids) // 4  # the list is copied
+    await wait_until_idle(speculative, within=30.0)
 
 
-def test_stop_token_stop_string_and_max_tokens_cut_the_same_token(reference: AsyncLLM, speculative: AsyncLLM) -> None:
-    async def body() -> None:
-        messages = [{"role": "user", "content": PROMPTS[0]}]
-        free = await reference.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-        tokens = free.outputs[0].token_ids
-        cut = 12  # inside the copied list, where drafts are accepted in runs
-        stop_token = tokens[cut]
-        stop_text = free.outputs[0].text.split()[4]
-        cases = [
-            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_token], logprobs=1),
-            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop_text]),
-            SamplingParams(temperature=0.0, max_tokens=cut + 1, logprobs=0),
-        ]
-        for params in cases:
-            want = (await reference.chat(messages, params)).outputs[0]
-            have = (await speculative.chat(messages, params)).outputs[0]
-            assert have.token_ids == want.token_ids
-            assert have.text == want.text
-            assert (have.finish_reason, have.stop_reason) == (want.finish_reason, want.stop_reason)
-            if params.logprobs is not None:
-                assert have.logprobs is not None
-                assert want.logprobs is not None
-                assert len(have.logprobs) == len(have.token_ids)
-                for a, b in zip(have.logprobs, want.logprobs, strict=True):
-                    assert a.keys() == b.keys()
-                    for token_id in a:
-                        assert a[token_id].logprob == pytest.approx(b[token_id].logprob, abs=1e-3)
-        assert len(have.token_ids) == cut + 1
-        await wait_until_idle(speculative, within=30.0)
+async def test_stop_token_stop_string_and_max_tokens_cut_the_same_token(
+    reference: AsyncLLM, speculative: AsyncLLM
+) -> None:
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    free = await reference.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    tokens = free.outputs[0].token_ids
+    cut = 12  # inside the copied list, where drafts are accepted in runs
+    stop_token = tokens[cut]
+    stop_text = free.outputs[0].text.split()[4]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_token], logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop_text]),
+        SamplingParams(temperature=0.0, max_tokens=cut + 1, logprobs=0),
+    ]
+    for params in cases:
+        want = (await reference.chat(messages, params)).outputs[0]
+        have = (await speculative.chat(messages, params)).outputs[0]
+        assert have.token_ids == want.token_ids
+        assert have.text == want.text
+        assert (have.finish_reason, have.stop_reason) == (want.finish_reason, want.stop_reason)
+        if params.logprobs is not None:
+            assert have.logprobs is not None
+            assert want.logprobs is not None
+            assert len(have.logprobs) == len(have.token_ids)
+            for a, b in zip(have.logprobs, want.logprobs, strict=True):
+                assert a.keys() == b.keys()
+                for token_id in a:
+                    assert a[token_id].logprob == pytest.approx(b[token_id].logprob, abs=1e-3)
+    assert len(have.token_ids) == cut + 1
+    await wait_until_idle(speculative, within=30.0)
 
-    anyio.run(body)
 
-
-def test_penalties_and_min_tokens_apply_per_draft_position(reference: AsyncLLM, speculative: AsyncLLM) -> None:
+async def test_penalties_and_min_tokens_apply_per_draft_position(reference: AsyncLLM, speculative: AsyncLLM) -> None:
     """Penalties count the drafts before each verified position, min_tokens masks by position: greedy ids equal."""
     params = SamplingParams(
         temperature=0.0,
@@ -185,22 +182,19 @@ def test_penalties_and_min_tokens_apply_per_draft_position(reference: AsyncLLM, 
         min_tokens=20,  # the short answer to "What is 12 times 7?" must go on past its EOS
     )
 
-    async def body() -> None:
-        before = (await speculative.get_scheduler_stats()).spec_decode
-        for prompt in [*PROMPTS[:3], PROMPTS[15]]:
-            messages = [{"role": "user", "content": prompt}]
-            want = await reference.chat(messages, params)
-            have = await speculative.chat(messages, params)
-            assert have.outputs[0].token_ids == want.outputs[0].token_ids, prompt
-        after = (await speculative.get_scheduler_stats()).spec_decode
-        assert before is not None
-        assert after is not None
-        assert after.num_accepted_tokens > before.num_accepted_tokens
-
-    anyio.run(body)
+    before = (await speculative.get_scheduler_stats()).spec_decode
+    for prompt in [*PROMPTS[:3], PROMPTS[15]]:
+        messages = [{"role": "user", "content": prompt}]
+        want = await reference.chat(messages, params)
+        have = await speculative.chat(messages, params)
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids, prompt
+    after = (await speculative.get_scheduler_stats()).spec_decode
+    assert before is not None
+    assert after is not None
+    assert after.num_accepted_tokens > before.num_accepted_tokens
 
 
-def test_structured_output_requests_get_no_drafts_and_stay_valid(speculative: AsyncLLM) -> None:
+async def test_structured_output_requests_get_no_drafts_and_stay_valid(speculative: AsyncLLM) -> None:
     """Drafts are not proposed for structured-output requests (documented); they decode as before, next to a
     free request that is speculated in the same steps."""
     from asyncllm import StructuredOutputsParams
@@ -211,19 +205,16 @@ def test_structured_output_requests_get_no_drafts_and_stay_valid(speculative: As
     )
     free = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
-    async def body() -> None:
-        messages = [{"role": "user", "content": PROMPTS[0]}]
-        results = await _gather(speculative.chat(messages, constrained), speculative.chat(messages, free))
-        structured, unconstrained = results
-        assert structured.spec_decode_metrics is not None
-        assert structured.spec_decode_metrics.num_drafts == 0
-        text = structured.outputs[0].text
-        assert text.startswith("apples, bananas, cherries, ")
-        assert set(text.split(", ")) <= {"apples", "bananas", "cherries", ""}
-        assert unconstrained.spec_decode_metrics is not None
-        assert unconstrained.spec_decode_metrics.num_drafts > 0
-
-    anyio.run(body)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    results = await _gather(speculative.chat(messages, constrained), speculative.chat(messages, free))
+    structured, unconstrained = results
+    assert structured.spec_decode_metrics is not None
+    assert structured.spec_decode_metrics.num_drafts == 0
+    text = structured.outputs[0].text
+    assert text.startswith("apples, bananas, cherries, ")
+    assert set(text.split(", ")) <= {"apples", "bananas", "cherries", ""}
+    assert unconstrained.spec_decode_metrics is not None
+    assert unconstrained.spec_decode_metrics.num_drafts > 0
 
 
 async def _gather(*coroutines: Any) -> list[Any]:
@@ -259,7 +250,7 @@ def _chi_square_critical_0_001(df: int) -> float:
 
 
 @pytest.mark.timeout(600)
-def test_sampled_distribution_of_a_drafted_position_matches(reference: AsyncLLM, speculative: AsyncLLM) -> None:
+async def test_sampled_distribution_of_a_drafted_position_matches(reference: AsyncLLM, speculative: AsyncLLM) -> None:
     """The second token (the first position verified against drafts) over 400 draws per engine."""
     prompt = "apple banana cherry apple banana cherry apple banana cherry apple"
     params = SamplingParams(n=100, temperature=1.0, max_tokens=2)
@@ -271,52 +262,45 @@ def test_sampled_distribution_of_a_drafted_position_matches(reference: AsyncLLM,
             counts.update(c.token_ids[1] for c in out.outputs if len(c.token_ids) == 2)
         return counts
 
-    async def body() -> None:
-        before = (await speculative.get_scheduler_stats()).spec_decode
-        plain, spec = await second_tokens(reference), await second_tokens(speculative)
-        after = (await speculative.get_scheduler_stats()).spec_decode
-        assert before is not None
-        assert after is not None
-        assert after.num_drafts > before.num_drafts  # the position was really verified against drafts
-        stat, df = _two_sample_chi_square(plain, spec)
-        assert df >= 1
-        assert stat < _chi_square_critical_0_001(df), (plain.most_common(5), spec.most_common(5))
-
-    anyio.run(body)
+    before = (await speculative.get_scheduler_stats()).spec_decode
+    plain, spec = await second_tokens(reference), await second_tokens(speculative)
+    after = (await speculative.get_scheduler_stats()).spec_decode
+    assert before is not None
+    assert after is not None
+    assert after.num_drafts > before.num_drafts  # the position was really verified against drafts
+    stat, df = _two_sample_chi_square(plain, spec)
+    assert df >= 1
+    assert stat < _chi_square_critical_0_001(df), (plain.most_common(5), spec.most_common(5))
 
 
-def test_repetition_detection_stops_a_loop_and_never_cuts_a_normal_answer(speculative: AsyncLLM) -> None:
+async def test_repetition_detection_stops_a_loop_and_never_cuts_a_normal_answer(speculative: AsyncLLM) -> None:
     detection = RepetitionDetectionParams(max_pattern_size=20, min_count=3)
 
-    async def body() -> None:
-        loop_prompt = "I like cats. I like cats. I like cats."
-        looping = await speculative.generate(
-            loop_prompt, SamplingParams(temperature=0.0, max_tokens=200, repetition_detection=detection)
-        ).collect()
-        plain = await speculative.generate(loop_prompt, SamplingParams(temperature=0.0, max_tokens=200)).collect()
-        out = looping.outputs[0]
-        assert out.finish_reason == "repetition"
-        assert out.stop_reason == "repetition_detected"
-        assert len(out.token_ids) <= 40
-        assert plain.outputs[0].finish_reason == "length"  # without detection the loop burns max_tokens
-        assert plain.outputs[0].token_ids[: len(out.token_ids)] == out.token_ids
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
-        normal = await speculative.chat(
-            messages, SamplingParams(temperature=0.0, max_tokens=100, repetition_detection=detection)
-        )
-        free = await speculative.chat(messages, SamplingParams(temperature=0.0, max_tokens=100))
-        assert normal.outputs[0].finish_reason == "stop"
-        assert normal.outputs[0].token_ids == free.outputs[0].token_ids
-        await wait_until_idle(speculative, within=30.0)
-
-    anyio.run(body)
+    loop_prompt = "I like cats. I like cats. I like cats."
+    looping = await speculative.generate(
+        loop_prompt, SamplingParams(temperature=0.0, max_tokens=200, repetition_detection=detection)
+    ).collect()
+    plain = await speculative.generate(loop_prompt, SamplingParams(temperature=0.0, max_tokens=200)).collect()
+    out = looping.outputs[0]
+    assert out.finish_reason == "repetition"
+    assert out.stop_reason == "repetition_detected"
+    assert len(out.token_ids) <= 40
+    assert plain.outputs[0].finish_reason == "length"  # without detection the loop burns max_tokens
+    assert plain.outputs[0].token_ids[: len(out.token_ids)] == out.token_ids
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    normal = await speculative.chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=100, repetition_detection=detection)
+    )
+    free = await speculative.chat(messages, SamplingParams(temperature=0.0, max_tokens=100))
+    assert normal.outputs[0].finish_reason == "stop"
+    assert normal.outputs[0].token_ids == free.outputs[0].token_ids
+    await wait_until_idle(speculative, within=30.0)
 
 
 @pytest.mark.mp
-def test_tensor_parallel_mp_workers_verify_the_same_drafts(reference: AsyncLLM, model_path: str) -> None:
+async def test_tensor_parallel_mp_workers_verify_the_same_drafts(reference: AsyncLLM, make_llm: EngineFactory) -> None:
     """TP=3 over `mp` worker processes: every rank gets the drafts in the SchedulerOutput; greedy ids unchanged."""
-    args = EngineArgs(
-        model=model_path,
+    engine = make_llm(
         engine_process=False,
         max_model_len=256,
         num_kv_blocks=32,
@@ -324,19 +308,12 @@ def test_tensor_parallel_mp_workers_verify_the_same_drafts(reference: AsyncLLM, 
         tensor_parallel_size=3,
         speculative_config=SPEC,
     )
-    engine = AsyncLLM.from_engine_args(args)
 
-    async def body() -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=24)
-        for prompt in PROMPTS[:2]:
-            messages = [{"role": "user", "content": prompt}]
-            want = await reference.chat(messages, params)
-            have = await engine.chat(messages, params)
-            assert have.outputs[0].token_ids == want.outputs[0].token_ids
-            assert have.spec_decode_metrics is not None
-            assert have.spec_decode_metrics.num_drafts > 0
-
-    try:
-        anyio.run(body)
-    finally:
-        anyio.run(engine.shutdown)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    for prompt in PROMPTS[:2]:
+        messages = [{"role": "user", "content": prompt}]
+        want = await reference.chat(messages, params)
+        have = await engine.chat(messages, params)
+        assert have.outputs[0].token_ids == want.outputs[0].token_ids
+        assert have.spec_decode_metrics is not None
+        assert have.spec_decode_metrics.num_drafts > 0

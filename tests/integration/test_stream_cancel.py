@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from typing import Any
 
 import pytest
-import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
+from asyncllm import AsyncLLM, RequestOutputKind, SamplingParams
 from tests.state_probes import has_user_request
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.mp]
@@ -24,10 +24,16 @@ LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, output_k
 SHORT = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def llm(model_path: str):
-    async with AsyncLLM.create(EngineArgs(model=model_path, num_kv_blocks=256)) as engine:
-        yield engine
+@pytest.fixture(scope="module")
+def mode() -> str:
+    """The shared `llm` runs its engine core in its own process."""
+    return "process"
+
+
+@pytest.fixture(scope="module")
+def llm_overrides() -> dict[str, Any]:
+    """The shared `llm` with 256 KV blocks."""
+    return {"num_kv_blocks": 256}
 
 
 def in_flight(llm: AsyncLLM, request_id: str) -> bool:

@@ -59,19 +59,16 @@ async def close_while_read(llm: AsyncLLM, how: str) -> list[BaseException]:
 
 
 @pytest.mark.parametrize("how", ["close", "close+other", "abort", "abort+other"])
-def test_reader_ends_when_its_stream_is_closed_or_aborted(mode: str, model_path: str, how: str) -> None:
-    async def body() -> None:
-        async with AsyncLLM.create(EngineArgs(model=model_path, engine_process=mode == "process")) as llm:
-            errors = await close_while_read(llm, how)
-            if how.startswith("close"):
-                assert [type(e) for e in errors] == [StreamClosedError]
-            else:
-                assert errors == []  # aborted: the stream ended with its final "abort" output
-            assert await llm.check_health() is None  # the engine still serves
-            final = await llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0)).collect()
-            assert len(final.outputs[0].token_ids) == 3
-
-    run("asyncio", body)
+async def test_reader_ends_when_its_stream_is_closed_or_aborted(llm: AsyncLLM, how: str) -> None:
+    """On the module's shared engine (per mode): each case leaves it idle and serving, which it checks."""
+    errors = await close_while_read(llm, how)
+    if how.startswith("close"):
+        assert [type(e) for e in errors] == [StreamClosedError]
+    else:
+        assert errors == []  # aborted: the stream ended with its final "abort" output
+    assert await llm.check_health() is None  # the engine still serves
+    final = await llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0)).collect()
+    assert len(final.outputs[0].token_ids) == 3
 
 
 def test_shutdown_with_a_task_still_reading_a_closed_stream(mode: str, model_path: str) -> None:

@@ -10,16 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import pytest
-import pytest_asyncio
 
-from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
+from asyncllm import AsyncLLM, RequestOutputKind, SamplingParams
 from asyncllm.errors import InvalidRequestError
 from asyncllm.processing.tool_calling import MAX_PARALLEL_TOOL_CALLS
 from asyncllm.structured_outputs import StructuredOutputsParams
+from tests.integration.conftest import EngineFactory
 from tests.reference import clear_prefix_len, greedy_margins
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -122,31 +123,39 @@ def assert_valid_json(text: str, schema: dict[str, Any]) -> None:
     jsonschema.validate(json.loads(text), schema)
 
 
-class Engines:
-    """The module's engines, started on first use: "thread" (engine core in a thread) and "process"."""
+@pytest.fixture(scope="module")
+def mode() -> str:
+    """The shared `llm` runs its engine core in a thread."""
+    return "thread"
 
-    def __init__(self, model_path: str) -> None:
-        self.model_path = model_path
-        self.started: dict[str, AsyncLLM] = {}
+
+@pytest.fixture(scope="module")
+def llm_overrides() -> dict[str, Any]:
+    """The shared `llm` with 1024 KV blocks (20 constrained prompts at once)."""
+    return {"num_kv_blocks": 1024}
+
+
+class Engines:
+    """The module's engines by mode: the shared `llm` for "thread"; "process" built on first use by `factory`
+    (with the same 1024 KV blocks), so a run without `mp` tests starts no engine process."""
+
+    def __init__(self, thread: AsyncLLM, factory: EngineFactory) -> None:
+        self.thread, self.factory = thread, factory
+        self.process: AsyncLLM | None = None
 
     def get(self, mode: str) -> AsyncLLM:
-        if mode not in self.started:
-            args = EngineArgs(model=self.model_path, engine_process=mode == "process", num_kv_blocks=1024)
-            self.started[mode] = AsyncLLM.from_engine_args(args)
-        return self.started[mode]
+        if mode == "thread":
+            return self.thread
+        if self.process is None:
+            self.process = self.factory(engine_process=True, num_kv_blocks=1024)
+        return self.process
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engines(model_path: str):
-    pool = Engines(model_path)
-    yield pool
-    for engine in pool.started.values():
-        await engine.shutdown()
-
-
-@pytest.fixture
-def llm(engines: Engines) -> AsyncLLM:
-    return engines.get("thread")
+@pytest.fixture(scope="module")
+def engines(llm: AsyncLLM, model_path: str) -> Iterator[Engines]:
+    factory = EngineFactory(model_path)
+    yield Engines(llm, factory)
+    factory.close()
 
 
 @pytest.mark.slow
@@ -170,9 +179,9 @@ KIND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.mp)])
-async def test_choice_regex_grammar_json_object(mode: str, engines: Engines) -> None:
-    engine = engines.get(mode)
+@pytest.mark.parametrize("engine_mode", ["thread", pytest.param("process", marks=pytest.mark.mp)])
+async def test_choice_regex_grammar_json_object(engine_mode: str, engines: Engines) -> None:
+    engine = engines.get(engine_mode)
     # json_object has no size bound: a cut-off object is the model's, so give it room and check only finished ones
     streams = [engine.generate(chat(p), constrained(160, **so)) for p, so, _ in KIND_CASES]
     outputs = await asyncio.gather(*(s.collect() for s in streams))
@@ -237,13 +246,12 @@ async def test_constrained_and_free_batch_together_free_equal_solo(llm: AsyncLLM
     assert compared >= 0.5 * 8 * 24, "too few clear-margin tokens to mean anything"
 
 
-async def test_preemption_during_constrained_generation_keeps_outputs_valid(model_path: str) -> None:
-    args = EngineArgs(model=model_path, engine_process=False, num_kv_blocks=10, max_model_len=160)
-    async with AsyncLLM.from_engine_args(args) as engine:
-        cases = [JSON_PROMPTS[i] for i in (0, 4, 8, 12, 1, 5)]
-        streams = [engine.generate(chat(p), constrained(80, json=s)) for p, s in cases]
-        outputs = await asyncio.gather(*(s.collect() for s in streams))
-        stats = await engine.get_scheduler_stats()
+async def test_preemption_during_constrained_generation_keeps_outputs_valid(make_llm: EngineFactory) -> None:
+    engine = make_llm(engine_process=False, num_kv_blocks=10, max_model_len=160)
+    cases = [JSON_PROMPTS[i] for i in (0, 4, 8, 12, 1, 5)]
+    streams = [engine.generate(chat(p), constrained(80, json=s)) for p, s in cases]
+    outputs = await asyncio.gather(*(s.collect() for s in streams))
+    stats = await engine.get_scheduler_stats()
     assert stats.num_preemptions > 0, "the 10-block cache should have forced preemptions"
     for (_, schema), out in zip(cases, outputs, strict=True):
         assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
@@ -280,9 +288,9 @@ TOOL_QUESTIONS = ["What is 12 times 7?", "What time is it in Paris?", "How much 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["thread", pytest.param("process", marks=pytest.mark.mp)])
-async def test_forced_tool_calls_have_arguments_valid_for_the_tool_schema(mode: str, engines: Engines) -> None:
-    engine = engines.get(mode)
+@pytest.mark.parametrize("engine_mode", ["thread", pytest.param("process", marks=pytest.mark.mp)])
+async def test_forced_tool_calls_have_arguments_valid_for_the_tool_schema(engine_mode: str, engines: Engines) -> None:
+    engine = engines.get(engine_mode)
     params = SamplingParams(max_tokens=48, temperature=0.0)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CALCULATOR, CLOCK)}
     named = {"type": "function", "function": {"name": "clock"}}

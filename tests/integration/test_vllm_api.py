@@ -8,14 +8,14 @@ import asyncio
 import inspect
 import math
 import time
+from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
-from asyncllm import AsyncLLM, EngineArgs, EngineGenerateError, InvalidRequestError, SamplingParams
+from asyncllm import AsyncLLM, EngineGenerateError, InvalidRequestError, SamplingParams
 from asyncllm.inputs import TextPrompt, TokensPrompt
-from tests.integration.conftest import greedy, wait_until_idle
+from tests.integration.conftest import EngineFactory, greedy, wait_until_idle
 from tests.state_probes import num_registered_callables
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -23,12 +23,16 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = "The capital of France is"
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def llm(model_path: str):
-    args = EngineArgs(model=model_path, engine_process=False, num_kv_blocks=128, max_logprobs=-1)
-    engine = AsyncLLM.from_engine_args(args)
-    async with engine:
-        yield engine
+@pytest.fixture(scope="module")
+def mode() -> str:
+    """The shared `llm` runs its engine core in a thread: per-request callables reach the worker only there."""
+    return "thread"
+
+
+@pytest.fixture(scope="module")
+def llm_overrides() -> dict[str, Any]:
+    """The shared `llm` with no cap on requested logprobs."""
+    return {"max_logprobs": -1}
 
 
 async def wait_for(condition, within: float = 60.0) -> None:
@@ -265,17 +269,14 @@ async def test_best_of_is_rejected_as_vllm_v1_does(llm: AsyncLLM) -> None:
 
 
 async def test_skip_tokenizer_init_returns_ids_and_an_empty_text_and_raw_logits_mode(
-    llm: AsyncLLM, model_path: str
+    llm: AsyncLLM, make_llm: EngineFactory
 ) -> None:
     ids = llm.get_tokenizer().encode(PROMPT)
     reference = (await llm.generate(TokensPrompt(prompt_token_ids=ids), greedy(4, logprobs=2)).collect()).outputs[0]
-    args = EngineArgs(
-        model=model_path, engine_process=False, num_kv_blocks=32, skip_tokenizer_init=True, logprobs_mode="raw_logits"
-    )
-    async with AsyncLLM.from_engine_args(args) as bare:
-        with pytest.raises(InvalidRequestError, match="skip_tokenizer_init"):
-            bare.generate(PROMPT, greedy(4))
-        output = (await bare.generate(TokensPrompt(prompt_token_ids=ids), greedy(4, logprobs=2)).collect()).outputs[0]
+    bare = make_llm(engine_process=False, num_kv_blocks=32, skip_tokenizer_init=True, logprobs_mode="raw_logits")
+    with pytest.raises(InvalidRequestError, match="skip_tokenizer_init"):
+        bare.generate(PROMPT, greedy(4))
+    output = (await bare.generate(TokensPrompt(prompt_token_ids=ids), greedy(4, logprobs=2)).collect()).outputs[0]
     assert output.token_ids == reference.token_ids
     assert output.text == ""
     for logits, logprobs in zip(output.logprobs, reference.logprobs, strict=True):

@@ -4,7 +4,8 @@ Activation outliers (a few input channels far larger than the rest) would waste 
 quantizing, the model is smoothed: per input channel j of each linear layer, `s_j = max|X_j|^alpha /
 max|W_j|^(1 - alpha)` over a short calibration text (`kernels.linear.record_input_absmax` records `max|X_j|`); X is
 divided by s (folded into the preceding RMSNorm weight, V projection or up projection, so it costs nothing at run
-time) and W's row j multiplied by it. alpha = 0.7 measured best here (benchmarks/analysis.md).
+time) and W's row j multiplied by it. alpha is `SMOOTHING_ALPHA`; the accuracy it gives: `benchmarks/analysis.md`,
+"int8 accuracy".
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """How many n-gram draft tokens a request should verify this step: only as many as pay for their rows.
 
 On a CPU a forward's cost grows with its rows: `step_seconds ≈ fixed + per_token * num_tokens` (a measured
-case: `benchmarks/analysis.md`, "Draft policy"). With B
-decoding rows, a produced token costs `(fixed + per_token * B) / B` seconds, and a draft token costs
-`per_token` seconds and yields a token only when it and every draft before it are accepted. So the j-th draft is
-worth verifying when `P(accept drafts 1..j) > break_even = per_token * B / (fixed + per_token * B)`: at batch 1
-drafts pay at a modest acceptance rate, at 8 or 32 rows only at a very high one.
+case: `benchmarks/analysis.md`, "Draft policy"). With B decoding rows, a produced token costs
+`(fixed + per_token * B) / B` seconds, and a draft token costs `per_token` seconds and yields a token only when it
+and every draft before it are accepted. So the j-th draft is worth verifying when
+`P(accept drafts 1..j) > break_even = per_token * B / (fixed + per_token * B)`: at batch 1 drafts pay at a modest
+acceptance rate, at 8 or 32 rows only at a very high one.
 
 Two estimates, both online:
 - `StepCostModel`: an exponentially weighted least-squares fit of the engine's decode-step times (seconds)

@@ -20,8 +20,8 @@ _BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  #
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, num_words] int32 words -> [rows, vocab_size] bool, True where the token is allowed.
 
-    Reads the words as little-endian bytes and looks each byte's 8 bits up in a table (about 10x cheaper than
-    shifting every word 32 times). Tokens past `32 * num_words` are disallowed.
+    Reads the words as little-endian bytes and looks each byte's 8 bits up in a table (one gather instead of 32
+    shifts of every word). Tokens past `32 * num_words` are disallowed.
     """
     rows = bitmask.shape[0]
     allowed = _BYTE_BITS[bitmask.contiguous().view(torch.uint8).long()].reshape(rows, -1)

@@ -4,7 +4,7 @@ Not `anyio.to_thread`: under asyncio its worker threads are not daemon threads a
 loop's root task ends; a script that leaves `asyncio.run` through `sys.exit()` (the `SystemExit` passes through
 the loop) then hangs at interpreter exit, waiting for them. A thread of ours never keeps the interpreter alive.
 The calls made here (engine start-up and shutdown, tokenizing a long prompt, starting or stopping a
-data-parallel engine) take milliseconds to seconds, so a thread each costs nothing that matters (~0.1 ms).
+data-parallel engine) take milliseconds to seconds, so starting a thread for each is small beside the call.
 """
 
 from __future__ import annotations

@@ -5,28 +5,23 @@ takes one of the cores, one of our threads is descheduled for whole time slices 
 multi-thread step slows far more than a one-thread step. No fixed count is right both quiet and contended, so the
 worker measures (the measurements behind the policy and its defaults: `benchmarks/analysis.md`, "Thread policy").
 
-Policy: steps are compared only with steps of the same size (scheduled tokens and rows), since a step's time
-depends on its size. The worker runs at the largest count. Every `probe_interval` steps (doubling after each
-probe that confirms the current count, up to `max_probe_interval`), it runs `probe_steps` steps at the other count;
-the count whose median step time for that size is lower by `hysteresis` wins, judged on the probe's steps against
-the last `probe_steps` steps at the current count (fresh against fresh: judged against older, quiet steps, a
-multi-thread count would win its first probes while contended). When a step at the largest count takes more than
-`slowdown` x the fastest recent step of its size, the probe comes after `probe_steps` more steps, so that the
-current count is judged on steps that all ran in the new conditions. A slow step at one thread starts no probe:
-more load never makes more threads faster, and beside a CPU-bound process one-thread steps are often descheduled
-for a time slice.
+Policy: steps are compared only with steps of the same size (`StepKey`: scheduled tokens and rows). The worker
+starts at `max_threads`. Every `probe_interval` steps (doubling after each probe that confirms the current count,
+up to `max_probe_interval`) it runs `probe_steps` steps at the other count, which wins when its median step time
+is lower by `hysteresis` than that of the last `probe_steps` steps at the current count (fresh against fresh, so
+quiet history never decides a contended probe). A step at `max_threads` slower than `slowdown` x the fastest
+recent step of its size brings the probe forward to `probe_steps` steps later (so the current count is judged
+on steps that all ran in the new conditions); a slow one-thread step does not (more load never makes more threads
+faster).
 
-Coming back: at one thread, the end of the contention does not make steps slower, and a periodic probe can be
-`max_probe_interval` steps away, so the worker also watches the machine's idle CPU time while its one-thread steps
-run (`SystemIdleMeter`, Linux `/proc/stat`): when at least `idle_cpus_to_probe` CPUs sat idle on average over
-`idle_window_steps` steps, it probes at once (the gap between such probes doubles while they confirm one thread).
-Contended, the other cores are busy and this rarely fires. The trigger and the hysteresis are low because fp32
-packed products keep all threads busy when torch runs on one (`model/kernels/fp32.py`): a quiet one-thread step
-then leaves little CPU idle and is only a little slower than an all-thread one. With that meter working, the
-periodic probe of all threads from one thread comes every `max_probe_interval` steps from the start (beside a
-CPU-bound process each multi-thread probe step costs several one-thread steps); the idle trigger answers the
-contention ending, and the rare periodic probe still catches a competitor that would yield its core (a niced one)
-without leaving a CPU idle.
+Coming back from one thread: the end of contention does not slow one-thread steps, so the worker also reads the
+machine's idle CPU time during them (`SystemIdleMeter`): when at least `idle_cpus_to_probe` CPUs sat idle on
+average over `idle_window_steps` steps, it probes `max_threads` at once (the gap between such probes doubles while
+they confirm one thread). With that trigger, the periodic probe from one thread comes only every
+`max_probe_interval` steps, since each multi-thread probe step beside a busy process costs several one-thread
+steps; it still catches a competitor that yields its core without leaving a CPU idle (a niced one). The trigger
+and the hysteresis are low because fp32 packed products keep all threads busy while torch runs on one
+(`model/kernels/fp32.py`), so a quiet one-thread step leaves little CPU idle and is only a little slower.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Fused row kernels for the decoder layer, built from `csrc/row_kernels.cpp` on first use.
 
-Inside a decode step every small torch op costs several times its cost alone (`benchmarks/op_overhead.py`: an
-RMSNorm of one row took 7.6-9.1 us alone, 15-18 us right after an int8 product, 44-48 us after a 16 MB op;
-most likely each product's megabytes of weights evict from the caches what the next op needs). These kernels do
-in one call per row what took 2-12 torch ops:
+Inside a decode step every small torch op costs several times its cost alone (most likely each product's
+megabytes of weights evict from the caches what the next op needs; `benchmarks/op_overhead.py`, measurements in
+`benchmarks/analysis.md`, "Fused row kernels"). These kernels do in one call per row what takes 2-12 torch ops:
 
 - `rms_norm(x, weight, eps)`: RMSNorm (every norm of the fp32 model, and the final norm).
 - `silu_mul(gate_up)`: SiLU(gate) * up from the fused gate/up product (fp32 MLP).
@@ -16,7 +15,7 @@ in one call per row what took 2-12 torch ops:
   around its four products instead of about 55 torch ops; an fp32 layer 4 instead of about 20.
 - K/V copies (both paths): `store_kv_cache_` (this step's keys and values into the paged cache at their slots:
   `attention.write_kv_cache`'s permute, stack and indexed write) and `store_kv_rows_` (the new token into the
-  decode K/V mirror: two indexed writes). Indexed writes cost 5-20 us each in a step; these are plain copies.
+  decode K/V mirror: two indexed writes), as plain copies instead of indexed writes.
 - `paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, window)`: decode attention read
   straight from the paged KV cache through the block tables (`csrc/paged_attention.cpp`), instead of gathering
   every cached token into a dense copy per layer and step. Not bit-exact with SDPA (another summation order):

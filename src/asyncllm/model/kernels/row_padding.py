@@ -9,11 +9,10 @@ def bucket_rows(rows: int) -> int:
     """The row count a oneDNN product runs at for `rows` rows: exact up to 8, then rounded up to a multiple of 8
     (up to 64), of 64 (up to 512), then of 512.
 
-    oneDNN builds and caches a kernel per distinct shape, and each costs memory (measured: ~1.2 MB per fp32 and
-    ~0.3 MB per int8 kernel of this model's shapes, and the process kept growing past its cache's 1,024
-    entries), so the rows are padded to a few sizes instead of one kernel per batch size. Small steps are not
-    padded: a product's time grows with its rows even there (int8, 2 threads: 1 row 5.9 ms, 8 rows 8.3 ms for the
-    default model's layers), and a batch-1 decode would pay for 8.
+    oneDNN builds and caches a kernel per distinct shape, and each costs memory (the process kept growing past
+    its cache's 1,024 entries), so the rows are padded to a few sizes instead of one kernel per batch size. Small
+    steps are not padded: a product's time grows with its rows even there, and a batch-1 decode would pay for 8.
+    Sizes and costs: `benchmarks/analysis.md`, "Kernel choice".
     """
     if rows <= 8:
         return rows

@@ -1,7 +1,8 @@
 """Dense K/V of the decoding sequences, carried from one decode-only step to the next.
 
 Paged attention in plain torch gathers every cached token of every sequence through the block tables, in every
-layer, at every step (`attention.gather_kv`): at 32 sequences that copy is 10-25% of a step. Between two
+layer, at every step (`attention.gather_kv`), a large share of a many-sequence step (`benchmarks/analysis.md`,
+"Decode K/V mirror"). Between two
 decode-only steps with the same sequences, each sequence gains exactly one token and its cached K/V do not
 change, so the gathered tensors of the last step stay right except for that token. `DecodeKVMirror` keeps them
 (one `[num_seqs, capacity, num_kv_heads, head_dim]` K and V per layer) and `MirrorStep` tells attention, once per
@@ -12,7 +13,7 @@ It is kept only while it is provably the same data: the same sequences in the sa
 one token longer, the blocks it was gathered from still at the head of each block table, the previous model step
 a decode-only step that used it, and room for the new token. Anything else (a request joins, finishes, is
 preempted or resumes, a step with prefills or draft tokens) gathers afresh. Its memory is bounded by
-`max_bytes` (beyond it, attention gathers per layer as before) and freed when no request is left.
+`max_bytes` (beyond it, attention gathers per layer without a mirror) and freed when no request is left.
 """
 
 from __future__ import annotations

@@ -173,8 +173,9 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text are recognized whole.
 
         `add_special_tokens` adds BOS (and EOS) only where the model asks for them (`add_bos_token`).
-        Uses `encode_batch`, which releases the GIL while the Rust tokenizer runs (`encode` holds it: a 32k-character
-        prompt tokenized in a worker thread would still stall the event loop for ~70 ms on this CPU).
+        Uses `encode_batch`, which releases the GIL while the Rust tokenizer runs (`encode` holds it, so a long
+        prompt tokenized in a worker thread would still stall the event loop; `benchmarks/analysis.md`, "Long
+        prompts").
         """
         return list(self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
