@@ -197,3 +197,42 @@ def test_values_of_another_block_type_are_not_taken_as_exact(model_path: str) ->
     assert from_values(values.t(), "q4_0") is None
     assert isinstance(from_values(values.t(), "q4_1"), BlockQuantWeight)
     assert math.prod(values.shape) > 0
+
+
+def test_engine_args_take_the_block_modes_and_refuse_what_cannot_run() -> None:
+    import argparse
+
+    from asyncllm.config import EngineArgs
+    from asyncllm.entrypoints.arg_utils import add_engine_args, engine_args_from
+    from asyncllm.errors import ConfigError
+
+    for mode in ("q8_0", "q4_0", "gguf"):
+        EngineArgs(quantization=mode).validate()  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
+            EngineArgs(quantization=mode, tensor_parallel_size=2).validate()  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=f"enable_lora does not work with quantization='{mode}'"):
+            EngineArgs(quantization=mode, enable_lora=True).validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'q8_0', 'q4_0' or 'gguf'"):
+        EngineArgs(quantization="q4_k").validate()  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args(["--quantization", "gguf"]), "m").quantization == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4_k"])
+
+
+def test_gguf_mode_keeps_exact_blocks_and_requantizes_the_rest() -> None:
+    from asyncllm.model.kernels.block_quant import block_weight_for
+
+    w = _weight(64, 8, 9)
+    q4_1_values = quantize_blocks(w, "q4_1").dequantize()
+    kept, how = block_weight_for(q4_1_values, "gguf")
+    assert how == "kept q4_1"
+    assert torch.equal(kept.dequantize(), q4_1_values)
+    requantized, how = block_weight_for(w, "gguf")  # float values: no block type gives them exactly
+    assert how == "requantized q8_0"
+    assert requantized.kind == "q8_0"
+    assert block_weight_for(w, "q4_0")[1] == "quantized q4_0"
+    assert block_weight_for(w, "q4_0", lm_head=True)[1] == "quantized q8_0"
+    with pytest.raises(ValueError, match="unknown block quantization mode"):
+        block_weight_for(w, "int8")
