@@ -236,3 +236,24 @@ def test_gguf_mode_keeps_exact_blocks_and_requantizes_the_rest() -> None:
     assert block_weight_for(w, "q4_0", lm_head=True)[1] == "quantized q8_0"
     with pytest.raises(ValueError, match="unknown block quantization mode"):
         block_weight_for(w, "int8")
+
+
+def test_the_path_environment_variable_forces_a_checked_path(
+    kernels: RowKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slower = kernels.block_quant_paths()[-1]  # "scalar": every build has it
+    monkeypatch.setenv(block_quant.PATH_ENV, slower)
+    block_quant.block_kernels.cache_clear()
+    try:
+        chosen = block_quant.block_kernels()
+        assert chosen is not None
+        assert chosen[1] == slower
+        weight = quantize_blocks(_weight(64, 6, 5), "q4_1")
+        x = _input(2, 64, 6)
+        assert torch.equal(block_linear(x, weight), reference_block_linear(x, weight))
+    finally:
+        monkeypatch.delenv(block_quant.PATH_ENV)
+        block_quant.block_kernels.cache_clear()
+    best = block_quant.block_kernels()
+    assert best is not None
+    assert best[1] == kernels.block_quant_paths()[0]

@@ -82,8 +82,8 @@ class BlockQuantWeight:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
 
     def values(self, columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(q int16 `[n, in / 32, 32]` (Q4_0 without its offset 8), d float32 `[n, in / 32]`, m float32 or None)
-        of `columns` ([n] int64; None: all, in order)."""
+        """(q int16 `[n, in / 32, 32]` (Q4: the stored 0..15, Q4_0's offset 8 not taken off), d float32
+        `[n, in / 32]`, m float32 or None) of `columns` ([n] int64; None: all, in order)."""
         if columns is None:
             columns = torch.arange(self.out_features)
         groups, slot = columns // GROUP, columns % GROUP
