@@ -14,7 +14,8 @@ int8 and fp32: kernels, the engine at batch 1 with its memory, and accuracy.
 
 The CPU's name and flags come first. Not for a busy machine: the numbers are only worth a quiet host.
 
-    .venv/bin/python benchmarks/block_quant.py [--sections kernels,engine,accuracy] [--smoke] [--json PATH]
+    .venv/bin/python benchmarks/block_quant.py [--sections kernels,engine,accuracy] [--modes fp32,gguf] [--paths]
+        [--smoke] [--json PATH]
 """
 
 from __future__ import annotations
@@ -130,12 +131,12 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     results = {}
     for mode in MODES:
         name = mode or "fp32"
+        if name not in args.modes.split(","):
+            continue
         results[name] = asyncio.run(engine_run(args.model, mode, 8 if args.smoke else DECODE_TOKENS))
         r = results[name]
         print(f"engine {name:6}: {r['decode_tok_per_s']:7.1f} tok/s batch 1, TTFT {r['ttft_s']:.3f} s, "
               f"RSS {r['engine_rss_mb']:.0f} MB")  # fmt: skip
-        if args.smoke:
-            break
     return results
 
 
@@ -177,7 +178,8 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--paths", action="store_true", help="also time Q4_0 on each slower kernel path, forced")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one mode: checks the script runs")
+    parser.add_argument("--modes", default="fp32,int8,gguf,q4_0,q8_0", help="the engine section's modes")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, 8 tokens: checks the script runs")
     parser.add_argument("--json", default="benchmarks/results/block_quant.json")
     args = parser.parse_args()
     info = machine_info()
