@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.engine_config import (
+    BLOCK_QUANTIZATIONS,
     LINEAR_KERNEL_ENV,
     LOGPROBS_MODES,
     CacheConfig,
@@ -110,9 +111,15 @@ class EngineArgs:
         engine_process: engine core in its own process (True, default: model work never competes with the
             caller's event loop, and a crash there cannot take the caller down) or in a background thread (False).
         load_format: "auto" or "dummy" (random weights).
-        quantization: None (float32, default) or "int8": every linear layer and the LM head run with int8
-            weights (per output channel) and int8 per-row dynamic activations; from float or GGUF checkpoints
-            (GGUF is dequantized, then requantized). See README "Speed" and docs/benchmarks.md.
+        quantization: None (float32, default), "int8", "q8_0", "q4_0" or "gguf". "int8": every linear layer and
+            the LM head run with int8 weights (per output channel) and int8 per-row dynamic activations, after
+            SmoothQuant; from float or GGUF checkpoints (GGUF is dequantized, then requantized). "q8_0" / "q4_0":
+            every linear layer and the LM head stored in blocks of 32 input values (8 or 4 bits and a float16 scale
+            per block), products with int8 activation blocks on asyncllm's own kernels
+            (`model/kernels/block_quant.py`). "gguf": a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks kept as they are
+            (SmolLM2's Q4_1 file: Q4_1 layers, Q8_0 LM head); other GGUF block types (Q4_K, Q5_0, Q6_K, ...) and
+            float checkpoints requantized to Q8_0. The block modes need tensor_parallel_size=1 and no LoRA. See
+            README "Speed" and docs/benchmarks.md.
         linear_kernels: force the kernel of a kind of linear product, e.g. {"int8": "int_mm"} or "int8=int_mm"
             (int8: "onednn", "int_mm"; fp32: "matmul", "mkl_packed", "onednn"). None (default): each
             is chosen by timing the candidates on the host at first start (cached; docs/kernels.md). The
@@ -174,7 +181,7 @@ class EngineArgs:
             dashboards; `llm.get_metrics()` reads either).
         dtype: vLLM's model dtype: "auto", "float32" or "float" (torch.float32 too) run as asked: asyncllm
             computes in float32 on CPU. "bfloat16", "float16", "half" and other types raise ConfigError (use
-            `quantization="int8"` for smaller weights).
+            `quantization="int8"`, "q8_0", "q4_0" or "gguf" for smaller weights).
     Raises:
         ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -258,8 +265,15 @@ class EngineArgs:
                 raise ConfigError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 1")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
-        if self.quantization not in (None, "int8"):
-            raise ConfigError(f"EngineArgs.quantization={self.quantization!r}: must be None or 'int8'")
+        if self.quantization not in (None, "int8", *BLOCK_QUANTIZATIONS):
+            raise ConfigError(
+                f"EngineArgs.quantization={self.quantization!r}: must be None, 'int8', 'q8_0', 'q4_0' or 'gguf'"
+            )
+        if self.quantization in BLOCK_QUANTIZATIONS and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"EngineArgs.quantization={self.quantization!r} does not run with tensor_parallel_size > 1 yet (the "
+                "block weights are not sharded across ranks in this version); use TP=1, or 'int8' / None with TP"
+            )
         parse_linear_kernels(self.linear_kernels)
         parse_linear_kernels(os.environ.get(LINEAR_KERNEL_ENV), source=LINEAR_KERNEL_ENV)
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -316,10 +330,15 @@ class EngineArgs:
         rank = self.max_lora_rank
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_LORA_RANK:
             raise ConfigError(f"EngineArgs.max_lora_rank={rank!r} is invalid: must be an integer in 1..{MAX_LORA_RANK}")
-        if self.enable_lora and self.quantization is not None:
+        if self.enable_lora and self.quantization == "int8":
             raise ConfigError(
                 "EngineArgs.enable_lora does not work with quantization='int8': SmoothQuant rescales the linear "
                 "layers' inputs, which an adapter's A does not expect"
+            )
+        if self.enable_lora and self.quantization is not None:
+            raise ConfigError(
+                f"EngineArgs.enable_lora does not work with quantization={self.quantization!r} yet: adapters over "
+                "block-quantized base weights are not tested in this version; use quantization=None"
             )
 
     def _validate_data_parallel(self) -> None:

@@ -15,7 +15,8 @@ from typing import Any, Literal
 from asyncllm.errors import ConfigError
 
 LoadFormat = Literal["auto", "dummy"]
-Quantization = Literal["int8"]
+Quantization = Literal["int8", "q8_0", "q4_0", "gguf"]
+BLOCK_QUANTIZATIONS = ("q8_0", "q4_0", "gguf")  # the modes storing weights in blocks (`model/kernels/block_quant.py`)
 SchedulingPolicy = Literal["fcfs", "priority"]
 DataParallelBackend = Literal["mp", "ray"]
 
@@ -70,7 +71,8 @@ class ModelConfig:
         load_format: "auto" (real weights) or "dummy" (random weights, same shapes; for fast tests).
         max_model_len: tokens per sequence (prompt + output) at most; None = the model's context length.
         seed: global seed (dummy weights, unseeded sampling).
-        quantization: None (float32 weights) or "int8" (int8 linear weights and LM head, see `model/kernels/int8.py`).
+        quantization: None (float32 weights), "int8" (int8 linear weights and LM head, see `model/kernels/int8.py`), or
+            "q8_0" / "q4_0" / "gguf" (weights in blocks of 32, `model/kernels/block_quant.py`).
         linear_kernels: a forced kernel per kind of linear product ({"int8": "int_mm"}); kinds left out are chosen
             by measurement on the host (`model/kernels/choice.py`), or forced by `ASYNCLLM_LINEAR_KERNELS`.
         max_logprobs: `logprobs` / `prompt_logprobs` a request may ask for at most; -1 = the whole vocabulary.

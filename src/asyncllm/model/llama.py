@@ -29,6 +29,7 @@ from torch import nn
 from asyncllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.kernels.block_quant import BlockQuantWeight, block_kernels, block_weight_for
 from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_int8
@@ -273,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] int64 -> [num_tokens, hidden_size] float32 token embeddings."""
+        if self.embed_tokens is None and isinstance(self.lm_head, BlockQuantWeight):
+            return self.lm_head.dequantize_columns(input_ids)
         if self.embed_tokens is None:
             return self._fp32_head().index_select(1, input_ids).t().contiguous()
         return self.embed_tokens[input_ids]
@@ -294,6 +297,33 @@ class LlamaForCausalLM(nn.Module):
         head = self._fp32_head()
         del self.lm_head
         self.lm_head = pack_fp32(head, chooser)
+
+    @torch.inference_mode()
+    def quantize_blocks(self, mode: str) -> str:
+        """Store every linear weight and the LM head in blocks of 32 (`model/kernels/block_quant.py`) for
+        `EngineArgs.quantization=mode` ("q8_0", "q4_0" (the LM head at Q8_0) or "gguf": a GGUF file's own Q4_0 /
+        Q4_1 / Q8_0 blocks kept, other types requantized to Q8_0). No SmoothQuant. A tied model looks its embeddings
+        up in the block LM head (`BlockQuantWeight.dequantize_columns`: the file's own values under "gguf"), keeping
+        no float32 copy.
+
+        Returns:
+            One log line: how the weights were stored, their bytes, and the kernel path.
+        Raises:
+            BlockShapeError: a weight's input features are not a multiple of 32 (at TP=N: of this rank's shard).
+        """
+        hows: dict[str, int] = {}
+        for layer in self.layers:
+            for how in cast(LlamaDecoderLayer, layer).quantize_blocks(mode):
+                hows[how] = hows.get(how, 0) + 1
+        head = self._fp32_head()
+        del self.lm_head
+        self.lm_head, head_how = block_weight_for(head, mode, lm_head=True)
+        weights = [getattr(layer, name) for layer in self.layers for name in LINEAR_WEIGHTS] + [self.lm_head]
+        megabytes = sum(cast(BlockQuantWeight, w).nbytes for w in weights) / 1e6
+        chosen = block_kernels()
+        path = f"{chosen[1]} kernels" if chosen is not None else "NO KERNELS: dequantized at each product"
+        layers = ", ".join(f"{count} {how}" for how, count in sorted(hows.items()))
+        return f"block-quantized weights ({mode}; {path}): layers {layers}; LM head {head_how}; {megabytes:.1f} MB"
 
     @torch.inference_mode()
     def quantize_int8(self, calibration_ids: list[int], chooser: KernelChooser[Int8Weight] | None = None) -> None:

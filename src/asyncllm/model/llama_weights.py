@@ -1,7 +1,8 @@
 """Where a decoder layer's weights go, as its architecture's layout (`layouts.py`) says: HF tensors into the fused
 `[in, out]` parameters of this TP rank's shard, LoRA pairs sharded like their modules, SmoothQuant factors folded in,
-and the four linear weights converted to int8 or to both fp32 layouts. `LayerWeights` is the base of every decoder
-layer (`llama.LlamaDecoderLayer`, `gemma3.Gemma3DecoderLayer`) and creates the parameters it places.
+and the four linear weights converted to int8, to blocks (Q8_0 / Q4_0 / Q4_1) or to both fp32 layouts. `LayerWeights` is
+the base of every decoder layer (`llama.LlamaDecoderLayer`, `gemma3.Gemma3DecoderLayer`) and creates the parameters it
+places.
 
 Source: tensor-parallel shards after Megatron-LM (Shoeybi et al., 2019); SmoothQuant (Xiao et al., 2023).
 """
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.kernels.block_quant import block_weight_for
 from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, quantize_int8
@@ -96,6 +98,20 @@ class LayerWeights(nn.Module):
         kernels `chooser` picks; forward then runs the fused int8 kernels (`model/kernels/row_kernels.py`) where they
         build and no LoRA adapter is in the step."""
         self._replace_weights(lambda weight: quantize_int8(weight, chooser))
+
+    def quantize_blocks(self, mode: str) -> list[str]:
+        """Replace the four fused fp32 weights by block-quantized ones (`model/kernels/block_quant.py`,
+        `block_weight_for`; this rank's shard); forward then runs them through `linear` with the fp32 row kernels
+        around. Returns how each was stored ("kept q4_1", ...)."""
+        hows: list[str] = []
+
+        def convert(weight: torch.Tensor) -> Weight:
+            blocks, how = block_weight_for(weight, mode)
+            hows.append(how)
+            return blocks
+
+        self._replace_weights(convert)
+        return hows
 
     def pack_fp32(self, chooser: KernelChooser[torch.Tensor] | None = None) -> None:
         """Prepare the four fused fp32 weights for the kernels `chooser` picks (`model/kernels/fp32.py`)."""

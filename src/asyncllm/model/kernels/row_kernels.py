@@ -20,6 +20,8 @@ megabytes of weights evict from the caches what the next op needs; `benchmarks/o
   straight from the paged KV cache through the block tables (`csrc/paged_attention.cpp`), instead of gathering
   every cached token into a dense copy per layer and step. Not bit-exact with SDPA (another summation order):
   `self_check` compares it with SDPA within `ATTENTION_TOLERANCE`.
+- block-quantized products (`block_linear`, `csrc/block_quant.cpp`): Q8_0 / Q4_0 / Q4_1 weights times int8
+  activation blocks, checked and used by `model/kernels/block_quant.py`.
 - float32 products with a weight packed once by MKL in column chunks (`sgemm_pack`, `sgemm_packed`, in
   `csrc/packed_gemm.cpp`: the CBLAS packed-GEMM routines of the MKL torch links, where it exports them, with the
   chunks handed out on demand to threads). Not row kernels and not bit-exact with other GEMMs:
@@ -63,8 +65,12 @@ from asyncllm.model.kernels.rotary import apply_rotary
 logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
 # compiled together; with the headers, in the cache key
-SOURCES = (SOURCE, SOURCE.with_name("packed_gemm.cpp"), SOURCE.with_name("paged_attention.cpp"))
-HEADERS = tuple(SOURCE.with_name(name) for name in ("packed_gemm.h", "paged_attention.h", "vec_capability.h"))
+SOURCES = tuple(
+    SOURCE.with_name(name) for name in ("row_kernels.cpp", "packed_gemm.cpp", "paged_attention.cpp", "block_quant.cpp")
+)
+HEADERS = tuple(
+    SOURCE.with_name(name) for name in ("packed_gemm.h", "paged_attention.h", "block_quant.h", "vec_capability.h")
+)
 ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
 STALE_LOCK_S = 600.0  # seconds; a build takes about 20
 SLOW_FALLBACK = (
@@ -169,6 +175,30 @@ class RowKernels(Protocol):
     def sgemm_pack(self, weight: torch.Tensor, chunk_cols: int) -> torch.Tensor:
         """`[in, out]` float32 contiguous -> MKL's packed copy in `chunk_cols`-wide column chunks (opaque uint8; must
         not be copied or moved: pack the copy's weight again). Raises RuntimeError without MKL."""
+        ...
+
+    def block_quant_paths(self) -> list[str]:
+        """The block-quantized product paths this build has, best first ("vnni", "avx2", "scalar")."""
+        ...
+
+    def block_quantize_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """`[rows, in]` float32 (in a multiple of 32) -> [int8 `[rows, in]`, float32 `[rows, in / 32]` scales,
+        int32 `[rows, in / 32]` block sums] (`csrc/block_quant.h`)."""
+        ...
+
+    def block_linear(
+        self,
+        x: torch.Tensor,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        kind: int,
+        out_features: int,
+        path: str,
+    ) -> torch.Tensor:
+        """`x @ W` for a block-quantized weight (`model/kernels/block_quant.py`, `csrc/block_quant.h`):
+        `[rows, in]` float32 -> `[rows, out_features]` float32; the GIL is released meanwhile. Raises RuntimeError
+        on wrong shapes or dtypes or a path this build does not have."""
         ...
 
     def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, num_threads: int) -> torch.Tensor:
@@ -290,6 +320,9 @@ KERNELS = (
     "has_packed_sgemm",
     "sgemm_pack",
     "sgemm_packed",
+    "block_quant_paths",
+    "block_quantize_rows",
+    "block_linear",
 )
 
 

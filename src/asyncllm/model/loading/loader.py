@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from asyncllm.engine_config import ModelConfig
+from asyncllm.errors import ConfigError
 from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.kernels.block_quant import BLOCK_MODES, BlockShapeError
 from asyncllm.model.kernels.fp32 import fp32_chooser
 from asyncllm.model.kernels.int8 import int8_chooser
 from asyncllm.model.layouts import GGUF_TOP_NAMES, WeightLayout, layout_of
@@ -36,7 +38,9 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
 
     `load_format="auto"` loads the checkpoint (GGUF dequantized to float32, or safetensors);
     `"dummy"` fills random weights of the right shapes from `model_config.seed` (no file I/O beyond metadata).
-    With `quantization="int8"` the loaded float32 weights (this TP rank's shard) are then requantized; without,
+    With `quantization="int8"` the loaded float32 weights (this TP rank's shard) are then requantized; with "q8_0",
+    "q4_0" or "gguf" stored in blocks of 32 (`model/kernels/block_quant.py`; "gguf" keeps a GGUF file's own Q4_0 /
+    Q4_1 / Q8_0 blocks exactly and requantizes other block types to Q8_0); without,
     with `pack_weights` (what the worker asks for) they are prepared for the float32 kernels chosen on this host
     (`model/kernels/fp32.py`): faster, but the weights are no longer `nn.Parameter`s to edit. Which kernel runs each
     product (`model/kernels/choice.py`; forced by `model_config.linear_kernels`) is logged in one line per kind.
@@ -68,6 +72,11 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
         int8 = int8_chooser(forced.get("int8"))
         model.quantize_int8(_calibration_ids(model_config, arch), int8)  # type: ignore[operator]
         kernels = int8.describe()
+    elif model_config.quantization in BLOCK_MODES:
+        try:
+            kernels = model.quantize_blocks(model_config.quantization)  # type: ignore[operator]
+        except BlockShapeError as exc:
+            raise ConfigError(f"quantization={model_config.quantization!r} does not fit this model: {exc}") from exc
     elif pack_weights:
         fp32 = fp32_chooser(forced.get("fp32"))
         model.pack_fp32(fp32)  # type: ignore[operator]

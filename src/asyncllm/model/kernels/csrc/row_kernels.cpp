@@ -9,7 +9,8 @@
 // Built with -ffp-contract=off (no fused multiply-adds). Rows are independent: a row's result never depends on its
 // batch.
 //
-// The float32 products with an MKL-packed weight live in packed_gemm.cpp; this module exports them.
+// The float32 products with an MKL-packed weight live in packed_gemm.cpp, the block-quantized products in
+// block_quant.cpp; this module exports them.
 #include "vec_capability.h"
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -21,6 +22,7 @@
 #include <optional>
 #include <vector>
 
+#include "block_quant.h"
 #include "packed_gemm.h"
 #include "paged_attention.h"
 
@@ -420,4 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgemm_pack", &sgemm_pack);
   m.def("sgemm_packed", &sgemm_packed);
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("block_quant_paths", &block_quant_paths);
+  m.def("block_quantize_rows", &block_quantize_rows);
+  m.def("block_linear", &block_linear);
 }

@@ -1,0 +1,200 @@
+"""Block-quantized weights (`quantization="q8_0" | "q4_0" | "gguf"`, `model/kernels/block_quant.py`) against today's
+int8 and fp32: kernels, the engine at batch 1 with its memory, and accuracy.
+
+1. Kernels: SmolLM2-135M's fused linear shapes and LM head (30 layers of random weights, so they stream from
+   memory as in a real step), `linear()` at 1, 8, 32, 64 and 256 rows per product, for Q4_0 / Q4_1 / Q8_0 blocks
+   (the best kernel path this CPU has; `--paths` adds each path forced), int8 (the chooser's kernels) and fp32
+   (the chooser's kernels). Time per step (all 121 products) = best of `--repeats` interleaved passes.
+2. Engine: `AsyncLLM` (engine in its own process), batch 1: a 64-token prompt, 128 greedy tokens (EOS ignored);
+   decode tok/s = 127 / (end - first token), and the engine process's RSS (`VmRSS`) after the run, for fp32, int8,
+   gguf, q4_0 and q8_0 on the default model.
+3. Accuracy: each mode's model against fp32 (the GGUF dequantized) on held-out prompts (not the int8 calibration
+   text): max |logit diff| at every prompt position (worst and mean over positions) and the greedy top-1 agreement
+   rate over positions.
+
+The CPU's name and flags come first. Not for a busy machine: the numbers are only worth a quiet host.
+
+    .venv/bin/python benchmarks/block_quant.py [--sections kernels,engine,accuracy] [--modes fp32,gguf] [--paths]
+        [--smoke] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from memory import child_pids, rss_mb  # benchmarks/ is on sys.path when run as a script
+from throughput import machine_info
+
+from asyncllm import AsyncLLM, EngineArgs, SamplingParams
+from asyncllm.config import DEFAULT_MODEL, ModelConfig
+from asyncllm.model.kernels.block_quant import block_kernels, block_linear, quantize_blocks
+from asyncllm.model.kernels.fp32 import fp32_chooser, pack_fp32
+from asyncllm.model.kernels.int8 import int8_chooser, quantize_int8
+from asyncllm.model.kernels.linear import linear
+
+HIDDEN, LAYERS, VOCAB = 576, 30, 49152
+SHAPES = [(HIDDEN, 960), (HIDDEN, HIDDEN), (HIDDEN, 3072), (1536, HIDDEN)]  # qkv, o, gate_up, down ([in, out])
+ROWS = (1, 8, 32, 64, 256)
+MODES: tuple[str | None, ...] = (None, "int8", "gguf", "q4_0", "q8_0")
+PROMPT_TOKENS, DECODE_TOKENS = 64, 128
+HELD_OUT = [  # no words of the int8 calibration text (model/loading/loader.py)
+    "How do bees make honey?",
+    "Give me three tips for sleeping better.",
+    "What does a librarian do all day?",
+    "Describe how to boil an egg.",
+    "Why do cats purr?",
+    "The goalkeeper dived to his left, but the ball curled into the top corner.",
+]
+
+
+def kernel_weights(layers: int, vocab: int, paths: bool) -> dict[str, list[Any]]:
+    gen = torch.Generator().manual_seed(0)
+    plain = [torch.randn(i, o, generator=gen) * i**-0.5 for _ in range(layers) for i, o in SHAPES]
+    plain.append(torch.randn(HIDDEN, vocab, generator=gen) * HIDDEN**-0.5)
+    weights: dict[str, list[Any]] = {
+        "fp32 chosen": [pack_fp32(w, fp32_chooser()) for w in plain],
+        "int8 chosen": [quantize_int8(w, int8_chooser()) for w in plain],
+    }
+    for kind in ("q4_0", "q4_1", "q8_0"):
+        weights[kind] = [quantize_blocks(w, kind) for w in plain]  # type: ignore[arg-type]
+    if paths and (chosen := block_kernels()) is not None:
+        for path in chosen[0].block_quant_paths()[1:]:
+            weights[f"q4_0 {path}"] = [(w, path) for w in weights["q4_0"]]
+    return weights
+
+
+def one_pass(weights: list[Any], rows: int) -> Callable[[], None]:
+    inputs = {i: torch.randn(rows, i) for i in (HIDDEN, 1536)}
+
+    def run() -> None:
+        for w in weights:
+            if isinstance(w, tuple):
+                block_linear(inputs[w[0].shape[0]], w[0], w[1])
+            else:
+                linear(inputs[w.shape[0]], w)
+
+    return run
+
+
+def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    layers, vocab = (2, 4096) if args.smoke else (LAYERS, VOCAB)
+    rows_list = (1, 8) if args.smoke else ROWS
+    weights = kernel_weights(layers, vocab, args.paths)
+    result: dict[str, dict[str, float]] = {name: {} for name in weights}
+    for rows in rows_list:
+        passes = {name: one_pass(ws, rows) for name, ws in weights.items()}
+        best = dict.fromkeys(passes, float("inf"))
+        for _ in range(1 if args.smoke else args.repeats):  # interleaved: a burst of load hits every kernel alike
+            for name, run in passes.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+        for name, seconds in best.items():
+            result[name][str(rows)] = seconds * 1e3
+    print(f"{'ms per step (121 products)':28}" + "".join(f"{r:>9}" for r in rows_list))
+    for name, by_rows in result.items():
+        print(f"{name:28}" + "".join(f"{by_rows[str(r)]:9.2f}" for r in rows_list))
+    return {"layers": layers, "vocab": vocab, "ms_per_step": result}
+
+
+async def engine_run(model: str, mode: str | None, decode_tokens: int) -> dict[str, float]:
+    args = EngineArgs(model=model, quantization=mode, num_kv_blocks=64, max_model_len=512)  # type: ignore[arg-type]
+    before = set(child_pids())
+    async with AsyncLLM.create(args) as llm:
+        engine_pids = [pid for pid in child_pids() if pid not in before]
+        prompt = list(range(1000, 1000 + PROMPT_TOKENS))
+        params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+        first = end = 0.0
+        start = time.perf_counter()
+        async for _out in llm.generate({"prompt_token_ids": prompt}, params):
+            now = time.perf_counter()
+            first = first or now
+            end = now
+        rss = sum(rss_mb(pid) for pid in engine_pids)
+    return {
+        "ttft_s": first - start,
+        "decode_tok_per_s": (decode_tokens - 1) / (end - first) if end > first else float("nan"),
+        "engine_rss_mb": rss,
+    }
+
+
+def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
+    results = {}
+    for mode in MODES:
+        name = mode or "fp32"
+        if name not in args.modes.split(","):
+            continue
+        results[name] = asyncio.run(engine_run(args.model, mode, 8 if args.smoke else DECODE_TOKENS))
+        r = results[name]
+        print(f"engine {name:6}: {r['decode_tok_per_s']:7.1f} tok/s batch 1, TTFT {r['ttft_s']:.3f} s, "
+              f"RSS {r['engine_rss_mb']:.0f} MB")  # fmt: skip
+    return results
+
+
+def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    from asyncllm.model.loading.loader import load_model
+    from asyncllm.model.loading.resolve import resolve_model_path
+    from asyncllm.model.loading.tokenizer import Tokenizer
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root, for tests/
+    from tests.reference import next_token_logits
+
+    path = str(resolve_model_path(args.model))
+    tokenizer = Tokenizer.load(path)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in HELD_OUT]
+    prompts = prompts[:1] if args.smoke else prompts
+    fp32 = load_model(ModelConfig(model=path, model_path=path))
+    reference = [next_token_logits(fp32, ids) for ids in prompts]
+    results = {}
+    for mode in MODES[2:3] if args.smoke else MODES[1:]:
+        model = load_model(ModelConfig(model=path, model_path=path, quantization=mode))  # type: ignore[arg-type]
+        worst, means, agree, total = 0.0, [], 0, 0
+        for ids, ref in zip(prompts, reference, strict=True):
+            got = next_token_logits(model, ids)
+            diff = (got - ref).abs().amax(-1)
+            worst, means = max(worst, float(diff.max())), [*means, float(diff.mean())]
+            agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            total += len(ids)
+        results[str(mode)] = {"max_abs_logit_error": worst, "mean_abs_logit_error": sum(means) / len(means),
+                              "top1_agreement": agree / total}  # fmt: skip
+        r = results[str(mode)]
+        print(f"accuracy {mode:6}: max |logit error| {r['max_abs_logit_error']:.3f} (mean over positions "
+              f"{r['mean_abs_logit_error']:.3f}), greedy agreement {r['top1_agreement']:.3f}")  # fmt: skip
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default="kernels,engine,accuracy")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--paths", action="store_true", help="also time Q4_0 on each slower kernel path, forced")
+    parser.add_argument("--modes", default="fp32,int8,gguf,q4_0,q8_0", help="the engine section's modes")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, 8 tokens: checks the script runs")
+    parser.add_argument("--json", default="benchmarks/results/block_quant.json")
+    args = parser.parse_args()
+    info = machine_info()
+    chosen = block_kernels()
+    print(f"CPU: {info['cpu']} ({info['cores']} cores; flags {' '.join(info['flags'])}); block kernel path: "
+          f"{chosen[1] if chosen else 'NONE (dequantizing fallback)'}")  # fmt: skip
+    result: dict[str, Any] = {"benchmark": "block_quant", "machine": info, "smoke": args.smoke}
+    sections = {"kernels": bench_kernels, "engine": bench_engine, "accuracy": bench_accuracy}
+    for name in args.sections.split(","):
+        result[name] = sections[name](args)
+    result["load_after"] = list(os.getloadavg())
+    out = pathlib.Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

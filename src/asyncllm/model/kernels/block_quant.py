@@ -1,0 +1,322 @@
+"""Linear weights kept as blocks of 32 quantized values (Q8_0, Q4_0, Q4_1) and their C++ kernels.
+
+A `BlockQuantWeight` stores an `[in, out]` weight as blocks of 32 values along the input dimension, each with a
+float16 scale d (and for Q4_1 a float16 minimum m): Q8_0 `w = d * q` (q int8, |q| <= 127), Q4_0 `w = d * (q - 8)`
+(q 0..15), Q4_1 `w = d * q + m` (q 0..15). These are the block types of llama.cpp's GGUF files, with the same
+dequantized values (`gguf.quants.dequantize`), so a GGUF file's own blocks can be kept as they are
+(`from_values(..., exact=True)`). The products (`block_linear`, `csrc/block_quant.cpp`) quantize the input per row
+and block of 32 to int8 (`dx = max |x| / 127`) and sum each block's integer products exactly (AVX-512 VNNI, AVX2 or
+scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight value instead of 32.
+
+In memory (the layout `csrc/block_quant.h` documents): output columns in groups of 4 (the last zero-padded), each
+group's blocks interleaved by block index, so a product reads 4 columns' blocks from one place and reuses them for
+up to 4 rows.
+
+Quantizing float weights (`quantize_blocks`) follows llama.cpp's rules: Q8_0 `d = max |w| / 127`; Q4_0 `d = -w* / 8`
+for w* the block's value of largest magnitude (so it maps to q = 0); Q4_1 `m = min w`, `d = (max w - m) / 15`; the
+scales rounded to float16 before the values are rounded to them. On values that came from blocks of the same type
+these rules give those blocks back, which `from_values(exact=True)` checks bit for bit.
+
+Checked at start-up (`block_kernels`): every path of this build against `reference_block_linear` (numpy, the same
+float32 operations in the same order) on each kind; a path that differs is not used, and without any (no C++
+compiler, `ASYNCLLM_FUSED_KERNELS=0`) the products dequantize each weight at each call, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from asyncllm.engine_config import BLOCK_QUANTIZATIONS
+from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
+
+logger = logging.getLogger(__name__)
+
+BlockKind = Literal["q8_0", "q4_0", "q4_1"]
+BLOCK = 32  # values per block
+GROUP = 4  # output columns per interleaved group
+KIND_CODES: dict[str, int] = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+PATH_ENV = "ASYNCLLM_BLOCK_QUANT_PATH"
+SLOW_FALLBACK = (
+    "block-quantized products DEQUANTIZE EVERY WEIGHT AT EVERY CALL (much slower); install a C++ compiler "
+    "(e.g. g++) and unset ASYNCLLM_FUSED_KERNELS=0"
+)
+
+
+class BlockShapeError(ValueError):
+    """A weight cannot be stored in blocks of 32 (its input features are not a multiple of 32)."""
+
+
+@dataclass
+class BlockQuantWeight:
+    """A linear weight `[in_features, out_features]` in blocks of 32 along the input dimension.
+
+    Fields:
+        kind: "q8_0", "q4_0" or "q4_1".
+        in_features, out_features: the weight's shape (in a multiple of 32).
+        qs: uint8 `[groups, in / 32, 4, 32]` (Q8_0: int8 values) or `[groups, in / 32, 4, 16]` (Q4: byte j holds
+            value j in its low nibble, value j + 16 in its high one); groups = ceil(out / 4).
+        d: float16 `[groups, in / 32, 4]` block scales.
+        m: float16 `[groups, in / 32, 4]` block minimums (Q4_1), else None.
+    """
+
+    kind: BlockKind
+    in_features: int
+    out_features: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.in_features, self.out_features))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this weight in memory (values, scales, minimums; the padding columns included)."""
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def values(self, columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q int16 `[n, in / 32, 32]` (Q4: the stored 0..15, Q4_0's offset 8 not taken off), d float32
+        `[n, in / 32]`, m float32 or None) of `columns` ([n] int64; None: all, in order)."""
+        if columns is None:
+            columns = torch.arange(self.out_features)
+        groups, slot = columns // GROUP, columns % GROUP
+        qs = self.qs[groups, :, slot]  # [n, nb, bytes]
+        if self.kind == "q8_0":
+            q = qs.view(torch.int8).to(torch.int16)
+        else:
+            q = torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.int16)
+        d = self.d[groups, :, slot].float()
+        m = self.m[groups, :, slot].float() if self.m is not None else None
+        return q, d, m
+
+    def dequantize_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight's `columns` ([n] int64) as rows: `[n, in_features]` float32 (an embedding lookup
+        in a tied LM head), the values `gguf.quants.dequantize` gives for the same blocks."""
+        q, d, m = self.values(columns)
+        if self.kind == "q8_0":
+            w = q.float() * d[..., None]
+        elif self.kind == "q4_0":
+            w = (q - 8).float() * d[..., None]
+        else:
+            assert m is not None
+            w = d[..., None] * q.float() + m[..., None]
+        return w.reshape(len(columns), self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """`[in_features, out_features]` float32: the values the blocks stand for."""
+        return self.dequantize_columns(torch.arange(self.out_features)).t().contiguous()
+
+
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).float()
+
+
+def quantize_blocks(weight: torch.Tensor, kind: BlockKind) -> BlockQuantWeight:
+    """An `[in, out]` float weight as blocks of `kind` (llama.cpp's rules, the module docstring).
+
+    Raises:
+        BlockShapeError: in_features is not a multiple of 32.
+        ValueError: an unknown kind or a weight that is not 2-D.
+    """
+    if kind not in KIND_CODES:
+        raise ValueError(f"unknown block kind {kind!r}: expected one of {sorted(KIND_CODES)}")
+    if weight.dim() != 2:
+        raise ValueError(f"a block weight is 2-D [in, out], not {tuple(weight.shape)}")
+    in_features, out_features = weight.shape
+    if in_features % BLOCK:
+        raise BlockShapeError(f"a [{in_features}, {out_features}] weight cannot be stored in blocks of 32 inputs")
+    nb = in_features // BLOCK
+    w = weight.detach().float().t().reshape(out_features, nb, BLOCK)  # [out, nb, 32]
+    m = None
+    if kind == "q8_0":
+        d = _fp16(w.abs().amax(-1) / 127)
+        q = torch.where(d[..., None] > 0, torch.round(w / d[..., None]), 0).clamp_(-127, 127)
+    elif kind == "q4_0":
+        peak = w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0]
+        d = _fp16(peak / -8)
+        q = _q4_0_values(w, d)
+    else:
+        m = _fp16(w.amin(-1))
+        d = _fp16((w.amax(-1) - m) / 15)
+        q = torch.where(d[..., None] > 0, torch.round((w - m[..., None]) / d[..., None]), 0).clamp_(0, 15)
+    return _pack(kind, in_features, out_features, q.to(torch.int16), d, m)
+
+
+def _q4_0_values(w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d[..., None] != 0, torch.round(w / d[..., None]) + 8, 8).clamp_(0, 15)
+
+
+def _pack(
+    kind: BlockKind, in_features: int, out_features: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+) -> BlockQuantWeight:
+    """Integer values `[out, nb, 32]` and float scales `[out, nb]` into the grouped layout."""
+    groups = -(-out_features // GROUP)
+    pad = groups * GROUP - out_features
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # [out, nb, ...] -> [groups, nb, 4, ...]
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+        return t.reshape(groups, GROUP, *t.shape[1:]).transpose(1, 2).contiguous()
+
+    if kind == "q8_0":
+        qs = grouped(q.to(torch.int8)).view(torch.uint8)
+    else:
+        q = q.to(torch.uint8)
+        qs = grouped(q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4))
+    half = (grouped(d).to(torch.float16), grouped(m).to(torch.float16) if m is not None else None)
+    return BlockQuantWeight(kind, in_features, out_features, qs.contiguous(), half[0], half[1])
+
+
+def from_values(weight: torch.Tensor, kind: BlockKind) -> BlockQuantWeight | None:
+    """The blocks of `kind` whose dequantized values are exactly `weight` ([in, out] float32, e.g. a GGUF tensor of
+    that type dequantized by `gguf.quants.dequantize`), or None when `quantize_blocks` does not give them back bit
+    for bit (values that did not come from llama.cpp-style blocks of this kind)."""
+    probe = weight[:, :GROUP]  # most values of another type fail here already, at a fraction of the cost
+    if not torch.equal(quantize_blocks(probe, kind).dequantize(), probe.float()):
+        return None
+    blocks = quantize_blocks(weight, kind)
+    return blocks if torch.equal(blocks.dequantize(), weight.float()) else None
+
+
+# --- the engine's quantization modes -------------------------------------------------------------------------------
+
+BLOCK_MODES = BLOCK_QUANTIZATIONS  # `EngineArgs.quantization` values that store weights in blocks
+GGUF_KEPT_ORDER: tuple[BlockKind, ...] = ("q4_0", "q4_1", "q8_0")  # smallest first
+
+
+def block_weight_for(weight: torch.Tensor, mode: str, lm_head: bool = False) -> tuple[BlockQuantWeight, str]:
+    """An `[in, out]` float32 weight as blocks for `EngineArgs.quantization=mode`, and how ("kept q4_1",
+    "quantized q4_0", "requantized q8_0").
+
+    "q8_0" / "q4_0" quantize the weight; "q4_0" keeps the LM head (`lm_head=True`; in a tied model also the
+    embeddings) at Q8_0, as llama.cpp's Q4_0 files do (on the real SmolLM2 a Q4_0 head took top-1 agreement with
+    fp32 to 48-55%, a Q8_0 one to 55-59%: that file is Q4_1 already, and Q4_0 on Q4_1 values rounds twice; "gguf"
+    keeps it at 95%). A per-block scale search (16 scales, least squared error) gained little (58-68%) for 10x the
+    load time and is not used. "gguf" keeps the block type whose blocks give exactly these values (a GGUF
+    file's Q4_0, Q4_1 or Q8_0 tensor, dequantized at load, is found again bit for bit: `from_values`), the smallest
+    first; values that are no such blocks (a GGUF type without a kernel here: Q4_K, Q5_0, Q6_K, ...; a fused weight
+    whose parts have different types; a float checkpoint) are requantized to Q8_0.
+
+    Raises:
+        BlockShapeError: in_features is not a multiple of 32.
+        ValueError: an unknown mode.
+    """
+    if mode == "gguf":
+        for kind in GGUF_KEPT_ORDER:
+            blocks = from_values(weight, kind)
+            if blocks is not None:
+                return blocks, f"kept {kind}"
+        return quantize_blocks(weight, "q8_0"), "requantized q8_0"
+    if mode not in ("q8_0", "q4_0"):
+        raise ValueError(f"unknown block quantization mode {mode!r}: expected one of {BLOCK_MODES}")
+    chosen: BlockKind = "q8_0" if mode == "q8_0" or lm_head else "q4_0"
+    return quantize_blocks(weight, chosen), f"quantized {chosen}"
+
+
+# --- products ---------------------------------------------------------------------------------------------------
+
+
+def block_linear(x: torch.Tensor, weight: BlockQuantWeight, path: str | None = None) -> torch.Tensor:
+    """`x @ W` for `[rows, in]` float32 `x` -> `[rows, out]` float32 on the C++ kernels (`path`: "vnni", "avx2",
+    "scalar" or None for the checked best; `ASYNCLLM_BLOCK_QUANT_PATH` forces one for the process), else by
+    dequantizing the weight (logged once).
+
+    Raises:
+        RuntimeError: a forced path this build does not have.
+    """
+    chosen = block_kernels()
+    if chosen is None:
+        return x @ weight.dequantize()
+    kernels, best = chosen
+    m = weight.m if weight.m is not None else _EMPTY_HALF
+    return kernels.block_linear(
+        x.contiguous(), weight.qs, weight.d, m, KIND_CODES[weight.kind], weight.out_features, path or best
+    )
+
+
+_EMPTY_HALF = torch.empty(0, dtype=torch.float16)
+
+
+@functools.cache
+def block_kernels() -> tuple[RowKernels, str] | None:
+    """(the compiled module, the path its products run on) after the start-up check, or None (logged) where the
+    kernels are not built or no path agrees with `reference_block_linear`. `ASYNCLLM_BLOCK_QUANT_PATH` forces a
+    path (which must agree). Never raises."""
+    import os
+
+    kernels = load_kernels()
+    if kernels is None:
+        logger.warning("no block-quantized kernels (the fused kernels are off or did not build); %s", SLOW_FALLBACK)
+        return None
+    module = kernels
+    paths = list(module.block_quant_paths())
+    forced = os.environ.get(PATH_ENV)
+    if forced:
+        if forced not in paths:
+            logger.warning("%s=%s is not a path of this build (%s); checking the others", PATH_ENV, forced, paths)
+        else:
+            paths = [forced]
+    for path in paths:
+        problem = self_check(module, path)
+        if not problem:
+            logger.info("block-quantized kernels in use: %s path (this build has %s)", path, ", ".join(paths))
+            return module, path
+        logger.warning("block-quantized kernel path %r failed its self-check (%s); not used", path, problem)
+    logger.warning("no block-quantized kernel path passed its self-check; %s", SLOW_FALLBACK)
+    return None
+
+
+def self_check(module: RowKernels, path: str) -> str:
+    """ "" when `path` gives `reference_block_linear`'s values bit for bit on every kind (1, 3 and 9 rows of a
+    random 96 x 11 weight with a zero block and an input block of zeros), else what differs."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 11, generator=generator)
+    weight[32:64, 3] = 0.0
+    for kind in KIND_CODES:
+        blocks = quantize_blocks(weight, kind)  # type: ignore[arg-type]
+        for rows in (1, 3, 9):
+            x = torch.randn(rows, 96, generator=generator) * 3
+            x[0, :32] = 0.0
+            m = blocks.m if blocks.m is not None else _EMPTY_HALF
+            got = module.block_linear(x, blocks.qs, blocks.d, m, KIND_CODES[kind], 11, path)
+            if not torch.equal(got, reference_block_linear(x, blocks)):
+                return f"{kind}, {rows} rows"
+    return ""
+
+
+def reference_quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`[rows, in]` float32 -> (q int64 `[rows, nb, 32]`, d float32 `[rows, nb]`, s int64 `[rows, nb]`): per block
+    of 32, d = max |x| / 127 and q = round_half_even(x / d) (0 where d == 0), s the sum of q."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(x.shape[0], -1, BLOCK)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    safe = np.where(d == 0, np.float32(1), d).astype(np.float32)
+    q = np.where(d[..., None] == 0, 0, np.rint(blocks / safe[..., None])).astype(np.int64)
+    return q, d, q.sum(axis=-1)
+
+
+def reference_block_linear(x: torch.Tensor, weight: BlockQuantWeight) -> torch.Tensor:
+    """What every kernel path computes, in numpy: exact integer block sums, then per block in order
+    `acc += float(dot) * (dw * dx)` (Q8_0), `float(dot - 8 s) * (dw * dx)` (Q4_0),
+    `float(dot) * (dw * dx) + (mw * dx) * float(s)` (Q4_1), all float32. `[rows, out]` float32."""
+    qx, dx, sx = reference_quantize_rows(x.numpy())
+    q_t, d_t, m_t = weight.values()
+    q, d = q_t.numpy().astype(np.int64), d_t.numpy()  # [out, nb, 32], [out, nb]
+    m = m_t.numpy() if m_t is not None else None
+    dots = np.einsum("rbj,obj->rob", qx, q)  # exact int64 [rows, out, nb]
+    if weight.kind == "q4_0":
+        dots = dots - 8 * sx[:, None, :]
+    acc = np.zeros((x.shape[0], weight.out_features), dtype=np.float32)
+    for b in range(q.shape[1]):
+        scale = (d[None, :, b] * dx[:, None, b]).astype(np.float32)
+        term = (dots[:, :, b].astype(np.float32) * scale).astype(np.float32)
+        if weight.kind == "q4_1":
+            assert m is not None
+            term = term + ((m[None, :, b] * dx[:, None, b]).astype(np.float32) * sx[:, None, b].astype(np.float32))
+        acc = (acc + term).astype(np.float32)
+    return torch.from_numpy(acc)

@@ -1,0 +1,291 @@
+// Block-quantized linear products (Q8_0, Q4_0, Q4_1 weights; int8 activation blocks; integer dot products).
+//
+// Weights are blocks of 32 values along the input dimension with a float16 scale (and, for Q4_1, a float16 minimum)
+// per block: Q8_0 w = d * q (q int8), Q4_0 w = d * (q - 8) (q 0..15), Q4_1 w = d * q + m (q 0..15): the block types
+// of llama.cpp's GGUF files (ggml's quants describe them; this is our own layout and code). Output columns come in
+// groups of 4 whose blocks are interleaved, so one pass over a block index reads 4 columns' blocks from one place
+// and reuses them across up to 4 rows (a GEMV streams each weight byte once; a GEMM tile of 4 rows x 4 columns
+// reads a weight block once per 4 rows). Activations are quantized per row and block of 32 to int8 with a float32
+// scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's offset and Q4_1's minimum term).
+//
+// The integer dot of a block is exact on every path (AVX-512 VNNI `vpdpbusd` on 256-bit vectors, AVX2
+// `vpmaddubsw` + `vpmaddwd`, scalar C++); the float32 arithmetic after it is the same operation for operation
+// (built with -ffp-contract=off), so every path gives the same bits and tests compare them exactly with a numpy
+// reference. Columns are shared out to threads in whole groups, each output summed by one thread in block order:
+// values do not depend on the thread count, nor a row's on the other rows of its batch.
+#include "vec_capability.h"
+#include "block_quant.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // values per block
+constexpr int64_t kGroup = 4;   // output columns per interleaved group
+constexpr int64_t kRowTile = 4; // rows sharing one read of a group's weight blocks
+
+enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+
+#if defined(__AVX2__) && defined(__F16C__)
+#define ASYNCLLM_BLOCK_AVX2 1
+#endif
+#if defined(ASYNCLLM_BLOCK_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define ASYNCLLM_BLOCK_VNNI 1
+#endif
+
+enum class Path { kScalar, kAvx2, kVnni };
+
+struct Acts {  // a quantized activation matrix
+  const int8_t* q;   // [rows, nb * 32]
+  const float* d;    // [rows, nb]
+  const int32_t* s;  // [rows, nb]
+  int64_t nb;
+};
+
+struct Weights {  // one block weight in the grouped layout (block_quant.h)
+  const uint8_t* qs;
+  const c10::Half* d;
+  const c10::Half* m;  // Q4_1 only
+  int64_t nb;
+  int64_t block_bytes;  // 32 (Q8_0) or 16 (Q4)
+};
+
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float scale = amax / 127.0f;
+    d[b] = scale;
+    int32_t sum = 0;
+    int8_t* qb = q + b * kBlock;
+    if (scale == 0.0f) {
+      std::memset(qb, 0, kBlock);
+    } else {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] / scale));
+        qb[j] = static_cast<int8_t>(v);
+        sum += v;
+      }
+    }
+    s[b] = sum;
+  }
+}
+
+// One group of 4 columns for rows [r0, r1), plain C++: the reference every vector path equals bit for bit.
+template <int64_t KIND>
+void group_scalar(const Acts& a, const Weights& w, int64_t g, int64_t r0, int64_t r1, float* out, int64_t ldo,
+                  int64_t columns) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float acc[kGroup] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const int64_t block = g * w.nb + b;
+      const uint8_t* wq = w.qs + block * kGroup * w.block_bytes;
+      const int8_t* xq = a.q + (r * a.nb + b) * kBlock;
+      const float dx = a.d[r * a.nb + b];
+      const int32_t sx = a.s[r * a.nb + b];
+      for (int64_t c = 0; c < kGroup; ++c) {
+        int32_t dot = 0;
+        if (KIND == kQ8_0) {
+          const int8_t* wc = reinterpret_cast<const int8_t*>(wq + c * kBlock);
+          for (int64_t j = 0; j < kBlock; ++j) dot += int32_t(wc[j]) * int32_t(xq[j]);
+        } else {
+          const uint8_t* wc = wq + c * (kBlock / 2);
+          for (int64_t j = 0; j < kBlock / 2; ++j) {
+            dot += int32_t(wc[j] & 15) * int32_t(xq[j]) + int32_t(wc[j] >> 4) * int32_t(xq[j + kBlock / 2]);
+          }
+        }
+        const float dw = static_cast<float>(w.d[block * kGroup + c]);
+        if (KIND == kQ8_0) {
+          acc[c] = acc[c] + float(dot) * (dw * dx);
+        } else if (KIND == kQ4_0) {
+          acc[c] = acc[c] + float(dot - 8 * sx) * (dw * dx);
+        } else {
+          const float mw = static_cast<float>(w.m[block * kGroup + c]);
+          acc[c] = acc[c] + (float(dot) * (dw * dx) + (mw * dx) * float(sx));
+        }
+      }
+    }
+    for (int64_t c = 0; c < columns; ++c) out[r * ldo + g * kGroup + c] = acc[c];
+  }
+}
+
+#ifdef ASYNCLLM_BLOCK_AVX2
+// Exact int32 dot products of 32 unsigned bytes with 32 signed bytes, in 8 lanes (callers sum the lanes).
+template <bool VNNI>
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef ASYNCLLM_BLOCK_VNNI
+  if constexpr (VNNI) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#endif
+  // pair sums are at most 2 * 127 * 127 (Q8_0) or 2 * 15 * 127 (Q4): no int16 saturation
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// The 8-lane sums of 4 vectors -> [sum(d0), sum(d1), sum(d2), sum(d3)], exact.
+inline __m128i hsum4(__m256i d0, __m256i d1, __m256i d2, __m256i d3) {
+  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(d0, d1), _mm256_hadd_epi32(d2, d3));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+inline __m128 load_half4(const c10::Half* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int64_t KIND, bool VNNI>
+void group_simd(const Acts& a, const Weights& w, int64_t g, int64_t r0, int64_t r1, float* out, int64_t ldo,
+                int64_t columns) {
+  const __m256i low_nibbles = _mm256_set1_epi8(15);
+  for (int64_t rt = r0; rt < r1; rt += kRowTile) {
+    const int64_t rows = std::min(kRowTile, r1 - rt);
+    __m128 acc[kRowTile];
+    for (int64_t i = 0; i < kRowTile; ++i) acc[i] = _mm_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) {
+      const int64_t block = g * w.nb + b;
+      const uint8_t* wq = w.qs + block * kGroup * w.block_bytes;
+      __m256i wv[kGroup];
+      for (int64_t c = 0; c < kGroup; ++c) {
+        if (KIND == kQ8_0) {
+          wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + c * kBlock));
+        } else {
+          const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + c * (kBlock / 2)));
+          wv[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low_nibbles);
+        }
+      }
+      const __m128 dw = load_half4(w.d + block * kGroup);
+      __m128 mw = _mm_setzero_ps();
+      if (KIND == kQ4_1) mw = load_half4(w.m + block * kGroup);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t r = rt + i;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + (r * a.nb + b) * kBlock));
+        __m256i dots[kGroup];
+        if (KIND == kQ8_0) {
+          const __m256i ax = _mm256_sign_epi8(xv, xv);  // |x| (x is never -128)
+          for (int64_t c = 0; c < kGroup; ++c) dots[c] = dot_u8s8<VNNI>(ax, _mm256_sign_epi8(wv[c], xv));
+        } else {
+          for (int64_t c = 0; c < kGroup; ++c) dots[c] = dot_u8s8<VNNI>(wv[c], xv);
+        }
+        __m128i dot = hsum4(dots[0], dots[1], dots[2], dots[3]);
+        const float dx_scalar = a.d[r * a.nb + b];
+        const int32_t sx = a.s[r * a.nb + b];
+        const __m128 dx = _mm_set1_ps(dx_scalar);
+        if (KIND == kQ4_0) dot = _mm_sub_epi32(dot, _mm_set1_epi32(8 * sx));
+        __m128 term = _mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_mul_ps(dw, dx));
+        if (KIND == kQ4_1) term = _mm_add_ps(term, _mm_mul_ps(_mm_mul_ps(mw, dx), _mm_set1_ps(float(sx))));
+        acc[i] = _mm_add_ps(acc[i], term);
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      float values[kGroup];
+      _mm_storeu_ps(values, acc[i]);
+      for (int64_t c = 0; c < columns; ++c) out[(rt + i) * ldo + g * kGroup + c] = values[c];
+    }
+  }
+}
+#endif
+
+using GroupFn = void (*)(const Acts&, const Weights&, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
+
+template <int64_t KIND>
+GroupFn group_fn(Path path) {
+#ifdef ASYNCLLM_BLOCK_VNNI
+  if (path == Path::kVnni) return &group_simd<KIND, true>;
+#endif
+#ifdef ASYNCLLM_BLOCK_AVX2
+  if (path == Path::kAvx2) return &group_simd<KIND, false>;
+#endif
+  return &group_scalar<KIND>;
+}
+
+Path parse_path(const std::string& name) {
+  const std::string chosen = name.empty() ? block_quant_best_path() : name;
+  const auto available = block_quant_paths();
+  TORCH_CHECK(std::find(available.begin(), available.end(), chosen) != available.end(), "block_linear: path '",
+              chosen, "' is not in this build (", block_quant_best_path(), " is its best)");
+  return chosen == "vnni" ? Path::kVnni : chosen == "avx2" ? Path::kAvx2 : Path::kScalar;
+}
+
+}  // namespace
+
+std::vector<std::string> block_quant_paths() {
+  std::vector<std::string> paths;
+#ifdef ASYNCLLM_BLOCK_VNNI
+  paths.push_back("vnni");
+#endif
+#ifdef ASYNCLLM_BLOCK_AVX2
+  paths.push_back("avx2");
+#endif
+  paths.push_back("scalar");
+  return paths;
+}
+
+std::string block_quant_best_path() { return block_quant_paths().front(); }
+
+std::vector<at::Tensor> block_quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "block_quantize_rows: x must be a contiguous 2-D float32 tensor");
+  const int64_t rows = x.size(0), in = x.size(1);
+  TORCH_CHECK(in % kBlock == 0, "block_quantize_rows: ", in, " input features is not a multiple of 32");
+  const int64_t nb = in / kBlock;
+  auto q = at::empty({rows, in}, x.options().dtype(at::kChar));
+  auto d = at::empty({rows, nb}, x.options());
+  auto s = at::empty({rows, nb}, x.options().dtype(at::kInt));
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  int32_t* sp = s.data_ptr<int32_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(in, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * in, nb, qp + r * in, dp + r * nb, sp + r * nb);
+  });
+  return {q, d, s};
+}
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                        int64_t kind, int64_t out_features, const std::string& path_name) {
+  TORCH_CHECK(kind == kQ8_0 || kind == kQ4_0 || kind == kQ4_1, "block_linear: unknown kind ", kind);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "block_linear: x must be a contiguous 2-D float32 tensor");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "block_linear: ", x.size(1), " input features is not a multiple of 32");
+  TORCH_CHECK(out_features >= 1, "block_linear: out_features must be >= 1");
+  const Path path = parse_path(path_name);
+  const int64_t rows = x.size(0), nb = x.size(1) / kBlock;
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  const int64_t block_bytes = kind == kQ8_0 ? kBlock : kBlock / 2;
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == groups * nb * kGroup * block_bytes,
+              "block_linear: qs must be contiguous uint8 with ", groups * nb * kGroup * block_bytes, " bytes");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == groups * nb * kGroup,
+              "block_linear: d must be contiguous float16 with ", groups * nb * kGroup, " scales");
+  if (kind == kQ4_1) {
+    TORCH_CHECK(m.scalar_type() == at::kHalf && m.is_contiguous() && m.numel() == groups * nb * kGroup,
+                "block_linear: m must be contiguous float16 with ", groups * nb * kGroup, " minimums");
+  }
+  auto out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  {
+    pybind11::gil_scoped_release no_gil;
+    const auto quantized = block_quantize_rows(x);
+    const Acts acts{quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(),
+                    quantized[2].data_ptr<int32_t>(), nb};
+    const Weights weights{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
+                          kind == kQ4_1 ? m.data_ptr<c10::Half>() : nullptr, nb, block_bytes};
+    const GroupFn fn = kind == kQ8_0 ? group_fn<kQ8_0>(path) : kind == kQ4_0 ? group_fn<kQ4_0>(path)
+                                                                                : group_fn<kQ4_1>(path);
+    float* op = out.data_ptr<float>();
+    // about 64 K block products per task: small products stay on one thread
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * nb * kGroup));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        fn(acts, weights, g, 0, rows, op, out_features, std::min(kGroup, out_features - g * kGroup));
+      }
+    });
+  }
+  return out;
+}

@@ -1,0 +1,30 @@
+// Products with weights kept as blocks of 32 quantized values along the input dimension (Q8_0, Q4_0, Q4_1, the
+// block types of llama.cpp's GGUF files), activations quantized per block of 32 to int8, integer dot products
+// (block_quant.cpp; asyncllm/model/kernels/block_quant.py prepares the weights and documents the layout).
+#pragma once
+#include <torch/extension.h>
+
+// The fastest path this build has for block products: "vnni" (AVX-512 VNNI on 256-bit vectors), "avx2" or
+// "scalar". Chosen when the module is compiled for this CPU (-march=native).
+std::string block_quant_best_path();
+
+// The paths this build has, best first (a subset of "vnni", "avx2", "scalar"; "scalar" always).
+std::vector<std::string> block_quant_paths();
+
+// x [rows, in] float32 contiguous, in a multiple of 32 -> (q [rows, in] int8, d [rows, in / 32] float32,
+// s [rows, in / 32] int32): per block of 32, d = max|x| / 127, q = round_half_even(x / d) (0 where d == 0),
+// s = the sum of the block's q. Raises (c10::Error) on a wrong dtype or shape.
+std::vector<at::Tensor> block_quantize_rows(const at::Tensor& x);
+
+// x [rows, in] float32 times a block weight of `out_features` columns -> [rows, out_features] float32.
+// kind: 0 = Q8_0, 1 = Q4_0, 2 = Q4_1. Weight layout (columns in groups of 4, the last group zero-padded; nb = in / 32):
+// qs uint8 [groups, nb, 4, 32] (Q8_0, int8 values) or [groups, nb, 4, 16] (Q4: byte j holds value j in its low and
+// value j + 16 in its high nibble), d float16 [groups, nb, 4] scales, m float16 [groups, nb, 4] minimums (Q4_1; else
+// an empty tensor). Per output (row, column), over blocks in order, in float32 without fused multiply-adds:
+//   Q8_0: acc += float(dot) * (dw * dx);  Q4_0: acc += float(dot - 8 * s) * (dw * dx);
+//   Q4_1: acc += float(dot) * (dw * dx) + (mw * dx) * float(s)
+// with dot the exact integer sum over the block, so every path gives the same bits, and a column's value does not
+// depend on the thread count or on the other rows. path: "" (the best) or one of block_quant_paths().
+// Releases the GIL. Raises (c10::Error) on wrong shapes or dtypes or a path this build does not have.
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                        int64_t kind, int64_t out_features, const std::string& path);

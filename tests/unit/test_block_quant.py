@@ -1,0 +1,259 @@
+"""Block-quantized weights and their C++ kernels (`model/kernels/block_quant.py`, `csrc/block_quant.cpp`): every
+path this CPU has equals the numpy reference bit for bit (exact integer block sums, then the same float32 steps) on
+1 row and many, odd output counts and zero blocks; values independent of the thread count and of the batch; the
+quantizers' error within half a step; the real GGUF file's Q4_1 and Q8_0 blocks kept exactly as
+`gguf.quants.dequantize` reads them."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from asyncllm.model.kernels import block_quant
+from asyncllm.model.kernels.block_quant import (
+    BlockQuantWeight,
+    BlockShapeError,
+    block_linear,
+    from_values,
+    quantize_blocks,
+    reference_block_linear,
+)
+from asyncllm.model.kernels.row_kernels import RowKernels
+from tests.kernels import require_kernels
+
+KINDS = ("q8_0", "q4_0", "q4_1")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> RowKernels:
+    return require_kernels()
+
+
+@pytest.fixture(scope="module")
+def paths(kernels: RowKernels) -> list[str]:
+    """Every path this build has; on an AVX-512 VNNI host all three (AVX2 and scalar forced by argument)."""
+    found = list(kernels.block_quant_paths())
+    assert found[-1] == "scalar"
+    return found
+
+
+def _weight(in_features: int, out_features: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(in_features, out_features, generator=generator) * 0.05
+    w[:32, 0] = 0.0  # a block of zeros (scale 0)
+    w[32:64, -1] = 0.3  # a constant block (Q4_1: d = 0)
+    w[:, out_features // 2] *= 40  # an outlier column
+    return w
+
+
+def _input(rows: int, in_features: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator) * 2
+    x[0, :32] = 0.0  # an input block of zeros
+    x[-1, 32:64] = 1000.0  # a constant large block (every value 127)
+    return x
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 576, 963), (5, 96, 13), (64, 576, 37)])
+def test_every_path_equals_the_numpy_reference_bit_for_bit(
+    kernels: RowKernels, paths: list[str], kind: str, rows: int, in_features: int, out_features: int
+) -> None:
+    weight = quantize_blocks(_weight(in_features, out_features, rows), kind)  # type: ignore[arg-type]
+    x = _input(rows, in_features, rows + 1)
+    want = reference_block_linear(x, weight)
+    for path in paths:
+        got = block_linear(x, weight, path)
+        assert got.shape == (rows, out_features)
+        assert torch.equal(got, want), (kind, path, float((got - want).abs().max()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_reference_is_the_product_of_the_dequantized_weight_within_activation_rounding(kind: str) -> None:
+    """The reference itself against float64 `x @ dequantize()`: only the int8 activation blocks differ (at most
+    half a step, d_x / 2, per value), so the error is bounded by sum |w| * d_x / 2 per output."""
+    w = quantize_blocks(_weight(256, 24, 7), kind)  # type: ignore[arg-type]
+    x = _input(6, 256, 8)
+    dense = w.dequantize().double()
+    exact = x.double() @ dense
+    blocks = x.reshape(6, -1, 32)
+    half_step = (blocks.abs().amax(-1) / 127 / 2).repeat_interleave(32, dim=1).double()  # [rows, in]
+    bound = half_step @ dense.abs() * 1.001 + 1e-4 * exact.abs() + 1e-5
+    assert ((reference_block_linear(x, w).double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantization_error_is_within_half_a_step_or_the_q4_0_clamp(kind: str) -> None:
+    w = _weight(128, 10, 3)
+    blocks = quantize_blocks(w, kind)  # type: ignore[arg-type]
+    assert blocks.shape == (128, 10)
+    error = (blocks.dequantize() - w).abs().reshape(4, 32, 10)
+    _, d, _ = blocks.values()  # [out, nb]
+    step = d.abs().t()[:, None, :]  # [nb, 1, out]
+    # half a step, plus float16 rounding of the scale (and the minimum) over the block's largest value
+    scale_rounding = w.abs().reshape(4, 32, 10).amax(1, keepdim=True) * 2**-10
+    # Q4_0 reaches -8 d but only +7 d: a value opposite the block's peak may clamp a whole step short
+    allowed = step if kind == "q4_0" else step / 2
+    assert (error <= allowed + scale_rounding + 1e-7).all()
+    assert blocks.dequantize()[:32, 0].eq(0).all()  # the zero block stays zero
+
+
+def test_bytes_per_value() -> None:
+    w = _weight(576, 960, 0)
+    sizes = {kind: quantize_blocks(w, kind).nbytes for kind in KINDS}  # type: ignore[arg-type]
+    values = 576 * 960
+    assert sizes["q8_0"] == values + values // 32 * 2  # 8.5 bits per value
+    assert sizes["q4_0"] == values // 2 + values // 32 * 2  # 4.5 bits
+    assert sizes["q4_1"] == values // 2 + values // 32 * 4  # 5 bits
+
+
+def test_values_do_not_depend_on_the_thread_count_or_the_batch(kernels: RowKernels) -> None:
+    weight = quantize_blocks(_weight(576, 1536, 1), "q4_1")
+    x = _input(33, 576, 2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = block_linear(x, weight)
+        solo = torch.cat([block_linear(x[i : i + 1], weight) for i in range(x.shape[0])])
+    finally:
+        torch.set_num_threads(threads)
+    torch.set_num_threads(max(2, threads))
+    try:
+        many = block_linear(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    assert torch.equal(one, solo)
+
+
+def test_dequantize_columns_equals_the_dense_columns() -> None:
+    weight = quantize_blocks(_weight(64, 11, 4), "q4_0")
+    columns = torch.tensor([10, 0, 5, 5])
+    assert torch.equal(weight.dequantize_columns(columns), weight.dequantize().t()[columns])
+
+
+def test_bad_shapes_and_paths_are_refused(kernels: RowKernels) -> None:
+    with pytest.raises(BlockShapeError, match="blocks of 32"):
+        quantize_blocks(torch.zeros(48, 4), "q8_0")
+    with pytest.raises(ValueError, match="unknown block kind"):
+        quantize_blocks(torch.zeros(32, 4), "q5_0")  # type: ignore[arg-type]
+    weight = quantize_blocks(_weight(64, 5, 0), "q8_0")
+    with pytest.raises(RuntimeError, match="not in this build"):
+        block_linear(torch.zeros(1, 64), weight, "neon")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.block_linear(torch.zeros(1, 40), weight.qs, weight.d, torch.empty(0, dtype=torch.float16), 0, 5, "")
+
+
+def test_the_start_up_check_passes_on_the_best_path(kernels: RowKernels) -> None:
+    chosen = block_quant.block_kernels()
+    assert chosen is not None
+    assert chosen[1] == kernels.block_quant_paths()[0]
+    assert block_quant.self_check(kernels, "scalar") == ""
+
+
+def _gguf_tensors(model_path: str, types: set[str]) -> list[tuple[str, str, np.ndarray, torch.Tensor]]:
+    """(name, type, raw blocks [out, row bytes], gguf's dequantized float32 [out, in]) of the first tensor of each of
+    `types` in the file, plus the first layer's attention output of Q4_1."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(pathlib.Path(model_path))
+    found = []
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if kind in types and (tensor.name == "token_embd.weight" or tensor.name.startswith("blk.0.")):
+            raw = np.asarray(tensor.data)
+            values = torch.from_numpy(np.array(dequantize(raw, tensor.tensor_type), dtype=np.float32))
+            found.append((tensor.name, kind, raw, values.reshape(raw.shape[0], -1)))
+    return found
+
+
+def test_the_real_files_q4_1_and_q8_0_blocks_are_kept_exactly(model_path: str) -> None:
+    """Every Q4_1 tensor of layer 0 and the Q8_0 token embedding: the blocks `from_values` finds dequantize to
+    gguf's values bit for bit, and their scales are the file's own float16 bits."""
+    tensors = _gguf_tensors(model_path, {"Q4_1", "Q8_0"})
+    assert {kind for _, kind, _, _ in tensors} == {"Q4_1", "Q8_0"}
+    for name, kind, raw, values in tensors:
+        blocks = from_values(values.t(), kind.lower())  # type: ignore[arg-type]
+        assert blocks is not None, name
+        assert torch.equal(blocks.dequantize(), values.t()), name
+        _, d, m = blocks.values()
+        per_block = raw.reshape(raw.shape[0], -1, 20 if kind == "Q4_1" else 34)
+        file_d = torch.from_numpy(per_block[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+        assert torch.equal(d, file_d), name
+        if kind == "Q4_1":
+            assert m is not None
+            file_m = torch.from_numpy(per_block[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+            assert torch.equal(m, file_m), name
+
+
+def test_values_of_another_block_type_are_not_taken_as_exact(model_path: str) -> None:
+    """Q4_1 values are not Q4_0 blocks: `from_values` says so (None) instead of keeping an approximation."""
+    (_, _, _, values), *_ = _gguf_tensors(model_path, {"Q4_1"})
+    assert from_values(values.t(), "q4_0") is None
+    assert isinstance(from_values(values.t(), "q4_1"), BlockQuantWeight)
+    assert math.prod(values.shape) > 0
+
+
+def test_engine_args_take_the_block_modes_and_refuse_what_cannot_run() -> None:
+    import argparse
+
+    from asyncllm.config import EngineArgs
+    from asyncllm.entrypoints.arg_utils import add_engine_args, engine_args_from
+    from asyncllm.errors import ConfigError
+
+    for mode in ("q8_0", "q4_0", "gguf"):
+        EngineArgs(quantization=mode).validate()  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
+            EngineArgs(quantization=mode, tensor_parallel_size=2).validate()  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=f"enable_lora does not work with quantization='{mode}'"):
+            EngineArgs(quantization=mode, enable_lora=True).validate()  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="'q8_0', 'q4_0' or 'gguf'"):
+        EngineArgs(quantization="q4_k").validate()  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args(["--quantization", "gguf"]), "m").quantization == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "q4_k"])
+
+
+def test_gguf_mode_keeps_exact_blocks_and_requantizes_the_rest() -> None:
+    from asyncllm.model.kernels.block_quant import block_weight_for
+
+    w = _weight(64, 8, 9)
+    q4_1_values = quantize_blocks(w, "q4_1").dequantize()
+    kept, how = block_weight_for(q4_1_values, "gguf")
+    assert how == "kept q4_1"
+    assert torch.equal(kept.dequantize(), q4_1_values)
+    requantized, how = block_weight_for(w, "gguf")  # float values: no block type gives them exactly
+    assert how == "requantized q8_0"
+    assert requantized.kind == "q8_0"
+    assert block_weight_for(w, "q4_0")[1] == "quantized q4_0"
+    assert block_weight_for(w, "q4_0", lm_head=True)[1] == "quantized q8_0"
+    with pytest.raises(ValueError, match="unknown block quantization mode"):
+        block_weight_for(w, "int8")
+
+
+def test_the_path_environment_variable_forces_a_checked_path(
+    kernels: RowKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slower = kernels.block_quant_paths()[-1]  # "scalar": every build has it
+    monkeypatch.setenv(block_quant.PATH_ENV, slower)
+    block_quant.block_kernels.cache_clear()
+    try:
+        chosen = block_quant.block_kernels()
+        assert chosen is not None
+        assert chosen[1] == slower
+        weight = quantize_blocks(_weight(64, 6, 5), "q4_1")
+        x = _input(2, 64, 6)
+        assert torch.equal(block_linear(x, weight), reference_block_linear(x, weight))
+    finally:
+        monkeypatch.delenv(block_quant.PATH_ENV)
+        block_quant.block_kernels.cache_clear()
+    best = block_quant.block_kernels()
+    assert best is not None
+    assert best[1] == kernels.block_quant_paths()[0]
