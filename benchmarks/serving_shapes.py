@@ -246,11 +246,19 @@ def server_command(server: str, model: str, hf_dir: Path | None, port: int) -> t
 
 @contextlib.contextmanager
 def running_server(server: str, model: str, hf_dir: Path | None) -> Iterator[str]:
-    """Start one server on a free loopback port and wait (up to 15 minutes) until it answers `/v1/models`; yields
-    its base URL; SIGTERM to the server at the end (SIGKILL to its whole process group after 60 s). Raises
-    RuntimeError (with the log's tail) if it exits first."""
+    """Start one of this benchmark's servers (`server_command`) on a free loopback port: `running_command`."""
     port = free_port()
     cmd, env = server_command(server, model, hf_dir, port)
+    with running_command(server, cmd, env, port) as base_url:
+        yield base_url
+
+
+@contextlib.contextmanager
+def running_command(server: str, cmd: list[str], env: dict[str, str], port: int) -> Iterator[str]:
+    """Start an OpenAI-compatible server (`cmd`, listening on loopback `port`; output to a temporary log named after
+    `server`) and wait (up to 15 minutes) until it answers `/v1/models` with 200; yields its base URL; SIGTERM to
+    the server at the end (SIGKILL to its whole process group after 60 s). Raises RuntimeError (with the log's
+    tail) if it exits first or never answers."""
     log = Path(tempfile.mkstemp(prefix=f"{server}-", suffix=".log")[1])
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
