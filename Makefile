@@ -5,7 +5,7 @@ run:            ## stream a real answer from the default model (SmolLM2-135M-Ins
 	@scripts/setup.sh runtime
 	@.venv/bin/python examples/stream_chat.py
 
-test:           ## the whole test suite (real model on CPU; CI took 15-17 min for it on 2 cores)
+test:           ## the whole test suite (real model on CPU; 23.5 min on a quiet 2-core machine, 2026-12-03)
 	@scripts/setup.sh dev
 	@.venv/bin/python -m pytest -q --durations=30
 
