@@ -29,7 +29,7 @@ from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.tokenizer import Tokenizer
 from tests.integration.executor_helpers import PROMPTS, engine_args, greedy_ids
 from tests.integration.test_int8 import HELD_OUT_CHATS, HELD_OUT_PROSE, Bounds
-from tests.kernels import require_kernels
+from tests.kernel_checks import require_kernels
 from tests.reference import dense_greedy, next_token_logits
 
 BOUNDS = {  # mode -> corpus -> bounds (measured worst values in the module doc)
@@ -50,7 +50,7 @@ BOUNDS = {  # mode -> corpus -> bounds (measured worst values in the module doc)
 
 @pytest.fixture(scope="module", params=list(BOUNDS))
 def block_model(request: pytest.FixtureRequest, model_path: str) -> tuple[str, Any]:
-    require_kernels()  # fails under CI where they do not build, skips elsewhere (tests/kernels.py)
+    require_kernels()  # fails under CI where they do not build, skips elsewhere (tests/kernel_checks.py)
     mode = request.param
     return mode, load_model(ModelConfig(model=model_path, model_path=model_path, quantization=mode))
 

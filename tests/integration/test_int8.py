@@ -34,7 +34,7 @@ from tests.integration.conftest import EngineFactory
 from tests.integration.executor_helpers import EXECUTOR_OVERRIDES, MAX_TOKENS, PROMPTS, greedy_ids
 from tests.integration.test_engine_core import _assert_all_free, _requests, _run
 from tests.integration.test_model_parity import CHATS, _Runner
-from tests.kernels import require_kernels
+from tests.kernel_checks import require_kernels
 from tests.reference import clear_prefix_len, dense_greedy, greedy_margins, next_token_logits
 
 HELD_OUT_CHATS = [  # topics and words the calibration text (model/loading/loader.py CALIBRATION_MESSAGES) does not have
@@ -105,7 +105,7 @@ def test_fused_kernels_give_the_eager_logits_bit_for_bit(model_path: str, models
     logits over a chat prompt, fp32 and int8, are the same with the eager ops."""
     tokenizer = Tokenizer.load(model_path)
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}]))
-    require_kernels()  # fails under CI where they do not build, skips elsewhere (tests/kernels.py)
+    require_kernels()  # fails under CI where they do not build, skips elsewhere (tests/kernel_checks.py)
     for model in models:
         kernels = model.fused_kernels
         assert kernels is not None

@@ -23,7 +23,7 @@ from asyncllm.model.kernels.block_quant import (
     reference_block_linear,
 )
 from asyncllm.model.kernels.row_kernels import RowKernels
-from tests.kernels import require_kernels
+from tests.kernel_checks import require_kernels
 
 KINDS = ("q8_0", "q4_0", "q4_1")
 

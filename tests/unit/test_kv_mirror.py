@@ -11,7 +11,7 @@ from asyncllm.model.kernels.row_kernels import RowKernels
 from asyncllm.model.layers.attention import paged_attention, write_kv_cache
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.layers.kv_mirror import DecodeKVMirror
-from tests.kernels import require_kernels
+from tests.kernel_checks import require_kernels
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, NUM_BLOCKS = 4, 2, 6, 8, 64
 
@@ -96,7 +96,7 @@ def _run_both(seqs: Sequences, schedule: list[list[str]], mirror: DecodeKVMirror
 def test_mirror_gives_the_gathered_attention_and_is_kept_only_while_valid(
     pass_new_kv: bool, with_kernels: bool, window: int | None
 ) -> None:
-    kernels = require_kernels() if with_kernels else None  # fails under CI where they do not build (tests/kernels.py)
+    kernels = require_kernels() if with_kernels else None  # fails under CI where they do not build (tests/kernel_checks.py)
     seqs = Sequences({"a": 3, "b": 9, "c": 14}, pass_new_kv=pass_new_kv, kernels=kernels, window=window)
     bytes_per_token = 2 * 2 * KV_HEADS * HEAD_DIM * 4
     mirror = DecodeKVMirror(BLOCK_SIZE, bytes_per_token, max_bytes=10**9)

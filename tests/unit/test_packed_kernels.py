@@ -24,7 +24,7 @@ from asyncllm.model.kernels.fp32 import (
 from asyncllm.model.kernels.int8 import INT8_PRODUCT, Int8Weight, onednn_int8_available, quantize_int8, quantize_rows
 from asyncllm.model.kernels.linear import linear
 from asyncllm.model.loading.loader import load_model
-from tests.kernels import require_mkl_packed
+from tests.kernel_checks import require_mkl_packed
 from tests.unit.test_quant import TINY_LLAMA, _logits
 
 pytestmark = pytest.mark.skipif(
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 def fp32_chooser(request, tmp_path) -> KernelChooser[torch.Tensor]:  # type: ignore[no-untyped-def]
     """A chooser that runs every product on one fp32 kernel, each in turn (this CI's torch has all three)."""
     if request.param == "mkl_packed":
-        require_mkl_packed()  # fails under CI where the kernels do not build, as every kernel test (tests/kernels.py)
+        require_mkl_packed()  # fails under CI where the kernels do not build, as every kernel test (tests/kernel_checks.py)
     return KernelChooser(FP32_PRODUCT, forced=request.param, cache_dir=tmp_path)
 
 

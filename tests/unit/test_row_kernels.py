@@ -23,13 +23,13 @@ from asyncllm.model.kernels.row_kernels import RowKernels, decode_attention_refe
 from asyncllm.model.layers import attention
 from asyncllm.model.layers.attention import write_kv_cache
 from asyncllm.model.layers.rotary import rotary_cos_sin
-from tests.kernels import require_kernels
+from tests.kernel_checks import require_kernels
 from tests.unit.test_quant import _logits, _tiny_model
 
 
 @pytest.fixture(scope="module")
 def kernels() -> RowKernels:
-    """Built here; where they cannot be, every test of this module fails under CI (`tests/kernels.py`)."""
+    """Built here; where they cannot be, every test of this module fails under CI (`tests/kernel_checks.py`)."""
     return require_kernels()
 
 
