@@ -96,7 +96,7 @@ def _run_both(seqs: Sequences, schedule: list[list[str]], mirror: DecodeKVMirror
 def test_mirror_gives_the_gathered_attention_and_is_kept_only_while_valid(
     pass_new_kv: bool, with_kernels: bool, window: int | None
 ) -> None:
-    kernels = require_kernels() if with_kernels else None  # fails under CI where they do not build (tests/kernel_checks.py)
+    kernels = require_kernels() if with_kernels else None  # CI fails where they do not build (kernel_checks.py)
     seqs = Sequences({"a": 3, "b": 9, "c": 14}, pass_new_kv=pass_new_kv, kernels=kernels, window=window)
     bytes_per_token = 2 * 2 * KV_HEADS * HEAD_DIM * 4
     mirror = DecodeKVMirror(BLOCK_SIZE, bytes_per_token, max_bytes=10**9)

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 def fp32_chooser(request, tmp_path) -> KernelChooser[torch.Tensor]:  # type: ignore[no-untyped-def]
     """A chooser that runs every product on one fp32 kernel, each in turn (this CI's torch has all three)."""
     if request.param == "mkl_packed":
-        require_mkl_packed()  # fails under CI where the kernels do not build, as every kernel test (tests/kernel_checks.py)
+        require_mkl_packed()  # fails under CI where the kernels do not build (kernel_checks.py)
     return KernelChooser(FP32_PRODUCT, forced=request.param, cache_dir=tmp_path)
 
 
