@@ -129,3 +129,64 @@ def test_gemma3_gguf_requantizes_its_k_quants_to_q8_0_and_keeps_its_q8_0_head() 
         assert float((ref.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.9, prompt
     ids = tokenizer.encode("The capital of France is")
     assert dense_greedy(model, ids, 5) == dense_greedy(fp32, ids, 5)
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[tuple[Any, ...]]:
+    """Replace `owner.name` by a wrapper that records each call's positional arguments."""
+    calls: list[tuple[Any, ...]] = []
+    original = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.timeout(900)
+def test_gguf_mode_builds_the_files_blocks_from_their_bytes_as_the_values_route_did(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`quantization="gguf"` takes the file's Q4_1 / Q8_0 tensors as their bytes (`FileBlocks`): no block tensor is
+    dequantized and the header is read once. Every layer weight and the head equal, kind and bits, what the values
+    route gives (the file dequantized, then `block_weight_for(..., "gguf")` found the blocks again), and their
+    values are the float32 load's."""
+    import gguf.quants
+
+    from asyncllm.model.kernels.block_quant import GGUF_BLOCK_KINDS
+    from asyncllm.model.llama_weights import LINEAR_WEIGHTS
+    from asyncllm.model.loading import gguf_config, loader
+    from asyncllm.model.registry import get_model_class
+
+    require_kernels()
+    headers = _count_calls(monkeypatch, gguf_config, "read_gguf_header")
+    dequantized = _count_calls(monkeypatch, gguf.quants, "dequantize")
+    model = load_model(ModelConfig(model=model_path, model_path=model_path, quantization="gguf"))
+    assert len(headers) == 1
+    assert [int(qtype) for _, qtype in dequantized if int(qtype) in GGUF_BLOCK_KINDS] == []
+    assert "layers 120 kept q4_1; LM head kept q8_0" in model.linear_kernels
+
+    header = gguf_config.read_checked_gguf_header(model_path)  # the values route, as every load was before
+    values = get_model_class(model.arch.architecture)(model.arch)
+    values.load_weights(loader._iter_gguf_weights(model_path, model.arch, header, keep_blocks=False))
+    assert values.quantize_blocks("gguf") == model.linear_kernels
+    pairs = [
+        (getattr(a, n), getattr(b, n)) for a, b in zip(model.layers, values.layers, strict=True) for n in LINEAR_WEIGHTS
+    ]
+    pairs.append((model.lm_head, values.lm_head))
+    for got, want in pairs:
+        assert (got.kind, got.in_features, got.out_features) == (want.kind, want.in_features, want.out_features)
+        assert torch.equal(got.qs, want.qs)
+        assert torch.equal(got.d.view(torch.int16), want.d.view(torch.int16))  # the float16 bits
+        assert (got.m is None) == (want.m is None)
+        if got.m is not None:
+            assert torch.equal(got.m.view(torch.int16), want.m.view(torch.int16))
+
+    headers.clear()
+    fp32 = load_model(ModelConfig(model=model_path, model_path=model_path))  # float32: one header read too
+    assert len(headers) == 1
+    for layer, blocks in zip(fp32.layers, model.layers, strict=True):
+        for name in LINEAR_WEIGHTS:
+            assert torch.equal(getattr(layer, name), getattr(blocks, name).dequantize()), name
+    assert torch.equal(fp32.lm_head, model.lm_head.dequantize())

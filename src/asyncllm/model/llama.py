@@ -29,7 +29,7 @@ from torch import nn
 from asyncllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.kernels.block_quant import BlockQuantWeight, block_kernels, block_weight_for
+from asyncllm.model.kernels.block_quant import BlockQuantWeight, FileBlocks, block_kernels, block_weight_for
 from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_int8
@@ -233,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Parameter | None = (
             None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size)
         )
+        self.head_file_blocks: FileBlocks | None = None  # the LM head as a GGUF file's blocks, until quantize_blocks
         cos, sin = arch_cos_sin(arch)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -315,9 +316,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             for how in cast(LlamaDecoderLayer, layer).quantize_blocks(mode):
                 hows[how] = hows.get(how, 0) + 1
+        head_blocks, self.head_file_blocks = self.head_file_blocks, None
+        if head_blocks is not None and mode != "gguf":
+            self._fp32_head().copy_(head_blocks.dequantize().t())
         head = self._fp32_head()
         del self.lm_head
-        self.lm_head, head_how = block_weight_for(head, mode, lm_head=True)
+        if head_blocks is not None and mode == "gguf":
+            self.lm_head, head_how = head_blocks.to_weight(), f"kept {head_blocks.kind}"
+        else:
+            self.lm_head, head_how = block_weight_for(head, mode, lm_head=True)
         weights = [getattr(layer, name) for layer in self.layers for name in LINEAR_WEIGHTS] + [self.lm_head]
         megabytes = sum(cast(BlockQuantWeight, w).nbytes for w in weights) / 1e6
         chosen = block_kernels()
@@ -372,8 +379,10 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, self.lm_head)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`) into the fused params.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | FileBlocks]]) -> None:
+        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`) into the fused params. A
+        GGUF file's own blocks (`FileBlocks`: the loader's `quantization="gguf"`) of the layers' modules and the LM
+        head are held as they are for `quantize_blocks`; other such tensors are dequantized.
 
         Raises:
             KeyError: for a tensor name this model does not have.
@@ -382,7 +391,10 @@ class LlamaForCausalLM(nn.Module):
         """
         loaded = set()
         for name, tensor in weights:
-            self._load_one(name, tensor.to(torch.float32))
+            if isinstance(tensor, FileBlocks):
+                self._hold_file_blocks(name, tensor)
+            else:
+                self._load_one(name, tensor.to(torch.float32))
             loaded.add(name)
         missing = sorted(self.expected_weights() - loaded)
         if missing:
@@ -401,6 +413,16 @@ class LlamaForCausalLM(nn.Module):
             if set(parts) & layout.biased_parts:
                 per_layer.add(f"{module}.bias")
         return names | {f"model.layers.{i}.{n}" for i in range(self.arch.num_hidden_layers) for n in per_layer}
+
+    def _hold_file_blocks(self, name: str, blocks: FileBlocks) -> None:
+        """The LM head's (a tied model's embeddings') and the layers' modules' blocks held; others dequantized."""
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if name == ("lm_head.weight" if self.embed_tokens is not None else "model.embed_tokens.weight"):
+            self.head_file_blocks = blocks
+        elif match is not None:
+            cast(LlamaDecoderLayer, self.layers[int(match[1])]).hold_file_blocks(match[2], blocks)
+        else:
+            self._load_one(name, blocks.dequantize())
 
     def _load_one(self, name: str, w: torch.Tensor) -> None:
         if name == "model.embed_tokens.weight":
