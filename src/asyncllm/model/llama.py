@@ -214,6 +214,7 @@ class LlamaForCausalLM(nn.Module):
 
     rope_cos: torch.Tensor  # [max_position_embeddings, head_dim] buffers: [cos, cos] and [-sin, sin] (rope.py)
     rope_sin: torch.Tensor
+    head_file_blocks: FileBlocks | None = None  # the LM head as a GGUF file's blocks, until `quantize_blocks`
 
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
@@ -233,7 +234,6 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Parameter | None = (
             None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size)
         )
-        self.head_file_blocks: FileBlocks | None = None  # the LM head as a GGUF file's blocks, until quantize_blocks
         cos, sin = arch_cos_sin(arch)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
