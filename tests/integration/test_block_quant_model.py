@@ -25,6 +25,7 @@ import torch
 from asyncllm import AsyncLLM, SamplingParams
 from asyncllm.config import ModelConfig
 from asyncllm.model.kernels.block_quant import BlockQuantWeight
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.tokenizer import Tokenizer
 from tests.integration.executor_helpers import PROMPTS, engine_args, greedy_ids
@@ -89,6 +90,41 @@ def test_block_model_weights_and_logit_error_against_fp32(
     if mode != "q4_0":
         answer = tokenizer.decode(dense_greedy(model, tokenizer.encode("The capital of France is"), 3))
         assert answer.startswith(" Paris"), answer
+
+
+def _prefill_then_decode(model: Any, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Final hidden states `[len(token_ids), hidden]`: a prefill of all but the last token, then a decode step of
+    it reading the cache the prefill wrote."""
+    arch, n = model.arch, len(token_ids)
+    tables = [list(range(-(-n // block_size)))]
+    shape = (len(tables[0]), 2, block_size, arch.num_key_value_heads, arch.head_dim)
+    kv_caches = [torch.zeros(shape) for _ in range(arch.num_hidden_layers)]
+    with torch.inference_mode():
+        meta = build_attention_metadata([n - 1], [n - 1], tables, block_size)
+        first = model(torch.tensor(token_ids[:-1]), torch.arange(n - 1), kv_caches, meta)
+        meta = build_attention_metadata([1], [n], tables, block_size)
+        return torch.cat([first, model(torch.tensor(token_ids[-1:]), torch.tensor([n - 1]), kv_caches, meta)])
+
+
+def test_the_block_layer_path_equals_the_generic_one_bit_for_bit(
+    block_model: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LlamaDecoderLayer._forward_blocks` (the products straight on the block kernels, residuals added in place)
+    gives the generic `forward`'s hidden states bit for bit, in a prefill and in a decode step."""
+    from asyncllm.model import llama
+
+    _, model = block_model
+    token_ids = [1, 504, 3458, 282, 4649, 314, 17, 4000, 49151, 28, 9, 260, 2114, 30, 1001, 77, 5]
+    fused = _prefill_then_decode(model, token_ids)
+
+    def generic(layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Any, meta: Any, _: Any):
+        hidden = hidden + layer._attention(layer._rms_norm(hidden, layer.input_norm), cos, sin, kv, meta)
+        return hidden + layer._mlp(layer._rms_norm(hidden, layer.post_attention_norm))
+
+    calls: list[int] = []
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_forward_blocks", lambda *a: calls.append(1) or generic(*a))
+    assert torch.equal(_prefill_then_decode(model, token_ids), fused)
+    assert len(calls) == 2 * model.arch.num_hidden_layers  # the fused path ran in both steps, on every layer
 
 
 @pytest.mark.timeout(900)

@@ -29,7 +29,13 @@ from torch import nn
 from asyncllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.kernels.block_quant import BlockQuantWeight, FileBlocks, block_kernels, block_weight_for
+from asyncllm.model.kernels.block_quant import (
+    BlockQuantWeight,
+    FileBlocks,
+    block_kernels,
+    block_linear,
+    block_weight_for,
+)
 from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_int8
@@ -97,6 +103,8 @@ class LlamaDecoderLayer(LayerWeights):
         kernels = self.fused_kernels
         if kernels is not None and lora is None and isinstance(self.qkv_proj, Int8Weight):
             return self._forward_fused_int8(hidden, cos, sin, kv_cache, meta, kernels)
+        if kernels is not None and lora is None and self.tp_size == 1 and isinstance(self.qkv_proj, BlockQuantWeight):
+            return self._forward_blocks(hidden, cos, sin, kv_cache, meta, kernels)
         hidden = hidden + self._attention(self._rms_norm(hidden, self.input_norm), cos, sin, kv_cache, meta, lora)
         return hidden + self._mlp(self._rms_norm(hidden, self.post_attention_norm), lora)
 
@@ -125,6 +133,26 @@ class LlamaDecoderLayer(LayerWeights):
         qx, scale = kernels.rms_norm_quantize(hidden, self.post_attention_norm, eps)
         qx, scale = kernels.silu_mul_quantize(int8_matmul(qx, gate_up_proj), scale)
         return self._add_scaled(kernels, hidden, int8_matmul(qx, down_proj), scale)
+
+    def _forward_blocks(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kernels: RowKernels,
+    ) -> torch.Tensor:
+        """`forward` with block weights at TP=1 and no LoRA: the four products straight on `block_linear`, each
+        residual added in place into its product's output (`out + hidden` is `hidden + out` bit for bit), without
+        `linear`'s dispatch, the all-reduce calls or a new tensor per add."""
+        qkv_proj, o_proj = cast(BlockQuantWeight, self.qkv_proj), cast(BlockQuantWeight, self.o_proj)
+        gate_up_proj, down_proj = cast(BlockQuantWeight, self.gate_up_proj), cast(BlockQuantWeight, self.down_proj)
+        eps = self.arch.rms_norm_eps
+        qkv = block_linear(kernels.rms_norm(hidden.contiguous(), self.input_norm, eps), qkv_proj)
+        hidden = block_linear(self._attend(qkv, cos, sin, kv_cache, meta), o_proj).add_(hidden)
+        gate_up = block_linear(kernels.rms_norm(hidden, self.post_attention_norm, eps), gate_up_proj)
+        return block_linear(kernels.silu_mul(gate_up), down_proj).add_(hidden)
 
     def _add_scaled(
         self, kernels: RowKernels, hidden: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
