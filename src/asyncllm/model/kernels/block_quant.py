@@ -3,8 +3,9 @@
 A `BlockQuantWeight` stores an `[in, out]` weight as blocks of 32 values along the input dimension, each with a
 float16 scale d (and for Q4_1 a float16 minimum m): Q8_0 `w = d * q` (q int8, |q| <= 127), Q4_0 `w = d * (q - 8)`
 (q 0..15), Q4_1 `w = d * q + m` (q 0..15). These are the block types of llama.cpp's GGUF files, with the same
-dequantized values (`gguf.quants.dequantize`), so a GGUF file's own blocks can be kept as they are
-(`from_values(..., exact=True)`). The products (`block_linear`, `csrc/block_quant.cpp`) quantize the input per row
+dequantized values (`gguf.quants.dequantize`), so a GGUF file's own blocks can be kept as they are: the loader
+hands them over as their bytes (`FileBlocks`, regrouped without dequantizing), and `from_values` finds them again
+in dequantized values bit for bit. The products (`block_linear`, `csrc/block_quant.cpp`) quantize the input per row
 and block of 32 to int8 (`dx = max |x| / 127`) and sum each block's integer products exactly (AVX-512 VNNI, AVX2 or
 scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight value instead of 32.
 
