@@ -25,6 +25,7 @@ import torch
 from asyncllm import AsyncLLM, SamplingParams
 from asyncllm.config import ModelConfig
 from asyncllm.model.kernels.block_quant import BlockQuantWeight
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.tokenizer import Tokenizer
 from tests.integration.executor_helpers import PROMPTS, engine_args, greedy_ids
@@ -91,6 +92,41 @@ def test_block_model_weights_and_logit_error_against_fp32(
         assert answer.startswith(" Paris"), answer
 
 
+def _prefill_then_decode(model: Any, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Final hidden states `[len(token_ids), hidden]`: a prefill of all but the last token, then a decode step of
+    it reading the cache the prefill wrote."""
+    arch, n = model.arch, len(token_ids)
+    tables = [list(range(-(-n // block_size)))]
+    shape = (len(tables[0]), 2, block_size, arch.num_key_value_heads, arch.head_dim)
+    kv_caches = [torch.zeros(shape) for _ in range(arch.num_hidden_layers)]
+    with torch.inference_mode():
+        meta = build_attention_metadata([n - 1], [n - 1], tables, block_size)
+        first = model(torch.tensor(token_ids[:-1]), torch.arange(n - 1), kv_caches, meta)
+        meta = build_attention_metadata([1], [n], tables, block_size)
+        return torch.cat([first, model(torch.tensor(token_ids[-1:]), torch.tensor([n - 1]), kv_caches, meta)])
+
+
+def test_the_block_layer_path_equals_the_generic_one_bit_for_bit(
+    block_model: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LlamaDecoderLayer._forward_blocks` (the products straight on the block kernels, residuals added in place)
+    gives the generic `forward`'s hidden states bit for bit, in a prefill and in a decode step."""
+    from asyncllm.model import llama
+
+    _, model = block_model
+    token_ids = [1, 504, 3458, 282, 4649, 314, 17, 4000, 49151, 28, 9, 260, 2114, 30, 1001, 77, 5]
+    fused = _prefill_then_decode(model, token_ids)
+
+    def generic(layer: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Any, meta: Any, _: Any):
+        hidden = hidden + layer._attention(layer._rms_norm(hidden, layer.input_norm), cos, sin, kv, meta)
+        return hidden + layer._mlp(layer._rms_norm(hidden, layer.post_attention_norm))
+
+    calls: list[int] = []
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_forward_blocks", lambda *a: calls.append(1) or generic(*a))
+    assert torch.equal(_prefill_then_decode(model, token_ids), fused)
+    assert len(calls) == 2 * model.arch.num_hidden_layers  # the fused path ran in both steps, on every layer
+
+
 @pytest.mark.timeout(900)
 async def test_gguf_engine_answers_and_batched_equals_alone(model_path: str) -> None:
     require_kernels()
@@ -129,3 +165,64 @@ def test_gemma3_gguf_requantizes_its_k_quants_to_q8_0_and_keeps_its_q8_0_head() 
         assert float((ref.argmax(-1) == got.argmax(-1)).float().mean()) >= 0.9, prompt
     ids = tokenizer.encode("The capital of France is")
     assert dense_greedy(model, ids, 5) == dense_greedy(fp32, ids, 5)
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[tuple[Any, ...]]:
+    """Replace `owner.name` by a wrapper that records each call's positional arguments."""
+    calls: list[tuple[Any, ...]] = []
+    original = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.timeout(900)
+def test_gguf_mode_builds_the_files_blocks_from_their_bytes_as_the_values_route_did(
+    model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`quantization="gguf"` takes the file's Q4_1 / Q8_0 tensors as their bytes (`FileBlocks`): no block tensor is
+    dequantized and the header is read once. Every layer weight and the head equal, kind and bits, what the values
+    route gives (the file dequantized, then `block_weight_for(..., "gguf")` found the blocks again), and their
+    values are the float32 load's."""
+    import gguf.quants
+
+    from asyncllm.model.kernels.block_quant import GGUF_BLOCK_KINDS
+    from asyncllm.model.llama_weights import LINEAR_WEIGHTS
+    from asyncllm.model.loading import gguf_config, loader
+    from asyncllm.model.registry import get_model_class
+
+    require_kernels()
+    headers = _count_calls(monkeypatch, gguf_config, "read_gguf_header")
+    dequantized = _count_calls(monkeypatch, gguf.quants, "dequantize")
+    model = load_model(ModelConfig(model=model_path, model_path=model_path, quantization="gguf"))
+    assert len(headers) == 1
+    assert [int(qtype) for _, qtype in dequantized if int(qtype) in GGUF_BLOCK_KINDS] == []
+    assert "layers 120 kept q4_1; LM head kept q8_0" in model.linear_kernels
+
+    header = gguf_config.read_checked_gguf_header(model_path)  # the values route, as every load was before
+    values = get_model_class(model.arch.architecture)(model.arch)
+    values.load_weights(loader._iter_gguf_weights(model_path, model.arch, header, keep_blocks=False))
+    assert values.quantize_blocks("gguf") == model.linear_kernels
+    pairs = [
+        (getattr(a, n), getattr(b, n)) for a, b in zip(model.layers, values.layers, strict=True) for n in LINEAR_WEIGHTS
+    ]
+    pairs.append((model.lm_head, values.lm_head))
+    for got, want in pairs:
+        assert (got.kind, got.in_features, got.out_features) == (want.kind, want.in_features, want.out_features)
+        assert torch.equal(got.qs, want.qs)
+        assert torch.equal(got.d.view(torch.int16), want.d.view(torch.int16))  # the float16 bits
+        assert (got.m is None) == (want.m is None)
+        if got.m is not None:
+            assert torch.equal(got.m.view(torch.int16), want.m.view(torch.int16))
+
+    headers.clear()
+    fp32 = load_model(ModelConfig(model=model_path, model_path=model_path))  # float32: one header read too
+    assert len(headers) == 1
+    for layer, blocks in zip(fp32.layers, model.layers, strict=True):
+        for name in LINEAR_WEIGHTS:
+            assert torch.equal(getattr(layer, name), getattr(blocks, name).dequantize()), name
+    assert torch.equal(fp32.lm_head, model.lm_head.dequantize())

@@ -17,6 +17,7 @@ from asyncllm.model.kernels import block_quant
 from asyncllm.model.kernels.block_quant import (
     BlockQuantWeight,
     BlockShapeError,
+    FileBlocks,
     block_linear,
     from_values,
     quantize_blocks,
@@ -257,3 +258,34 @@ def test_the_path_environment_variable_forces_a_checked_path(
     best = block_quant.block_kernels()
     assert best is not None
     assert best[1] == kernels.block_quant_paths()[0]
+
+
+def _same_blocks(got: BlockQuantWeight, want: BlockQuantWeight) -> bool:
+    """Kind, shape, values and the float16 bits of scales and minimums all equal."""
+    if (got.kind, got.shape) != (want.kind, want.shape) or (got.m is None) != (want.m is None):
+        return False
+    same_m = got.m is None or want.m is None or torch.equal(got.m.view(torch.int16), want.m.view(torch.int16))
+    return torch.equal(got.qs, want.qs) and torch.equal(got.d.view(torch.int16), want.d.view(torch.int16)) and same_m
+
+
+@pytest.mark.parametrize(("kind", "qtype"), [("q8_0", 8), ("q4_0", 2), ("q4_1", 3)])
+def test_a_files_bytes_give_the_blocks_the_values_route_finds(kind: str, qtype: int) -> None:
+    """`FileBlocks` (a GGUF tensor's own bytes, as `gguf.quants.quantize` writes them) regrouped without
+    dequantizing equal, bit for bit, the blocks `from_values` finds in `gguf.quants.dequantize`'s values; its
+    `dequantize` is those values; rows split and concatenated like a tensor's stay the same blocks."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    weight = _weight(96, 11, seed=5)  # [in, out]; 11 outputs: a zero-padded last group
+    raw = quantize(weight.t().contiguous().numpy(), GGMLQuantizationType(qtype))  # [out, row bytes]
+    blocks = FileBlocks(kind, torch.from_numpy(raw).reshape(11, 3, -1))  # type: ignore[arg-type]
+    values = torch.from_numpy(np.array(dequantize(raw, GGMLQuantizationType(qtype)), dtype=np.float32))
+    assert torch.equal(blocks.dequantize(), values)
+    want = from_values(values.t().contiguous(), kind)  # type: ignore[arg-type]
+    assert want is not None
+    assert _same_blocks(blocks.to_weight(), want)
+    rejoined = FileBlocks.concat([FileBlocks(blocks.kind, part) for part in blocks.raw.split([4, 7])])
+    assert rejoined is not None
+    assert _same_blocks(rejoined.to_weight(), want)
+    other = "q8_0" if kind != "q8_0" else "q4_0"
+    assert FileBlocks.concat([blocks, FileBlocks(other, blocks.raw)]) is None

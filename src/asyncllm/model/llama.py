@@ -29,7 +29,13 @@ from torch import nn
 from asyncllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.kernels.block_quant import BlockQuantWeight, block_kernels, block_weight_for
+from asyncllm.model.kernels.block_quant import (
+    BlockQuantWeight,
+    FileBlocks,
+    block_kernels,
+    block_linear,
+    block_weight_for,
+)
 from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_int8
@@ -97,6 +103,8 @@ class LlamaDecoderLayer(LayerWeights):
         kernels = self.fused_kernels
         if kernels is not None and lora is None and isinstance(self.qkv_proj, Int8Weight):
             return self._forward_fused_int8(hidden, cos, sin, kv_cache, meta, kernels)
+        if kernels is not None and lora is None and self.tp_size == 1 and isinstance(self.qkv_proj, BlockQuantWeight):
+            return self._forward_blocks(hidden, cos, sin, kv_cache, meta, kernels)
         hidden = hidden + self._attention(self._rms_norm(hidden, self.input_norm), cos, sin, kv_cache, meta, lora)
         return hidden + self._mlp(self._rms_norm(hidden, self.post_attention_norm), lora)
 
@@ -125,6 +133,26 @@ class LlamaDecoderLayer(LayerWeights):
         qx, scale = kernels.rms_norm_quantize(hidden, self.post_attention_norm, eps)
         qx, scale = kernels.silu_mul_quantize(int8_matmul(qx, gate_up_proj), scale)
         return self._add_scaled(kernels, hidden, int8_matmul(qx, down_proj), scale)
+
+    def _forward_blocks(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kernels: RowKernels,
+    ) -> torch.Tensor:
+        """`forward` with block weights at TP=1 and no LoRA: the four products straight on `block_linear`, each
+        residual added in place into its product's output (`out + hidden` is `hidden + out` bit for bit), without
+        `linear`'s dispatch, the all-reduce calls or a new tensor per add."""
+        qkv_proj, o_proj = cast(BlockQuantWeight, self.qkv_proj), cast(BlockQuantWeight, self.o_proj)
+        gate_up_proj, down_proj = cast(BlockQuantWeight, self.gate_up_proj), cast(BlockQuantWeight, self.down_proj)
+        eps = self.arch.rms_norm_eps
+        qkv = block_linear(kernels.rms_norm(hidden.contiguous(), self.input_norm, eps), qkv_proj)
+        hidden = block_linear(self._attend(qkv, cos, sin, kv_cache, meta), o_proj).add_(hidden)
+        gate_up = block_linear(kernels.rms_norm(hidden, self.post_attention_norm, eps), gate_up_proj)
+        return block_linear(kernels.silu_mul(gate_up), down_proj).add_(hidden)
 
     def _add_scaled(
         self, kernels: RowKernels, hidden: torch.Tensor, out: torch.Tensor, scale: torch.Tensor
@@ -165,10 +193,12 @@ class LlamaDecoderLayer(LayerWeights):
         n, d = qkv.shape[0], self.arch.head_dim
         rotated = self.q_size + self.kv_size  # q and k heads rotated in one pass
         kernels = self.fused_kernels
+        heads = [self.q_size // d, self.kv_size // d]
         if kernels is not None and self.q_norm is None and self.rotary_dim == d:
             qkv = qkv.contiguous()
             kernels.scale_bias_rotate_(qkv, row_scale, self.qkv_bias, cos, sin, rotated)
-            qk = qkv[:, :rotated].view(n, -1, d)
+            # the same views of qkv as the slices below, in two ops instead of five
+            q, k, v = qkv.view(n, -1, d).split_with_sizes([*heads, heads[1]], dim=1)
         else:
             if row_scale is not None:
                 qkv.mul_(row_scale)
@@ -179,9 +209,8 @@ class LlamaDecoderLayer(LayerWeights):
                 eps, q_heads = self.arch.rms_norm_eps, self.q_size // d
                 q_normed = head_rms_norm(qk[:, :q_heads], self.q_norm, eps, kernels)
                 qk = torch.cat([q_normed, head_rms_norm(qk[:, q_heads:], self.k_norm, eps, kernels)], dim=1)
-            qk = self._rotate(qk, cos, sin)
-        q, k = qk.split([self.q_size // d, self.kv_size // d], dim=1)
-        v = qkv[:, rotated:].view(n, -1, d)
+            q, k = self._rotate(qk, cos, sin).split(heads, dim=1)
+            v = qkv[:, rotated:].view(n, -1, d)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping, meta.slot_blocks, kernels)
         return paged_attention(q, kv_cache, meta, new_kv=(k, v), kernels=kernels, window=self.window)
 
@@ -214,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
 
     rope_cos: torch.Tensor  # [max_position_embeddings, head_dim] buffers: [cos, cos] and [-sin, sin] (rope.py)
     rope_sin: torch.Tensor
+    head_file_blocks: FileBlocks | None = None  # the LM head as a GGUF file's blocks, until `quantize_blocks`
 
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
@@ -315,9 +345,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             for how in cast(LlamaDecoderLayer, layer).quantize_blocks(mode):
                 hows[how] = hows.get(how, 0) + 1
+        head_blocks, self.head_file_blocks = self.head_file_blocks, None
+        if head_blocks is not None and mode != "gguf":
+            self._fp32_head().copy_(head_blocks.dequantize().t())
         head = self._fp32_head()
         del self.lm_head
-        self.lm_head, head_how = block_weight_for(head, mode, lm_head=True)
+        if head_blocks is not None and mode == "gguf":
+            self.lm_head, head_how = head_blocks.to_weight(), f"kept {head_blocks.kind}"
+        else:
+            self.lm_head, head_how = block_weight_for(head, mode, lm_head=True)
         weights = [getattr(layer, name) for layer in self.layers for name in LINEAR_WEIGHTS] + [self.lm_head]
         megabytes = sum(cast(BlockQuantWeight, w).nbytes for w in weights) / 1e6
         chosen = block_kernels()
@@ -372,8 +408,10 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, self.lm_head)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`) into the fused params.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | FileBlocks]]) -> None:
+        """Copy HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, `[out, in]`) into the fused params. A
+        GGUF file's own blocks (`FileBlocks`: the loader's `quantization="gguf"`) of the layers' modules and the LM
+        head are held as they are for `quantize_blocks`; other such tensors are dequantized.
 
         Raises:
             KeyError: for a tensor name this model does not have.
@@ -382,7 +420,10 @@ class LlamaForCausalLM(nn.Module):
         """
         loaded = set()
         for name, tensor in weights:
-            self._load_one(name, tensor.to(torch.float32))
+            if isinstance(tensor, FileBlocks):
+                self._hold_file_blocks(name, tensor)
+            else:
+                self._load_one(name, tensor.to(torch.float32))
             loaded.add(name)
         missing = sorted(self.expected_weights() - loaded)
         if missing:
@@ -401,6 +442,16 @@ class LlamaForCausalLM(nn.Module):
             if set(parts) & layout.biased_parts:
                 per_layer.add(f"{module}.bias")
         return names | {f"model.layers.{i}.{n}" for i in range(self.arch.num_hidden_layers) for n in per_layer}
+
+    def _hold_file_blocks(self, name: str, blocks: FileBlocks) -> None:
+        """The LM head's (a tied model's embeddings') and the layers' modules' blocks held; others dequantized."""
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if name == ("lm_head.weight" if self.embed_tokens is not None else "model.embed_tokens.weight"):
+            self.head_file_blocks = blocks
+        elif match is not None:
+            cast(LlamaDecoderLayer, self.layers[int(match[1])]).hold_file_blocks(match[2], blocks)
+        else:
+            self._load_one(name, blocks.dequantize())
 
     def _load_one(self, name: str, w: torch.Tensor) -> None:
         if name == "model.embed_tokens.weight":

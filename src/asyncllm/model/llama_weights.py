@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.kernels.block_quant import block_weight_for
+from asyncllm.model.kernels.block_quant import BlockQuantWeight, FileBlocks, block_weight_for
 from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, quantize_int8
@@ -67,6 +67,8 @@ class LayerWeights(nn.Module):
         self.o_proj: Weight = empty_param(self.q_size, h)
         self.gate_up_proj: Weight = empty_param(h, 2 * self.inter_size)
         self.down_proj: Weight = empty_param(self.inter_size, h)
+        # fused param -> part -> a GGUF file's own blocks, loaded but not yet placed (`quantize_blocks`)
+        self.file_blocks: dict[str, dict[str, FileBlocks]] = {}
 
     def smooth(self, input_absmax: dict[int, torch.Tensor]) -> None:
         """Apply SmoothQuant factors (`model/kernels/int8.py`) to the four linear inputs, exactly in fp32: each input
@@ -104,8 +106,12 @@ class LayerWeights(nn.Module):
         `block_weight_for`; this rank's shard); forward then runs them through `linear` with the fp32 row kernels
         around. Returns how each was stored ("kept q4_1", ...)."""
         hows: list[str] = []
+        kept = self._take_file_blocks(keep=mode == "gguf")
 
         def convert(weight: torch.Tensor) -> Weight:
+            if id(weight) in kept:
+                hows.append(f"kept {kept[id(weight)].kind}")
+                return kept[id(weight)]
             blocks, how = block_weight_for(weight, mode)
             hows.append(how)
             return blocks
@@ -113,11 +119,33 @@ class LayerWeights(nn.Module):
         self._replace_weights(convert)
         return hows
 
+    def _take_file_blocks(self, keep: bool) -> dict[int, BlockQuantWeight]:
+        """Place the GGUF blocks `load_weight` held: with `keep`, a fused weight whose parts are all blocks of one
+        kind becomes those blocks (by id of its fp32 param; no values are computed, and they are the blocks
+        `block_weight_for(..., "gguf")` finds in the dequantized values); every other part is dequantized into its
+        slot of the fp32 param."""
+        kept: dict[int, BlockQuantWeight] = {}
+        slots = self.fused_slots()
+        for fused, parts in self.file_blocks.items():
+            target = cast(torch.Tensor, getattr(self, fused))
+            ordered = [parts[p] for p in FUSED_PARTS[fused] if p in parts]
+            whole = FileBlocks.concat(ordered) if keep and len(ordered) == len(FUSED_PARTS[fused]) else None
+            if whole is not None:
+                kept[id(target)] = whole.to_weight()
+                continue
+            for part, blocks in parts.items():
+                _, start, width = slots[part]
+                target[:, start : start + width].copy_(blocks.dequantize().t())
+        self.file_blocks = {}
+        return kept
+
     def pack_fp32(self, chooser: KernelChooser[torch.Tensor] | None = None) -> None:
         """Prepare the four fused fp32 weights for the kernels `chooser` picks (`model/kernels/fp32.py`)."""
         self._replace_weights(lambda weight: pack_fp32(weight, chooser))
 
     def _replace_weights(self, convert: Callable[[torch.Tensor], Weight]) -> None:
+        if self.file_blocks:  # only `quantize_blocks` places them
+            raise RuntimeError("the layer holds a GGUF file's blocks: only quantize_blocks can store its weights")
         for name in LINEAR_WEIGHTS:
             weight = getattr(self, name)
             if not isinstance(weight, torch.Tensor):
@@ -151,6 +179,21 @@ class LayerWeights(nn.Module):
         if parts[0] in COLUMN_PARALLEL:
             return [(part, lora_a, self._shard(part, b)) for part, b in self._split(parts, lora_b)]
         return [(parts[0], self._shard(parts[0], lora_a), lora_b)]
+
+    def hold_file_blocks(self, name: str, blocks: FileBlocks) -> None:
+        """Take one layer tensor (name as `load_weight`'s) as a GGUF file's own blocks: a module's weight at TP=1 is
+        split into its parts and held for `quantize_blocks`; anything else is dequantized into `load_weight`.
+
+        Raises:
+            KeyError: as `load_weight`.
+        """
+        base, _, kind = name.rpartition(".")
+        if self.tp_size > 1 or kind != "weight" or base not in self.layout.modules:
+            self.load_weight(name, blocks.dequantize())
+            return
+        slots = self.fused_slots()
+        for part, piece in self._split(self.layout.modules[base], blocks.raw):
+            self.file_blocks.setdefault(slots[part][0], {})[part] = FileBlocks(blocks.kind, piece)
 
     def load_weight(self, name: str, w: torch.Tensor) -> None:
         """Place one HF layer tensor (name after `model.layers.N.`, `[out, in]` or `[out]`) into this rank's params:

@@ -3,8 +3,9 @@
 A `BlockQuantWeight` stores an `[in, out]` weight as blocks of 32 values along the input dimension, each with a
 float16 scale d (and for Q4_1 a float16 minimum m): Q8_0 `w = d * q` (q int8, |q| <= 127), Q4_0 `w = d * (q - 8)`
 (q 0..15), Q4_1 `w = d * q + m` (q 0..15). These are the block types of llama.cpp's GGUF files, with the same
-dequantized values (`gguf.quants.dequantize`), so a GGUF file's own blocks can be kept as they are
-(`from_values(..., exact=True)`). The products (`block_linear`, `csrc/block_quant.cpp`) quantize the input per row
+dequantized values (`gguf.quants.dequantize`), so a GGUF file's own blocks can be kept as they are: the loader
+hands them over as their bytes (`FileBlocks`, regrouped without dequantizing), and `from_values` finds them again
+in dequantized values bit for bit. The products (`block_linear`, `csrc/block_quant.cpp`) quantize the input per row
 and block of 32 to int8 (`dx = max |x| / 127`) and sum each block's integer products exactly (AVX-512 VNNI, AVX2 or
 scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight value instead of 32.
 
@@ -157,6 +158,19 @@ def _pack(
     kind: BlockKind, in_features: int, out_features: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
 ) -> BlockQuantWeight:
     """Integer values `[out, nb, 32]` and float scales `[out, nb]` into the grouped layout."""
+    if kind == "q8_0":
+        qs = q.to(torch.int8).view(torch.uint8)
+    else:
+        q = q.to(torch.uint8)
+        qs = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
+    return _grouped_weight(kind, in_features, qs, d.to(torch.float16), m.to(torch.float16) if m is not None else None)
+
+
+def _grouped_weight(
+    kind: BlockKind, in_features: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+) -> BlockQuantWeight:
+    """Packed bytes uint8 `[out, nb, 32 or 16]` and float16 scales (minimums) `[out, nb]` into the grouped layout."""
+    out_features = qs.shape[0]
     groups = -(-out_features // GROUP)
     pad = groups * GROUP - out_features
 
@@ -164,13 +178,76 @@ def _pack(
         t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
         return t.reshape(groups, GROUP, *t.shape[1:]).transpose(1, 2).contiguous()
 
-    if kind == "q8_0":
-        qs = grouped(q.to(torch.int8)).view(torch.uint8)
-    else:
-        q = q.to(torch.uint8)
-        qs = grouped(q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4))
-    half = (grouped(d).to(torch.float16), grouped(m).to(torch.float16) if m is not None else None)
-    return BlockQuantWeight(kind, in_features, out_features, qs.contiguous(), half[0], half[1])
+    minimums = grouped(m) if m is not None else None
+    return BlockQuantWeight(kind, in_features, out_features, grouped(qs), grouped(d), minimums)
+
+
+# GGUF block types with a kernel here, by `gguf.GGMLQuantizationType` value, and their bytes per block of 32.
+GGUF_BLOCK_KINDS: dict[int, BlockKind] = {8: "q8_0", 2: "q4_0", 3: "q4_1"}
+GGUF_BLOCK_BYTES: dict[BlockKind, int] = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+@dataclass
+class FileBlocks:
+    """A weight's blocks as a GGUF file stores them: one row per output, each row's blocks along the input.
+
+    A Q8_0 block is 34 bytes (float16 d, 32 int8 values), Q4_0 18 (float16 d, 16 bytes of nibbles: byte j holds
+    value j low and value j + 16 high), Q4_1 20 (float16 d, float16 m, 16 bytes of nibbles): ggml's `block_q8_0`,
+    `block_q4_0`, `block_q4_1`, the same packing `BlockQuantWeight` keeps (so `to_weight` only regroups bytes).
+    Rows can be permuted, split and concatenated like an `[out, in]` tensor's (`raw`'s first dim).
+
+    Fields:
+        kind: "q8_0", "q4_0" or "q4_1".
+        raw: uint8 `[out, in / 32, bytes per block]`, the file's bytes.
+    """
+
+    kind: BlockKind
+    raw: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return int(self.raw.shape[1]) * BLOCK
+
+    def dequantize(self) -> torch.Tensor:
+        """`[out, in]` float32: `gguf.quants.dequantize` of the bytes (what a float load of the file gives)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        code = next(c for c, kind in GGUF_BLOCK_KINDS.items() if kind == self.kind)
+        rows = self.raw.reshape(self.raw.shape[0], -1).numpy()
+        return torch.from_numpy(np.array(dequantize(rows, GGMLQuantizationType(code)), dtype=np.float32))
+
+    def to_weight(self) -> BlockQuantWeight:
+        """The same blocks as a `BlockQuantWeight` (`[in, out]`), without dequantizing: the bytes regrouped. A block
+        of scale 0 (all its values zero) is written as `quantize_blocks` writes one (Q8_0 / Q4_1: q = 0, d = +0, a
+        zero m +0; Q4_0: q = 8, d = -(its first value) / 8, a signed zero), so the blocks are bit for bit the ones
+        `from_values` finds in the dequantized values."""
+        header = 4 if self.kind == "q4_1" else 2
+
+        def halves(start: int) -> torch.Tensor:  # float16 [out, nb] from 2 bytes per block
+            return self.raw[..., start : start + 2].contiguous().view(torch.float16)[..., 0]
+
+        qs, d = self.raw[..., header:], halves(0)
+        minimums = halves(2) if self.kind == "q4_1" else None
+        zero = d == 0
+        if bool(zero.any()):
+            qs, d = qs.clone(), d.clone()
+            if self.kind == "q4_0":
+                first = (qs[..., 0] & 15).float() - 8  # the block's first value over d: the one of largest |w|
+                d[zero] = (d.float() * first / -8).to(torch.float16)[zero]
+            else:
+                d[zero] = 0.0  # +0
+            qs[zero] = 0x88 if self.kind == "q4_0" else 0
+            if minimums is not None:
+                minimums = torch.where(minimums == 0, 0.0, minimums).to(torch.float16)
+        return _grouped_weight(self.kind, self.in_features, qs, d, minimums)
+
+    @staticmethod
+    def concat(parts: list[FileBlocks]) -> FileBlocks | None:
+        """The parts' rows in order as one weight, or None when their kinds or input widths differ."""
+        if len({(p.kind, p.in_features) for p in parts}) != 1:
+            return None
+        return FileBlocks(parts[0].kind, torch.cat([p.raw for p in parts]))
 
 
 def from_values(weight: torch.Tensor, kind: BlockKind) -> BlockQuantWeight | None:

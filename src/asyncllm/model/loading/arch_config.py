@@ -19,14 +19,18 @@ Both readers hold every key to the same policy. A key is one of:
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 from asyncllm.errors import ConfigError
 from asyncllm.model.arch import WINDOWED_ARCHITECTURES, LongRopeScaling, ModelArchConfig
 from asyncllm.model.loading.gguf_config import read_gguf_config
+from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo
 from asyncllm.model.loading.hf_config import read_hf_config
 
 
-def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
+def read_arch_config(
+    model_path: str | pathlib.Path, gguf_header: tuple[dict[str, Any], list[GGUFTensorInfo]] | None = None
+) -> ModelArchConfig:
     """Architecture hyper-parameters from a `.gguf` file's metadata or an HF directory's config.json.
 
     A hyper-parameter the checkpoint lacks is an error unless the format itself defines its value (GGUF spec:
@@ -34,6 +38,7 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
     = 10000; HF `LlamaConfig`/`Qwen2Config`: `num_key_value_heads` = `num_attention_heads`, `head_dim` =
     `hidden_size / num_attention_heads`). HF `tie_word_embeddings`, when absent, is read from the checkpoint:
     tied exactly when no `lm_head.weight` is stored. Every other key is checked as the module docstring says.
+    `gguf_header`: a `.gguf` file's header already read (`gguf_config.read_checked_gguf_header`), not read again.
 
     Raises:
         ConfigError: the path is neither, a required key is missing, a key this model does not implement (named,
@@ -41,7 +46,7 @@ def read_arch_config(model_path: str | pathlib.Path) -> ModelArchConfig:
     """
     path = pathlib.Path(model_path)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return read_gguf_config(path)
+        return read_gguf_config(path, gguf_header)
     if (path / "config.json").is_file():
         return read_hf_config(path)
     raise ConfigError(f"{model_path}: not a .gguf file or a directory with config.json")

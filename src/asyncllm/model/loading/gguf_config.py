@@ -66,19 +66,31 @@ _GGUF_SPLIT_ONLY_AT: dict[str, tuple[Any, ...]] = {"split.count": (1,), "split.n
 _GGUF_SPLIT_NO_MATH = frozenset({"split.tensors.count"})
 
 
-def read_gguf_config(path: pathlib.Path) -> ModelArchConfig:
+def read_gguf_config(
+    path: pathlib.Path, header: tuple[dict[str, Any], list[GGUFTensorInfo]] | None = None
+) -> ModelArchConfig:
     """Architecture hyper-parameters from a `.gguf` file's metadata (and its `rope_freqs` tensor); see
-    `arch_config.read_arch_config` for the defaults the format defines.
+    `arch_config.read_arch_config` for the defaults the format defines. `header`: the file's header as
+    `read_checked_gguf_header` gave it (a loader that also reads the tensors reads it once), else read here.
 
     Raises:
         ConfigError: not GGUF or a truncated header, a required key missing, or a key this model does not
             implement (named, with its value).
     """
+    metadata, tensors = header if header is not None else read_checked_gguf_header(path)
+    return _arch_from_gguf(metadata, tensors, path)
+
+
+def read_checked_gguf_header(path: pathlib.Path) -> tuple[dict[str, Any], list[GGUFTensorInfo]]:
+    """`gguf_metadata.read_gguf_header`, its errors as `ConfigError`.
+
+    Raises:
+        ConfigError: not GGUF, or a truncated header.
+    """
     try:
-        metadata, tensors = read_gguf_header(path)
+        return read_gguf_header(path)
     except ValueError as e:  # not GGUF, or a truncated header
         raise ConfigError(str(e) if str(path) in str(e) else f"{path}: {e}") from e
-    return _arch_from_gguf(metadata, tensors, path)
 
 
 def check_gguf_keys(meta: dict[str, Any]) -> None:

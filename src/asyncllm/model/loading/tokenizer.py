@@ -146,8 +146,9 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
 
     @classmethod
-    def load(cls, model_path: str) -> Tokenizer:
-        """Load from a `.gguf` file's metadata or from an HF directory (tokenizer.json + tokenizer_config.json).
+    def load(cls, model_path: str, gguf_metadata: dict[str, Any] | None = None) -> Tokenizer:
+        """Load from a `.gguf` file's metadata (`gguf_metadata`: that metadata already read, not read again) or from
+        an HF directory (tokenizer.json + tokenizer_config.json).
 
         Raises:
             ConfigError: a byte-level BPE GGUF whose `tokenizer.ggml.pre` is missing or not in `PRE_TOKENIZATIONS`.
@@ -156,7 +157,7 @@ class Tokenizer:
         """
         path = pathlib.Path(model_path)
         if path.is_file() and path.suffix.lower() == ".gguf":
-            return _load_gguf(path)
+            return _load_gguf(path, gguf_metadata)
         if path.is_dir() and (path / "tokenizer.json").is_file():
             return _load_hf_dir(path)
         raise ValueError(f"{model_path}: not a .gguf file or a directory with tokenizer.json")
@@ -224,8 +225,8 @@ class Tokenizer:
             raise InvalidRequestError(f"chat template failed: {exc}") from exc
 
 
-def _load_gguf(path: pathlib.Path) -> Tokenizer:
-    meta = read_gguf_metadata(path)
+def _load_gguf(path: pathlib.Path, meta: dict[str, Any] | None = None) -> Tokenizer:
+    meta = meta if meta is not None else read_gguf_metadata(path)
     kind, arch = meta.get("tokenizer.ggml.model"), meta.get("general.architecture")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
