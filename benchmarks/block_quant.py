@@ -9,8 +9,9 @@ int8 and fp32: kernels, the engine at batch 1 with its memory, and accuracy.
    decode tok/s = 127 / (end - first token), and the engine process's RSS (`VmRSS`) after the run, for fp32, int8,
    gguf, q4_0 and q8_0 on the default model.
 3. Accuracy: each mode's model against fp32 (the GGUF dequantized) on held-out prompts (not the int8 calibration
-   text): max |logit diff| at every prompt position (worst and mean over positions) and the greedy top-1 agreement
-   rate over positions.
+   text): max |logit diff| at every prompt position (worst and mean over positions), the greedy top-1 agreement
+   rate over positions, and the error of fp32's top-1 token's log-probability; the last two also for llama.cpp's
+   `llama-server` on the same GGUF and prompts (teacher-forced, one request per prefix), when it is built.
 
 The CPU's name and flags come first. Not for a busy machine: the numbers are only worth a quiet host.
 
@@ -140,6 +141,63 @@ def bench_engine(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def top1_logprob_errors(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """|log p(t) - log p_ref(t)| of the reference's top-1 token t at each position ([positions] float32), from
+    `[positions, vocab]` log-softmax rows: the one error llama-server's top log-probabilities also give."""
+    top = ref_log_probs.argmax(-1, keepdim=True)
+    return (log_probs.gather(-1, top) - ref_log_probs.gather(-1, top)).abs().squeeze(-1)
+
+
+def llama_cpp_top_logprobs(base_url: str, prompt: list[int], k: int = 20) -> tuple[dict[int, float], int]:
+    """llama-server's top-`k` next-token log-probabilities after `prompt` (token ids): a softmax of the raw logits,
+    no sampler applied (`post_sampling_probs` off, greedy), and the number of prompt tokens it evaluated in all
+    (to check that it added no BOS). `/completion` of llama.cpp's server; its prompt cache reuses the prefix."""
+    import httpx
+
+    body = {"prompt": prompt, "n_predict": 1, "n_probs": k, "temperature": 0, "post_sampling_probs": False,
+            "cache_prompt": True}  # fmt: skip
+    reply = httpx.post(f"{base_url}/completion", json=body, timeout=600).json()
+    entry = reply["completion_probabilities"][0]
+    return {int(t["id"]): float(t["logprob"]) for t in entry["top_logprobs"]}, int(reply["tokens_evaluated"])
+
+
+def bench_llama_cpp_accuracy(path: str, prompts: list[list[int]], reference: list[torch.Tensor]) -> dict[str, Any]:
+    """llama.cpp (`llama-server` on the same GGUF, its own Q4_1 kernels) against our fp32 on the held-out prompts,
+    position by position (teacher-forced: each prefix is one request): greedy agreement, and the top-1 log-prob
+    error (`top1_logprob_errors`; a position where fp32's top token is not in llama.cpp's top 20 counts as missing)."""
+    from batch1 import LLAMA_SERVER, server_cmd
+    from serving_shapes import free_port, running_command
+
+    if not LLAMA_SERVER.exists():
+        print("accuracy llama.cpp: llama-server is not built (benchmarks/llama_cpp/setup.sh): no row")
+        return {"skipped": "llama-server not built"}
+    port = free_port()
+    cmd, env = server_cmd("llama-server", pathlib.Path(path), port)
+    errors, agree, total, missing, extra_tokens = [], 0, 0, 0, 0
+    with running_command("llama-server", cmd, env, port) as base_url:
+        for ids, ref in zip(prompts, reference, strict=True):
+            ref_log_probs = ref.log_softmax(-1)
+            for pos in range(1, len(ids) + 1):
+                top, evaluated = llama_cpp_top_logprobs(base_url, ids[:pos])
+                extra_tokens = max(extra_tokens, evaluated - pos)
+                want = int(ref_log_probs[pos - 1].argmax())
+                agree += int(max(top, key=top.__getitem__) == want)
+                total += 1
+                if want in top:
+                    errors.append(abs(top[want] - float(ref_log_probs[pos - 1, want])))
+                else:
+                    missing += 1
+    if extra_tokens:
+        raise RuntimeError(f"llama-server evaluated {extra_tokens} more token(s) than sent (a BOS?): not comparable")
+    result = {"top1_agreement": agree / total, "max_top1_logprob_error": max(errors),
+              "mean_top1_logprob_error": sum(errors) / len(errors), "positions": total, "missing": missing,
+              "server": " ".join(cmd)}  # fmt: skip
+    print(f"accuracy llama.cpp: greedy agreement {result['top1_agreement']:.3f}; top-1 log-prob error max "
+          f"{result['max_top1_logprob_error']:.3f}, mean {result['mean_top1_logprob_error']:.4f} ({missing} of "
+          f"{total} positions without fp32's top token in llama.cpp's top 20)")  # fmt: skip
+    return result
+
+
 def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     from asyncllm.model.loading.loader import load_model
     from asyncllm.model.loading.resolve import resolve_model_path
@@ -157,18 +215,23 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     results = {}
     for mode in MODES[2:3] if args.smoke else MODES[1:]:
         model = load_model(ModelConfig(model=path, model_path=path, quantization=mode))  # type: ignore[arg-type]
-        worst, means, agree, total = 0.0, [], 0, 0
+        worst, means, agree, total, lp_errors = 0.0, [], 0, 0, []
         for ids, ref in zip(prompts, reference, strict=True):
             got = next_token_logits(model, ids)
             diff = (got - ref).abs().amax(-1)
             worst, means = max(worst, float(diff.max())), [*means, float(diff.mean())]
             agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
             total += len(ids)
+            lp_errors += top1_logprob_errors(got.log_softmax(-1), ref.log_softmax(-1)).tolist()
         results[str(mode)] = {"max_abs_logit_error": worst, "mean_abs_logit_error": sum(means) / len(means),
-                              "top1_agreement": agree / total}  # fmt: skip
+                              "top1_agreement": agree / total, "max_top1_logprob_error": max(lp_errors),
+                              "mean_top1_logprob_error": sum(lp_errors) / len(lp_errors)}  # fmt: skip
         r = results[str(mode)]
         print(f"accuracy {mode:6}: max |logit error| {r['max_abs_logit_error']:.3f} (mean over positions "
-              f"{r['mean_abs_logit_error']:.3f}), greedy agreement {r['top1_agreement']:.3f}")  # fmt: skip
+              f"{r['mean_abs_logit_error']:.3f}), greedy agreement {r['top1_agreement']:.3f}; top-1 log-prob error "
+              f"max {r['max_top1_logprob_error']:.3f}, mean {r['mean_top1_logprob_error']:.4f}")  # fmt: skip
+    if not args.smoke:
+        results["llama.cpp"] = bench_llama_cpp_accuracy(path, prompts, reference)
     return results
 
 
