@@ -151,3 +151,20 @@ def tokenizer(model_path: str) -> Any:
     from asyncllm.model.loading.tokenizer import Tokenizer
 
     return Tokenizer.load(model_path)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> str:
+    """Local path of Gemma 3 270M's GGUF (`gemma-3-270m`, fetched once into ~/.cache/asyncllm)."""
+    from asyncllm.model.loading.resolve import resolve_model_path
+
+    return str(resolve_model_path("gemma-3-270m"))
+
+
+@pytest.fixture(scope="session")
+def gemma_model(gemma_path: str) -> Any:
+    """Our dense fp32 Gemma 3 270M (`load_model`, no engine), loaded once per session for the modules that compare
+    with it (a load is seconds of dequantizing); read-only."""
+    from asyncllm.model.loading.loader import load_model
+
+    return load_model(ModelConfig(model=gemma_path, model_path=gemma_path))

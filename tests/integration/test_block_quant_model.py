@@ -142,15 +142,14 @@ async def test_gguf_engine_answers_and_batched_equals_alone(model_path: str) -> 
 
 
 @pytest.mark.timeout(900)
-def test_gemma3_gguf_requantizes_its_k_quants_to_q8_0_and_keeps_its_q8_0_head() -> None:
+def test_gemma3_gguf_requantizes_its_k_quants_to_q8_0_and_keeps_its_q8_0_head(
+    gemma_path: str, gemma_model: Any
+) -> None:
     """Gemma 3 270M's file: Q5_0 q/k/gate/up, Q8_0 or Q5_0 v, Q4_K / Q6_K o and down, a Q8_0 token embedding. No
     fused weight is one kernel type, so every layer weight is requantized to Q8_0; the head is kept. Measured:
     relative logit error max 0.042 / 0.034 on two prose prompts, top-1 1.000, the same greedy words."""
-    from asyncllm.model.loading.resolve import resolve_model_path
-
     require_kernels()
-    path = str(resolve_model_path("gemma-3-270m"))
-    fp32 = load_model(ModelConfig(model=path, model_path=path))
+    path, fp32 = gemma_path, gemma_model
     model = load_model(ModelConfig(model=path, model_path=path, quantization="gguf"))
     assert "72 requantized q8_0; LM head kept q8_0" in model.linear_kernels
     tokenizer = Tokenizer.load(path)

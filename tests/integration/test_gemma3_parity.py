@@ -21,7 +21,6 @@ from tokenizers.decoders import DecodeStream
 from asyncllm.config import ModelConfig
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.loading.loader import load_model
-from asyncllm.model.loading.resolve import resolve_model_path
 from asyncllm.model.loading.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -63,11 +62,6 @@ LONG_TEXT = (
     "river may split into many channels and build a delta of fertile land. People have settled beside rivers since "
     "the first farms, for water, for fish, and for the easy travel a current offers to boats. "
 )
-
-
-@pytest.fixture(scope="module")
-def gemma_path() -> str:
-    return str(resolve_model_path("gemma-3-270m"))
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +115,9 @@ def hf_model(gemma_path: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def model(gemma_path: str) -> Any:
-    return load_model(ModelConfig(model=gemma_path, model_path=gemma_path))
+def model(gemma_model: Any) -> Any:
+    """The session's fp32 Gemma 3 (`gemma_model`, read-only)."""
+    return gemma_model
 
 
 class _Runner:
