@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.model.layers.attention_metadata import AttentionGroup, AttentionMetadata
+from asyncllm.model.layers.prefill_attention import prefix_split_available, sequence_prefill_attention
 
 if TYPE_CHECKING:
     from asyncllm.model.kernels.row_kernels import RowKernels
@@ -122,9 +123,26 @@ def paged_attention(
         if one_token and kernels is not None and decode_reads_cache(kernels, head_dim):
             rows = group.query_index[:, 0]  # the decodes of a mixed step: straight from the cache too
             out[rows] = _cache_decode_attention(query[rows], kv_cache, group, scale, kernels, window)
+        elif per_sequence_prefill(group, new_kv, window, softcap):
+            assert new_kv is not None
+            sequence_prefill_attention(query, kv_cache, group, new_kv, scale, out)
         else:
             out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale, window, softcap)
     return out[:num_tokens]
+
+
+def per_sequence_prefill(
+    group: AttentionGroup,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int | None,
+    softcap: float | None,
+) -> bool:
+    """Whether a group of multi-token queries runs one sequence at a time (`sequence_prefill_attention`: no padding,
+    no mask, a fresh chunk's keys read in place) rather than as one padded, masked SDPA call: for full attention
+    (or a window no key falls out of) without soft-capping, given this step's K/V, where the torch build has what
+    the cached-prefix split needs."""
+    full = window is None or group.max_seq_len <= window
+    return full and softcap is None and new_kv is not None and prefix_split_available()
 
 
 def _decode_attention(
