@@ -7,7 +7,9 @@ the keys/values of every sequence are gathered through its block table into
 with the group's mask (causal with the cached-prefix offset, plus padding), passed in the float form SDPA would
 convert a boolean mask to, built once per step (`AttentionGroup.attn_bias`). No Python loop over sequences or
 tokens. A sliding-window layer (Gemma 3's local layers; Beltagy et al., 2020) uses the same gather with the keys
-before its window masked too (`AttentionGroup.bias(window)`, built once per step and window).
+before its window masked too (`AttentionGroup.bias(window)`, built once per step and window). Prefill chunks of
+full-attention layers, given this step's K/V, run one sequence at a time instead (`prefill_attention.py`: no
+padding, no mask, no gather of a fresh chunk's keys, the masked triangle skipped after a cached prefix).
 
 Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 grouped-query attention (Ainslie et al., 2023).
