@@ -158,3 +158,31 @@ def test_the_float_mask_is_the_boolean_one_and_gives_the_same_attention() -> Non
     assert torch.equal(
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask), F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     )
+
+
+def test_the_prefix_split_is_checked_once_and_a_wrong_kernel_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cached-prefix split passes its start-up check on this torch; a flash kernel whose log-sum-exp is wrong
+    fails it with a WARNING, and prefill groups then keep padded SDPA."""
+    from asyncllm.model.layers import prefill_attention
+
+    prefill_attention.prefix_split_available.cache_clear()
+    assert prefill_attention.prefix_split_available()
+    real = prefill_attention._FLASH_CPU
+    assert real is not None
+
+    def wrong_lse(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = real(*args, **kwargs)
+        return out, lse + 1.0 if args[4] else lse  # the causal part's log-sum-exp off by 1: a wrong merge
+
+    monkeypatch.setattr(prefill_attention, "_FLASH_CPU", wrong_lse)
+    prefill_attention.prefix_split_available.cache_clear()
+    try:
+        assert not prefill_attention.prefix_split_available()
+        assert "disagrees with SDPA" in caplog.text
+        meta = build_attention_metadata([5, 3], [5, 11], [[0, 1], [2, 3, 4]], BLOCK_SIZE)
+        new_kv = (torch.zeros(8, 2, HEAD_DIM), torch.zeros(8, 2, HEAD_DIM))
+        assert not per_sequence_prefill(meta.groups[0], new_kv, None, None)
+    finally:
+        prefill_attention.prefix_split_available.cache_clear()

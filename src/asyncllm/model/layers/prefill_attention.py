@@ -16,25 +16,49 @@ masked SDPA call (`benchmarks/analysis.md`, "Prefill attention per sequence"): 1
 40 -> 30 ms, 1024 after 1024 53 -> 41 ms, 512 after 1024 20 -> 18.5 ms.
 
 The prefix part needs the log-sum-exp, which only ATen's CPU flash kernel returns
-(`aten::_scaled_dot_product_flash_attention_for_cpu`, private): `prefix_split_available()` says whether this torch
-has it; without it the caller keeps padded SDPA.
+(`aten::_scaled_dot_product_flash_attention_for_cpu`, private). As with the C++ kernels, `prefix_split_available()`
+checks it once per process against masked SDPA on a small GQA case with a cached prefix; when this torch lacks it
+or it disagrees (a WARNING says so), the caller keeps padded SDPA.
 
 Source: flash attention's log-sum-exp merge (Dao et al., 2022; Milakov & Gimelshein, 2018, online softmax).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from asyncllm.model.layers.attention_metadata import AttentionGroup
 
+logger = logging.getLogger(__name__)
+
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+@functools.cache
 def prefix_split_available() -> bool:
-    """Whether this torch's CPU flash kernel returns the log-sum-exp that the cached-prefix merge needs."""
-    return _FLASH_CPU is not None
+    """Whether this torch's CPU flash kernel returns the log-sum-exp that the cached-prefix merge needs, and the
+    merge it gives equals masked SDPA (within 1e-5) on a GQA case of 6 query / 2 K/V heads, 13 new tokens after 21
+    cached. Checked once per process; a failure logs a WARNING."""
+    if _FLASH_CPU is None:
+        logger.warning("prefill attention: this torch has no CPU flash kernel with log-sum-exp; padded SDPA is used")
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, n, 16, generator=gen) for heads, n in ((6, 13), (2, 34), (2, 34)))
+    allowed = torch.arange(34)[None, :] <= torch.arange(21, 34)[:, None]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    try:
+        got = _merged(q, (k[:, :, :21], v[:, :, :21]), (k[:, :, 21:], v[:, :, 21:]), None)
+    except RuntimeError as e:
+        logger.warning("prefill attention: the cached-prefix split failed its check (%s); padded SDPA is used", e)
+        return False
+    if not torch.allclose(got, expected, atol=1e-5, rtol=1e-5):
+        logger.warning("prefill attention: the cached-prefix split disagrees with SDPA; padded SDPA is used")
+        return False
+    return True
 
 
 def sequence_prefill_attention(
@@ -55,7 +79,8 @@ def sequence_prefill_attention(
         scale: softmax scale; None: 1 / sqrt(head_dim).
         out: [>= num_tokens, num_heads * head_dim] float32; the rows of the group's tokens are overwritten.
     Raises:
-        RuntimeError: a sequence has a cached prefix and `prefix_split_available()` is False.
+        RuntimeError: a sequence has a cached prefix and this torch has no CPU flash kernel with log-sum-exp
+            (`prefix_split_available()` is False).
     """
     key, value = new_kv
     block_size = kv_cache.shape[2]
@@ -68,16 +93,32 @@ def sequence_prefill_attention(
         if prefix == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            if _FLASH_CPU is None:
-                raise RuntimeError("the cached-prefix split needs aten::_scaled_dot_product_flash_attention_for_cpu")
             blocks = group.block_tables[i, : -(-prefix // block_size)]
             k_pre, v_pre = (_gather_prefix(kv_cache, index, blocks, prefix) for index in (0, 1))
-            o_pre, lse_pre = _FLASH_CPU(q, k_pre, v_pre, 0.0, False, scale=scale)
-            o_new, lse_new = _FLASH_CPU(q, k, v, 0.0, True, scale=scale)
-            lse = torch.logaddexp(lse_pre, lse_new)  # [1, num_heads, Q]
-            o = o_pre * (lse_pre - lse).exp_().unsqueeze(-1)
-            o.addcmul_(o_new, (lse_new - lse).exp_().unsqueeze(-1))
+            o = _merged(q, (k_pre, v_pre), (k, v), scale)
         out[start:end] = o[0].transpose(0, 1).reshape(query_len, -1)
+
+
+def _merged(
+    q: torch.Tensor,
+    prefix_kv: tuple[torch.Tensor, torch.Tensor],
+    new_kv: tuple[torch.Tensor, torch.Tensor],
+    scale: float | None,
+) -> torch.Tensor:
+    """[1, num_heads, Q, head_dim] attention of `Q` queries (`q`: [1, num_heads, Q, head_dim], the last `Q`
+    positions) over the cached prefix's keys/values (`prefix_kv`: [1, num_kv_heads, P, head_dim] each), unmasked,
+    and over their own (`new_kv`: [1, num_kv_heads, Q, head_dim] each), causal, merged by log-sum-exp.
+
+    Raises:
+        RuntimeError: this torch has no CPU flash kernel with log-sum-exp.
+    """
+    if _FLASH_CPU is None:
+        raise RuntimeError("the cached-prefix split needs aten::_scaled_dot_product_flash_attention_for_cpu")
+    o_pre, lse_pre = _FLASH_CPU(q, *prefix_kv, 0.0, False, scale=scale)
+    o_new, lse_new = _FLASH_CPU(q, *new_kv, 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse_pre, lse_new)  # [1, num_heads, Q]
+    o = o_pre * (lse_pre - lse).exp_().unsqueeze(-1)
+    return o.addcmul_(o_new, (lse_new - lse).exp_().unsqueeze(-1))
 
 
 def _gather_prefix(kv_cache: torch.Tensor, index: int, blocks: torch.Tensor, prefix: int) -> torch.Tensor:
