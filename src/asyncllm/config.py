@@ -106,6 +106,9 @@ class EngineArgs:
             of `max_model_len` tokens, capped by 5% of the memory available at start (see the README).
         max_num_seqs: concurrent running requests at most.
         max_num_batched_tokens: tokens per step at most.
+        long_prefill_token_threshold: a request computes at most this many prompt tokens in one step (vLLM's
+            option of that name: a long prompt goes in chunks of this size, so the decodes sharing its steps wait
+            less per token); 0 (default): only `max_num_batched_tokens` bounds a chunk.
         num_threads: torch threads per worker; None = torch's default.
         seed: global seed.
         engine_process: engine core in its own process (True, default: model work never competes with the
@@ -193,6 +196,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    long_prefill_token_threshold: int = 0
     num_threads: int | None = None
     seed: int = 0
     engine_process: bool = True
@@ -263,6 +267,11 @@ class EngineArgs:
         for name, value in {**positive, **optional_positive}.items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"EngineArgs.{name}={value!r} is invalid: must be an integer >= 1")
+        threshold = self.long_prefill_token_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise ConfigError(
+                f"EngineArgs.long_prefill_token_threshold={threshold!r} is invalid: must be an integer >= 0 (0: off)"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
         if self.quantization not in (None, "int8", *BLOCK_QUANTIZATIONS):
@@ -400,6 +409,7 @@ class EngineArgs:
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             scheduling_policy=self.scheduling_policy,
             prebuild_grammar_compiler=self.prebuild_grammar_compiler,
         )

@@ -123,12 +123,15 @@ class SchedulerConfig:
         max_num_batched_tokens: tokens (prefill + decode) in one step at most; long prompts are chunked.
         scheduling_policy: "fcfs" (arrival order) or "priority" (lower `priority` first, may preempt).
         prebuild_grammar_compiler: build the structured-outputs vocabulary tables at start (see `EngineArgs`).
+        long_prefill_token_threshold: prompt tokens one request computes in a step at most; 0: no limit but
+            `max_num_batched_tokens`.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     scheduling_policy: SchedulingPolicy = "fcfs"
     prebuild_grammar_compiler: bool = False
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(frozen=True)

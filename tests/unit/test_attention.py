@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncllm.model.layers.attention import paged_attention, write_kv_cache
+from asyncllm.model.layers.attention import paged_attention, per_sequence_prefill, write_kv_cache
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
 
 BLOCK_SIZE = 4
@@ -30,8 +30,16 @@ def _dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
 
 
 def _run_case(
-    query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, seed: int, window: int | None = None
+    query_lens: list[int],
+    seq_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    seed: int,
+    window: int | None = None,
+    pass_new_kv: bool = False,
 ) -> None:
+    """With `pass_new_kv`, attention is given this step's K/V as the model gives them, which routes full-attention
+    prefill groups one sequence at a time (`sequence_prefill_attention`); without, they run padded SDPA."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 5
     block_ids = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled, non-contiguous
@@ -55,7 +63,8 @@ def _run_case(
     new_v = torch.cat([v[v.shape[0] - q :] for v, q in zip(values, query_lens, strict=True)])
     write_kv_cache(cache, new_k, new_v, meta.slot_mapping)
 
-    out = paged_attention(torch.cat(queries), cache, meta, window=window)
+    new_kv = (new_k, new_v) if pass_new_kv else None
+    out = paged_attention(torch.cat(queries), cache, meta, window=window, new_kv=new_kv)
     expected = torch.cat([_dense_reference(q, k, v, window) for q, k, v in zip(queries, keys, values, strict=True)])
     assert out.shape == (sum(query_lens), heads * HEAD_DIM)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -71,11 +80,15 @@ def _run_case(
         pytest.param([5, 9], [5, 9], id="prefills"),
         pytest.param([3, 6], [11, 6], id="prefill-with-cached-prefix"),
         pytest.param([1, 5, 1, 7, 3], [10, 5, 1, 9, 12], id="mixed"),
+        pytest.param([4, 8, 5], [4, 17, 9], id="prefills-fresh-and-cached-across-blocks"),
     ],
 )
-def test_paged_attention_matches_dense(query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize("pass_new_kv", [False, True], ids=["padded", "per-sequence"])
+def test_paged_attention_matches_dense(
+    query_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, pass_new_kv: bool
+) -> None:
     for seed in range(3):
-        _run_case(query_lens, seq_lens, heads, kv_heads, seed)
+        _run_case(query_lens, seq_lens, heads, kv_heads, seed, pass_new_kv=pass_new_kv)
 
 
 @pytest.mark.parametrize("window", [1, 3, 5, 13])
@@ -89,10 +102,27 @@ def test_paged_attention_matches_dense(query_lens: list[int], seq_lens: list[int
         pytest.param([1, 5, 1, 7, 3], [10, 5, 1, 9, 12], id="mixed"),
     ],
 )
-def test_sliding_window_attention_matches_dense(query_lens: list[int], seq_lens: list[int], window: int) -> None:
+@pytest.mark.parametrize("pass_new_kv", [False, True], ids=["padded", "per-sequence"])
+def test_sliding_window_attention_matches_dense(
+    query_lens: list[int], seq_lens: list[int], window: int, pass_new_kv: bool
+) -> None:
     """A layer with a sliding window sees only the last `window` keys of each query (itself included)."""
     for seed in range(2):
-        _run_case(query_lens, seq_lens, 6, 2, seed, window)
+        _run_case(query_lens, seq_lens, 6, 2, seed, window, pass_new_kv)
+
+
+def test_prefills_run_per_sequence_only_for_full_attention_given_the_new_kv() -> None:
+    """The per-sequence prefill path takes full attention (or a window wider than every sequence) with this step's
+    K/V; a window that drops keys, soft-capping, or no K/V keep padded SDPA."""
+    meta = build_attention_metadata([5, 3], [5, 11], [[0, 1], [2, 3, 4]], BLOCK_SIZE)
+    group = meta.groups[0]
+    assert group.spans == [(0, 5, 5), (5, 3, 11)]
+    new_kv = (torch.zeros(8, 2, HEAD_DIM), torch.zeros(8, 2, HEAD_DIM))
+    assert per_sequence_prefill(group, new_kv, None, None)
+    assert per_sequence_prefill(group, new_kv, 11, None)
+    assert not per_sequence_prefill(group, new_kv, 10, None)
+    assert not per_sequence_prefill(group, new_kv, None, 50.0)
+    assert not per_sequence_prefill(group, None, None, None)
 
 
 def test_write_kv_cache_writes_only_mapped_slots() -> None:
@@ -128,3 +158,31 @@ def test_the_float_mask_is_the_boolean_one_and_gives_the_same_attention() -> Non
     assert torch.equal(
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask), F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     )
+
+
+def test_the_prefix_split_is_checked_once_and_a_wrong_kernel_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cached-prefix split passes its start-up check on this torch; a flash kernel whose log-sum-exp is wrong
+    fails it with a WARNING, and prefill groups then keep padded SDPA."""
+    from asyncllm.model.layers import prefill_attention
+
+    prefill_attention.prefix_split_available.cache_clear()
+    assert prefill_attention.prefix_split_available()
+    real = prefill_attention._FLASH_CPU
+    assert real is not None
+
+    def wrong_lse(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = real(*args, **kwargs)
+        return out, lse + 1.0 if args[4] else lse  # the causal part's log-sum-exp off by 1: a wrong merge
+
+    monkeypatch.setattr(prefill_attention, "_FLASH_CPU", wrong_lse)
+    prefill_attention.prefix_split_available.cache_clear()
+    try:
+        assert not prefill_attention.prefix_split_available()
+        assert "disagrees with SDPA" in caplog.text
+        meta = build_attention_metadata([5, 3], [5, 11], [[0, 1], [2, 3, 4]], BLOCK_SIZE)
+        new_kv = (torch.zeros(8, 2, HEAD_DIM), torch.zeros(8, 2, HEAD_DIM))
+        assert not per_sequence_prefill(meta.groups[0], new_kv, None, None)
+    finally:
+        prefill_attention.prefix_split_available.cache_clear()

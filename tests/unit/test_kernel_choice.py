@@ -181,7 +181,7 @@ def test_other_cpu_load_reads_proc_stat(tmp_path) -> None:  # type: ignore[no-un
 
 
 def test_row_classes_and_checked_columns() -> None:
-    assert [row_class(r) for r in (1, 2, 16, 17, 64, 65, 4096)] == [0, 1, 1, 2, 2, 3, 3]
+    assert [row_class(r) for r in (1, 2, 16, 17, 64, 65, 511, 512, 4096)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
     columns = check_columns(49152)
     assert columns[0] == 0
     assert columns[-1] == 49151
@@ -230,7 +230,8 @@ def test_a_forced_kernel_runs_the_model_and_is_logged(tmp_path, caplog, monkeypa
     assert head.choice.kernels == ("int_mm",) * len(ROW_CLASSES)
     assert list(head.operands) == ["int_mm"]
     assert "int8 linear kernels (forced;" in caplog.text
-    assert f"64x{TINY_LLAMA['vocab_size']}: 1 int_mm, 2-16 int_mm, 17-64 int_mm, 65+ int_mm" in caplog.text
+    classes = "1 int_mm, 2-16 int_mm, 17-64 int_mm, 65-511 int_mm, 512+ int_mm"
+    assert f"64x{TINY_LLAMA['vocab_size']}: {classes}" in caplog.text
     from_env = load_model(config).lm_head
     assert from_env.choice is not None
     assert from_env.choice.kernels == ("onednn",) * len(ROW_CLASSES)

@@ -75,3 +75,15 @@ def test_vllms_names_for_engine_args_are_accepted() -> None:
         EngineArgs(enforce_eager=eager).validate()
     with pytest.raises(ConfigError, match=r"EngineArgs\.enforce_eager='yes'"):
         EngineArgs(enforce_eager="yes").validate()  # type: ignore[arg-type]
+
+
+def test_long_prefill_token_threshold_reaches_the_scheduler_and_is_checked(model_path: str) -> None:
+    config = EngineArgs(model=model_path, load_format="dummy", long_prefill_token_threshold=256).create_engine_config()
+    assert config.scheduler.long_prefill_token_threshold == 256
+    assert (
+        EngineArgs(model=model_path, load_format="dummy").create_engine_config().scheduler.long_prefill_token_threshold
+        == 0
+    )
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match=r"EngineArgs\.long_prefill_token_threshold="):
+            EngineArgs(long_prefill_token_threshold=bad).validate()  # type: ignore[arg-type]

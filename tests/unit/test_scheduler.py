@@ -97,6 +97,28 @@ def test_chunked_prefill_splits_long_prompt_across_steps() -> None:
     assert so.scheduled_cached_reqs[0].num_computed_tokens == 20
 
 
+def test_long_prefill_token_threshold_caps_each_requests_chunk_not_the_decodes() -> None:
+    """vLLM's `long_prefill_token_threshold`: a prompt goes in chunks of at most that many tokens, admitted or
+    running, while a decode beside it still gets its token and the rest of the budget goes to the next prompt."""
+    config = SchedulerConfig(8, 64, long_prefill_token_threshold=8)
+    scheduler = Scheduler(config, 100, 4, 64)
+    scheduler.add_request(_request("a", 5))
+    so, _ = _step(scheduler)
+    assert so.num_scheduled_tokens == {"a": 5}  # shorter than the threshold: whole
+    scheduler.add_request(_request("b", 20))
+    scheduler.add_request(_request("c", 6))
+    steps = [_step(scheduler)[0] for _ in range(3)]
+    assert [so.num_scheduled_tokens for so in steps] == [
+        {"a": 1, "b": 8, "c": 6},
+        {"a": 1, "b": 8, "c": 1},
+        {"a": 1, "b": 4, "c": 1},
+    ]
+    assert scheduler.requests["b"].num_computed_tokens == 20
+    uncapped = _scheduler(max_tokens=64)
+    uncapped.add_request(_request("b", 20))
+    assert uncapped.schedule().num_scheduled_tokens == {"b": 20}
+
+
 def test_max_num_seqs_limits_running_requests() -> None:
     scheduler = _scheduler(max_seqs=2)
     for i in range(3):

@@ -179,7 +179,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            num_tokens = min(req.num_tokens_to_compute, budget)
+            num_tokens = self._prefill_cap(min(req.num_tokens_to_compute, budget))
             try:
                 drafts, new_block_ids = self._allocate_with_drafts(req, num_tokens, budget)
                 while new_block_ids is None:
@@ -204,6 +204,11 @@ class Scheduler:
             budget -= num_tokens
             index += 1
         return budget, num_preempted
+
+    def _prefill_cap(self, num_tokens: int) -> int:
+        """`num_tokens` of one request in this step, at most `long_prefill_token_threshold` when that is set."""
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_tokens, threshold) if threshold > 0 else num_tokens
 
     def _allocate_with_drafts(self, req: Request, num_tokens: int, budget: int) -> tuple[list[int], list[int] | None]:
         """KV slots for `num_tokens` plus this step's n-gram drafts (`Drafter.propose`), without the drafts when
@@ -246,7 +251,7 @@ class Scheduler:
             try:
                 computed_blocks = manager.get_computed_blocks(req)
                 num_cached = len(computed_blocks) * self.block_size
-                num_tokens = min(req.num_tokens - num_cached, budget)
+                num_tokens = self._prefill_cap(min(req.num_tokens - num_cached, budget))
                 if manager.allocate_slots(req, num_tokens, computed_blocks) is None:
                     break
             except Exception as e:  # this request alone fails

@@ -7,7 +7,9 @@ the keys/values of every sequence are gathered through its block table into
 with the group's mask (causal with the cached-prefix offset, plus padding), passed in the float form SDPA would
 convert a boolean mask to, built once per step (`AttentionGroup.attn_bias`). No Python loop over sequences or
 tokens. A sliding-window layer (Gemma 3's local layers; Beltagy et al., 2020) uses the same gather with the keys
-before its window masked too (`AttentionGroup.bias(window)`, built once per step and window).
+before its window masked too (`AttentionGroup.bias(window)`, built once per step and window). Prefill chunks of
+full-attention layers, given this step's K/V, run one sequence at a time instead (`prefill_attention.py`: no
+padding, no mask, no gather of a fresh chunk's keys, the masked triangle skipped after a cached prefix).
 
 Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 grouped-query attention (Ainslie et al., 2023).
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.model.layers.attention_metadata import AttentionGroup, AttentionMetadata
+from asyncllm.model.layers.prefill_attention import prefix_split_available, sequence_prefill_attention
 
 if TYPE_CHECKING:
     from asyncllm.model.kernels.row_kernels import RowKernels
@@ -122,9 +125,26 @@ def paged_attention(
         if one_token and kernels is not None and decode_reads_cache(kernels, head_dim):
             rows = group.query_index[:, 0]  # the decodes of a mixed step: straight from the cache too
             out[rows] = _cache_decode_attention(query[rows], kv_cache, group, scale, kernels, window)
+        elif per_sequence_prefill(group, new_kv, window, softcap):
+            assert new_kv is not None
+            sequence_prefill_attention(query, kv_cache, group, new_kv, scale, out)
         else:
             out[group.query_index] = _group_attention(padded_query, kv_cache, group, scale, window, softcap)
     return out[:num_tokens]
+
+
+def per_sequence_prefill(
+    group: AttentionGroup,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int | None,
+    softcap: float | None,
+) -> bool:
+    """Whether a group of multi-token queries runs one sequence at a time (`sequence_prefill_attention`: no padding,
+    no mask, a fresh chunk's keys read in place) rather than as one padded, masked SDPA call: for full attention
+    (or a window no key falls out of) without soft-capping, given this step's K/V, where the torch build has what
+    the cached-prefix split needs."""
+    full = window is None or group.max_seq_len <= window
+    return full and softcap is None and new_kv is not None and prefix_split_available()
 
 
 def _decode_attention(

@@ -86,6 +86,20 @@ class AttentionGroup:
             self._window_biases[window] = self.attn_bias.masked_fill(outside[:, None], float("-inf"))
         return self._window_biases[window]
 
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(first flat token index, query tokens, tokens in the cache after this step) of each sequence, as Python
+        ints, for attention that runs one sequence at a time (`model/layers/prefill_attention.py`).
+
+        Raises:
+            ValueError: the group was built without `query_positions`.
+        """
+        if self.query_positions is None:
+            raise ValueError("spans need a group built with query positions")
+        starts = self.query_index[:, 0].tolist()
+        prefixes = self.query_positions[:, 0].tolist()
+        return [(a, s - p, s) for a, s, p in zip(starts, self.seq_lens.tolist(), prefixes, strict=True)]
+
 
 @dataclass
 class AttentionMetadata:
