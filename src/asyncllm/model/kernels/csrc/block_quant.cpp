@@ -32,6 +32,7 @@ namespace {
 constexpr int64_t kBlock = 32;  // values per block
 constexpr int64_t kGroup = 4;   // output columns per interleaved group
 constexpr int64_t kRowTile = 4; // rows sharing one read of a group's weight blocks
+constexpr int64_t kGemmMinRows = 4;  // from this many rows the unpacked-panel GEMM serves a product (vnni path)
 
 enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 
@@ -192,6 +193,146 @@ void group_simd(const Acts& a, const Weights& w, int64_t g, int64_t r0, int64_t 
 }
 #endif
 
+#ifdef ASYNCLLM_BLOCK_VNNI
+// --- the many-row GEMM (AVX-512 VNNI, 512-bit vectors) ---------------------------------------------------------------
+// A panel of 16 output columns (4 groups) is unpacked ONCE per call into int8 quads laid out for `vpdpbusd`
+// (block b, quad q = values 4q..4q+3: one 64-byte vector of the 16 columns' quads), its scales into float32
+// vectors; then every row sweeps it in tiles of kGemmRows rows, each weight vector feeding kGemmRows `vpdpbusd`
+// with the row's quad broadcast. The panel (nb * 576 bytes: 10 KB at 576 inputs, 27 KB at 1536) stays in L1/L2.
+// Lane 4c + j of a vector holds column 4j + c of the panel (group j, column c): the in-lane 4 x 4 transpose that
+// makes the quads is then 8 unpack instructions; scales are laid out the same way and outputs are permuted back.
+// Every value is exact as an integer (Q8_0 weights are stored + 128, unsigned, and the row's 128 * s is taken off
+// by starting the sum at -128 s; Q4_0 starts at -8 s, which is dot - 8 s), and the float32 steps per block are
+// those of group_scalar in the same order: the same bits as the GEMV for every row, whatever its batch-mates.
+constexpr int64_t kPanel = 16;   // columns per panel: one 512-bit vector of int32 / float32
+constexpr int64_t kGemmRows = 8;  // rows per register tile
+
+struct Panel {
+  std::vector<__m512i> q;  // [nb, 8] quads
+  std::vector<__m512> d;   // [nb] scales
+  std::vector<__m512> m;   // [nb] minimums (Q4_1)
+  explicit Panel(int64_t nb) : q(nb * 8), d(nb), m(nb) {}
+};
+
+// r[j] holds, in 128-bit lane c, 4 dwords (quads) of group j's column c -> t[q] holds quad q of (j, c) at dword j
+// of lane c.
+inline void transpose4(const __m512i r[4], __m512i* t) {
+  const __m512i a = _mm512_unpacklo_epi32(r[0], r[1]), b = _mm512_unpackhi_epi32(r[0], r[1]);
+  const __m512i c = _mm512_unpacklo_epi32(r[2], r[3]), e = _mm512_unpackhi_epi32(r[2], r[3]);
+  t[0] = _mm512_unpacklo_epi64(a, c);
+  t[1] = _mm512_unpackhi_epi64(a, c);
+  t[2] = _mm512_unpacklo_epi64(b, e);
+  t[3] = _mm512_unpackhi_epi64(b, e);
+}
+
+template <int64_t KIND>
+void unpack_panel(const Weights& w, int64_t g0, int64_t groups, Panel& p) {
+  const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < w.nb; ++b) {
+    __m512i lo[kGroup], hi[kGroup];
+    float d[kPanel], m[kPanel];
+    for (int64_t j = 0; j < kGroup; ++j) {
+      if (j >= groups) {
+        lo[j] = hi[j] = _mm512_setzero_si512();
+        for (int64_t c = 0; c < kGroup; ++c) d[4 * c + j] = m[4 * c + j] = 0.0f;
+        continue;
+      }
+      const int64_t block = (g0 + j) * w.nb + b;
+      const uint8_t* src = w.qs + block * kGroup * w.block_bytes;
+      if (KIND == kQ8_0) {  // [c0 q0-3 | c0 q4-7 | c1 q0-3 | c1 q4-7], [c2 ... | c3 ...], + 128
+        const __m512i z0 = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
+        const __m512i z1 = _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
+        lo[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(2, 0, 2, 0));
+        hi[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(3, 1, 3, 1));
+      } else {  // [c0 | c1 | c2 | c3] bytes: low nibbles values 0-15, high ones 16-31
+        const __m512i z = _mm512_loadu_si512(src);
+        lo[j] = _mm512_and_si512(z, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+      }
+      for (int64_t c = 0; c < kGroup; ++c) {
+        d[4 * c + j] = static_cast<float>(w.d[block * kGroup + c]);
+        m[4 * c + j] = KIND == kQ4_1 ? static_cast<float>(w.m[block * kGroup + c]) : 0.0f;
+      }
+    }
+    transpose4(lo, &p.q[b * 8]);
+    transpose4(hi, &p.q[b * 8 + 4]);
+    p.d[b] = _mm512_loadu_ps(d);
+    p.m[b] = _mm512_loadu_ps(m);
+  }
+}
+
+inline int32_t load_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Rows [r0, r0 + R) against an unpacked panel whose first column is col0; `mask` marks the panel's real columns.
+template <int64_t KIND, int R>
+void panel_tile(const Acts& a, const Panel& p, int64_t r0, float* out, int64_t ldo, int64_t col0, __mmask16 mask) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t stride = a.nb * kBlock;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int8_t* xb = a.q + r0 * stride + b * kBlock;
+    __m512i dot[R];
+    for (int i = 0; i < R; ++i) {
+      const int32_t sx = a.s[(r0 + i) * a.nb + b];
+      dot[i] = KIND == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32((KIND == kQ8_0 ? -128 : -8) * sx);
+    }
+    for (int64_t q = 0; q < 8; ++q) {
+      const __m512i wv = p.q[b * 8 + q];
+      for (int i = 0; i < R; ++i) {
+        dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(load_quad(xb + i * stride + 4 * q)));
+      }
+    }
+    const __m512 dw = p.d[b];
+    for (int i = 0; i < R; ++i) {
+      const __m512 dx = _mm512_set1_ps(a.d[(r0 + i) * a.nb + b]);
+      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(dw, dx));
+      if (KIND == kQ4_1) {
+        const __m512 sx = _mm512_set1_ps(static_cast<float>(a.s[(r0 + i) * a.nb + b]));
+        term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(p.m[b], dx), sx));
+      }
+      acc[i] = _mm512_add_ps(acc[i], term);
+    }
+  }
+  // lane 4c + j -> column 4j + c (the permutation is its own inverse)
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(out + (r0 + i) * ldo + col0, mask, _mm512_permutexvar_ps(order, acc[i]));
+  }
+}
+
+template <int64_t KIND, int R>
+void panel_rest(const Acts& a, const Panel& p, int64_t r0, int64_t rows, float* out, int64_t ldo, int64_t col0,
+                __mmask16 mask) {
+  if constexpr (R > 0) {
+    if (rows == R) return panel_tile<KIND, R>(a, p, r0, out, ldo, col0, mask);
+    panel_rest<KIND, R - 1>(a, p, r0, rows, out, ldo, col0, mask);
+  }
+}
+
+// Panels [p0, p1) of 16 columns for every row.
+template <int64_t KIND>
+void gemm_panels(const Acts& a, const Weights& w, int64_t rows, int64_t p0, int64_t p1, float* out,
+                 int64_t out_features) {
+  Panel panel(w.nb);
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  for (int64_t pi = p0; pi < p1; ++pi) {
+    const int64_t g0 = pi * (kPanel / kGroup), col0 = pi * kPanel;
+    unpack_panel<KIND>(w, g0, std::min(kPanel / kGroup, groups - g0), panel);
+    const int64_t columns = std::min(kPanel, out_features - col0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1u);
+    int64_t r = 0;
+    for (; r + kGemmRows <= rows; r += kGemmRows) panel_tile<KIND, kGemmRows>(a, panel, r, out, out_features, col0, mask);
+    if (r < rows) panel_rest<KIND, kGemmRows - 1>(a, panel, r, rows - r, out, out_features, col0, mask);
+  }
+}
+
+using GemmFn = void (*)(const Acts&, const Weights&, int64_t, int64_t, int64_t, float*, int64_t);
+#endif
+
 using GroupFn = void (*)(const Acts&, const Weights&, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
 
 template <int64_t KIND>
@@ -279,6 +420,15 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     const GroupFn fn = kind == kQ8_0 ? group_fn<kQ8_0>(path) : kind == kQ4_0 ? group_fn<kQ4_0>(path)
                                                                                 : group_fn<kQ4_1>(path);
     float* op = out.data_ptr<float>();
+#ifdef ASYNCLLM_BLOCK_VNNI
+    if (path == Path::kVnni && rows >= kGemmMinRows) {
+      const GemmFn gemm = kind == kQ8_0 ? &gemm_panels<kQ8_0> : kind == kQ4_0 ? &gemm_panels<kQ4_0> : &gemm_panels<kQ4_1>;
+      const int64_t panels = (out_features + kPanel - 1) / kPanel;
+      const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * nb * kPanel));
+      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) { gemm(acts, weights, rows, p0, p1, op, out_features); });
+      return out;
+    }
+#endif
     // about 64 K block products per task: small products stay on one thread
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * nb * kGroup));
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
