@@ -4,8 +4,9 @@
 // per block: Q8_0 w = d * q (q int8), Q4_0 w = d * (q - 8) (q 0..15), Q4_1 w = d * q + m (q 0..15): the block types
 // of llama.cpp's GGUF files (ggml's quants describe them; this is our own layout and code). Output columns come in
 // groups of 4 whose blocks are interleaved, so one pass over a block index reads 4 columns' blocks from one place
-// and reuses them across up to 4 rows (a GEMV streams each weight byte once; a GEMM tile of 4 rows x 4 columns
-// reads a weight block once per 4 rows). Activations are quantized per row and block of 32 to int8 with a float32
+// and reuses them across up to 4 rows (a GEMV streams each weight byte once; a tile of 4 rows x 4 columns reads a
+// weight block once per 4 rows). From kGemmMinRows rows on the vnni path, a GEMM unpacks each panel of 16 columns
+// once per call and sweeps every row over it (below). Activations are quantized per row and block of 32 to int8 with a float32
 // scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's offset and Q4_1's minimum term).
 //
 // The integer dot of a block is exact on every path (AVX-512 VNNI `vpdpbusd` on 256-bit vectors, AVX2
@@ -32,7 +33,9 @@ namespace {
 constexpr int64_t kBlock = 32;  // values per block
 constexpr int64_t kGroup = 4;   // output columns per interleaved group
 constexpr int64_t kRowTile = 4; // rows sharing one read of a group's weight blocks
-constexpr int64_t kGemmMinRows = 4;  // from this many rows the unpacked-panel GEMM serves a product (vnni path)
+// From this many rows the unpacked-panel GEMM serves a product on the vnni path (measured, 1 thread, SmolLM2's
+// shapes: at 4 rows the GEMV and the GEMM were level within noise, at 6 the GEMM was 5-15% faster).
+constexpr int64_t kGemmMinRows = 6;
 
 enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 
@@ -197,15 +200,19 @@ void group_simd(const Acts& a, const Weights& w, int64_t g, int64_t r0, int64_t 
 // --- the many-row GEMM (AVX-512 VNNI, 512-bit vectors) ---------------------------------------------------------------
 // A panel of 16 output columns (4 groups) is unpacked ONCE per call into int8 quads laid out for `vpdpbusd`
 // (block b, quad q = values 4q..4q+3: one 64-byte vector of the 16 columns' quads), its scales into float32
-// vectors; then every row sweeps it in tiles of kGemmRows rows, each weight vector feeding kGemmRows `vpdpbusd`
-// with the row's quad broadcast. The panel (nb * 576 bytes: 10 KB at 576 inputs, 27 KB at 1536) stays in L1/L2.
+// vectors; then every row sweeps it in register tiles of kGemmRows rows x kGemmPanels panels, each weight vector
+// feeding kGemmRows `vpdpbusd` with a row's quad broadcast. A panel (nb * 576 bytes: 10 KB at 576 inputs, 27 KB at
+// 1536) stays in L1/L2; the activations are packed once per call so one pointer reaches a tile's operands.
 // Lane 4c + j of a vector holds column 4j + c of the panel (group j, column c): the in-lane 4 x 4 transpose that
 // makes the quads is then 8 unpack instructions; scales are laid out the same way and outputs are permuted back.
 // Every value is exact as an integer (Q8_0 weights are stored + 128, unsigned, and the row's 128 * s is taken off
 // by starting the sum at -128 s; Q4_0 starts at -8 s, which is dot - 8 s), and the float32 steps per block are
 // those of group_scalar in the same order: the same bits as the GEMV for every row, whatever its batch-mates.
-constexpr int64_t kPanel = 16;   // columns per panel: one 512-bit vector of int32 / float32
-constexpr int64_t kGemmRows = 8;  // rows per register tile
+// Tile shapes measured (1 thread, ms per SmolLM2 step at 32 / 256 rows, Q4_0): 8 rows x 1 panel 40.8 / 289,
+// 4 x 1 44.5 / 290, 12 x 1 46.9 / 332, 4 x 2 42.2 / 267, 6 x 2 39.9 / 262: 6 rows x 2 panels (24 accumulators).
+constexpr int64_t kPanel = 16;  // columns per panel: one 512-bit vector of int32 / float32
+constexpr int kGemmRows = 6;    // rows per register tile
+constexpr int kGemmPanels = 2;  // panels per register tile
 
 struct Panel {
   std::vector<__m512i> q;  // [nb, 8] quads
@@ -267,70 +274,136 @@ inline int32_t load_quad(const int8_t* p) {
   return v;
 }
 
-// Rows [r0, r0 + R) against an unpacked panel whose first column is col0; `mask` marks the panel's real columns.
-template <int64_t KIND, int R>
-void panel_tile(const Acts& a, const Panel& p, int64_t r0, float* out, int64_t ldo, int64_t col0, __mmask16 mask) {
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t stride = a.nb * kBlock;
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const int8_t* xb = a.q + r0 * stride + b * kBlock;
-    __m512i dot[R];
+// The activations of a tile of P rows, per block b: quads [8][P] int32 (row i's values 4q..4q+3 at [q][i]), then
+// the sums' starts [P] int32 (-128 s for Q8_0, -8 s for Q4_0, 0 for Q4_1), dx [P] float32, float(s) [P] float32.
+// One pointer and constant offsets reach every row's operands; rows past the batch's end are zeros.
+template <int P>
+struct TileLayout {
+  static constexpr int64_t kQuads = 0, kStart = 8 * P, kDx = 9 * P, kSx = 10 * P, kWords = 11 * P;
+};
+
+template <int64_t KIND, int P>
+std::vector<int32_t> pack_tiles(const Acts& a, int64_t rows) {
+  using L = TileLayout<P>;
+  const int64_t tiles = (rows + P - 1) / P;
+  std::vector<int32_t> packed(tiles * a.nb * L::kWords, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / P, i = r % P;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      int32_t* rec = packed.data() + (t * a.nb + b) * L::kWords;
+      const int8_t* xb = a.q + (r * a.nb + b) * kBlock;
+      for (int64_t q = 0; q < 8; ++q) rec[L::kQuads + q * P + i] = load_quad(xb + 4 * q);
+      const int32_t sx = a.s[r * a.nb + b];
+      rec[L::kStart + i] = KIND == kQ4_1 ? 0 : (KIND == kQ8_0 ? -128 : -8) * sx;
+      const float dx = a.d[r * a.nb + b], sxf = static_cast<float>(sx);
+      std::memcpy(rec + L::kDx + i, &dx, sizeof(float));
+      std::memcpy(rec + L::kSx + i, &sxf, sizeof(float));
+    }
+  }
+  return packed;
+}
+
+// The first R rows of a packed tile of P against NV unpacked panels, the first one's first column col0;
+// `mask[v]` marks panel v's real columns.
+template <int64_t KIND, int P, int R, int NV>
+void panel_tile(const int32_t* tile, int64_t nb, const Panel* p, int64_t r0, float* out, int64_t ldo, int64_t col0,
+                const __mmask16* mask) {
+  using L = TileLayout<P>;
+  __m512 acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int32_t* rec = tile + b * L::kWords;
+    __m512i dot[R][NV];
     for (int i = 0; i < R; ++i) {
-      const int32_t sx = a.s[(r0 + i) * a.nb + b];
-      dot[i] = KIND == kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32((KIND == kQ8_0 ? -128 : -8) * sx);
+      const __m512i start = _mm512_set1_epi32(rec[L::kStart + i]);
+      for (int v = 0; v < NV; ++v) dot[i][v] = start;
     }
     for (int64_t q = 0; q < 8; ++q) {
-      const __m512i wv = p.q[b * 8 + q];
+      __m512i wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = p[v].q[b * 8 + q];
       for (int i = 0; i < R; ++i) {
-        dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(load_quad(xb + i * stride + 4 * q)));
+        const __m512i xv = _mm512_set1_epi32(rec[L::kQuads + q * P + i]);
+        for (int v = 0; v < NV; ++v) dot[i][v] = _mm512_dpbusd_epi32(dot[i][v], wv[v], xv);
       }
     }
-    const __m512 dw = p.d[b];
+    const float* dxs = reinterpret_cast<const float*>(rec + L::kDx);
+    const float* sxs = reinterpret_cast<const float*>(rec + L::kSx);
     for (int i = 0; i < R; ++i) {
-      const __m512 dx = _mm512_set1_ps(a.d[(r0 + i) * a.nb + b]);
-      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(dw, dx));
-      if (KIND == kQ4_1) {
-        const __m512 sx = _mm512_set1_ps(static_cast<float>(a.s[(r0 + i) * a.nb + b]));
-        term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(p.m[b], dx), sx));
+      const __m512 dx = _mm512_set1_ps(dxs[i]);
+      for (int v = 0; v < NV; ++v) {
+        __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i][v]), _mm512_mul_ps(p[v].d[b], dx));
+        if (KIND == kQ4_1) term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(p[v].m[b], dx), _mm512_set1_ps(sxs[i])));
+        acc[i][v] = _mm512_add_ps(acc[i][v], term);
       }
-      acc[i] = _mm512_add_ps(acc[i], term);
     }
   }
   // lane 4c + j -> column 4j + c (the permutation is its own inverse)
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   for (int i = 0; i < R; ++i) {
-    _mm512_mask_storeu_ps(out + (r0 + i) * ldo + col0, mask, _mm512_permutexvar_ps(order, acc[i]));
+    for (int v = 0; v < NV; ++v) {
+      _mm512_mask_storeu_ps(out + (r0 + i) * ldo + col0 + v * kPanel, mask[v],
+                            _mm512_permutexvar_ps(order, acc[i][v]));
+    }
   }
 }
 
-template <int64_t KIND, int R>
-void panel_rest(const Acts& a, const Panel& p, int64_t r0, int64_t rows, float* out, int64_t ldo, int64_t col0,
-                __mmask16 mask) {
+template <int64_t KIND, int P, int R, int NV>
+void panel_rest(const int32_t* tile, int64_t nb, const Panel* p, int64_t r0, int64_t rows, float* out, int64_t ldo,
+                int64_t col0, const __mmask16* mask) {
   if constexpr (R > 0) {
-    if (rows == R) return panel_tile<KIND, R>(a, p, r0, out, ldo, col0, mask);
-    panel_rest<KIND, R - 1>(a, p, r0, rows, out, ldo, col0, mask);
+    if (rows == R) return panel_tile<KIND, P, R, NV>(tile, nb, p, r0, out, ldo, col0, mask);
+    panel_rest<KIND, P, R - 1, NV>(tile, nb, p, r0, rows, out, ldo, col0, mask);
   }
 }
 
-// Panels [p0, p1) of 16 columns for every row.
-template <int64_t KIND>
-void gemm_panels(const Acts& a, const Weights& w, int64_t rows, int64_t p0, int64_t p1, float* out,
-                 int64_t out_features) {
-  Panel panel(w.nb);
+template <int64_t KIND, int P, int NV>
+void panel_rows(const int32_t* packed, int64_t nb, const Panel* p, int64_t rows, float* out, int64_t ldo,
+                int64_t col0, const __mmask16* mask) {
+  int64_t r = 0;
+  for (; r + P <= rows; r += P) {
+    panel_tile<KIND, P, P, NV>(packed + (r / P) * nb * TileLayout<P>::kWords, nb, p, r, out, ldo, col0, mask);
+  }
+  if (r < rows) {
+    panel_rest<KIND, P, P - 1, NV>(packed + (r / P) * nb * TileLayout<P>::kWords, nb, p, r, rows - r, out, ldo,
+                                   col0, mask);
+  }
+}
+
+template <int64_t KIND, int P, int NV>
+void gemm_t(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  const std::vector<int32_t> packed = pack_tiles<KIND, P>(a, rows);
   const int64_t groups = (out_features + kGroup - 1) / kGroup;
-  for (int64_t pi = p0; pi < p1; ++pi) {
-    const int64_t g0 = pi * (kPanel / kGroup), col0 = pi * kPanel;
-    unpack_panel<KIND>(w, g0, std::min(kPanel / kGroup, groups - g0), panel);
-    const int64_t columns = std::min(kPanel, out_features - col0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1u);
-    int64_t r = 0;
-    for (; r + kGemmRows <= rows; r += kGemmRows) panel_tile<KIND, kGemmRows>(a, panel, r, out, out_features, col0, mask);
-    if (r < rows) panel_rest<KIND, kGemmRows - 1>(a, panel, r, rows - r, out, out_features, col0, mask);
-  }
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  const int64_t steps = (panels + NV - 1) / NV;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * w.nb * kPanel * NV));
+  at::parallel_for(0, steps, grain, [&](int64_t s0, int64_t s1) {
+    std::vector<Panel> panel;
+    for (int v = 0; v < NV; ++v) panel.emplace_back(w.nb);
+    for (int64_t step = s0; step < s1; ++step) {
+      const int64_t pi = step * NV, col0 = pi * kPanel;
+      __mmask16 mask[NV];
+      int nv = 0;
+      for (; nv < NV && pi + nv < panels; ++nv) {
+        const int64_t g0 = (pi + nv) * (kPanel / kGroup);
+        unpack_panel<KIND>(w, g0, std::min(kPanel / kGroup, groups - g0), panel[nv]);
+        mask[nv] = static_cast<__mmask16>((1u << std::min(kPanel, out_features - col0 - nv * kPanel)) - 1u);
+      }
+      if (nv == NV) {
+        panel_rows<KIND, P, NV>(packed.data(), w.nb, panel.data(), rows, out, out_features, col0, mask);
+      } else {
+        panel_rows<KIND, P, 1>(packed.data(), w.nb, panel.data(), rows, out, out_features, col0, mask);
+      }
+    }
+  });
 }
 
-using GemmFn = void (*)(const Acts&, const Weights&, int64_t, int64_t, int64_t, float*, int64_t);
+// The product of every row with every column: activations packed in tiles of kGemmRows rows, panels handed out to
+// threads kGemmPanels at a time (whole columns: each output is summed by one thread, in block order).
+template <int64_t KIND>
+void gemm(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  gemm_t<KIND, kGemmRows, kGemmPanels>(a, w, rows, out_features, out);
+}
 #endif
 
 using GroupFn = void (*)(const Acts&, const Weights&, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
@@ -422,10 +495,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     float* op = out.data_ptr<float>();
 #ifdef ASYNCLLM_BLOCK_VNNI
     if (path == Path::kVnni && rows >= kGemmMinRows) {
-      const GemmFn gemm = kind == kQ8_0 ? &gemm_panels<kQ8_0> : kind == kQ4_0 ? &gemm_panels<kQ4_0> : &gemm_panels<kQ4_1>;
-      const int64_t panels = (out_features + kPanel - 1) / kPanel;
-      const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * nb * kPanel));
-      at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) { gemm(acts, weights, rows, p0, p1, op, out_features); });
+      if (kind == kQ8_0) gemm<kQ8_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_0) gemm<kQ4_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_1) gemm<kQ4_1>(acts, weights, rows, out_features, op);
       return out;
     }
 #endif
