@@ -10,8 +10,9 @@ scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight 
 
 In memory (the layout `csrc/block_quant.h` documents): output columns in groups of 4 (the last zero-padded), each
 group's blocks interleaved by block index, so a product reads 4 columns' blocks from one place and reuses them for
-up to 4 rows. From 6 rows on (AVX-512 VNNI), a GEMM unpacks each 16 columns' 4-bit values once per call into int8
-and sweeps every row over them (`csrc/block_quant.cpp`), with the same bits per row as the 1-row kernel.
+up to 4 rows. From 6 rows a GEMM unpacks each panel of columns (16 on AVX-512 VNNI, every kind; 8 on AVX2, Q4_0
+and Q4_1) once per call into int8 and sweeps every row over it (`csrc/block_quant.cpp`), with the same bits per row
+as the 1-row kernel.
 
 Quantizing float weights (`quantize_blocks`) follows llama.cpp's rules: Q8_0 `d = max |w| / 127`; Q4_0 `d = -w* / 8`
 for w* the block's value of largest magnitude (so it maps to q = 0); Q4_1 `m = min w`, `d = (max w - m) / 15`; the
