@@ -6,14 +6,15 @@
 // groups of 4 whose blocks are interleaved, so one pass over a block index reads 4 columns' blocks from one place
 // and reuses them across up to 4 rows (a GEMV streams each weight byte once; a tile of 4 rows x 4 columns reads a
 // weight block once per 4 rows). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
-// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1). Activations are quantized per row and block of 32 to int8 with a float32
-// scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's offset and Q4_1's minimum term).
+// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1). Activations are quantized per row and
+// block of 32 to int8 with a float32 scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's
+// offset and Q4_1's minimum term).
 //
-// The integer dot of a block is exact on every path (AVX-512 VNNI `vpdpbusd` on 256-bit vectors, AVX2
-// `vpmaddubsw` + `vpmaddwd`, scalar C++); the float32 arithmetic after it is the same operation for operation
-// (built with -ffp-contract=off), so every path gives the same bits and tests compare them exactly with a numpy
-// reference. Columns are shared out to threads in whole groups, each output summed by one thread in block order:
-// values do not depend on the thread count, nor a row's on the other rows of its batch.
+// The integer dot of a block is exact on every path (AVX-512 VNNI `vpdpbusd` on 256-bit vectors, 512-bit in the
+// GEMM; AVX2 `vpmaddubsw` + `vpmaddwd`; scalar C++); the float32 arithmetic after it is the same operation for
+// operation (built with -ffp-contract=off), so every path gives the same bits and tests compare them exactly with a
+// numpy reference. Columns are shared out to threads in whole groups (panels in the GEMMs), each output summed by
+// one thread in block order: values do not depend on the thread count, nor a row's on the other rows of its batch.
 #include "vec_capability.h"
 #include "block_quant.h"
 
@@ -205,7 +206,8 @@ inline int32_t load_quad(const int8_t* p) {
 }
 
 // The activations of a tile of P rows, per block b: quads [8][P] int32 (row i's values 4q..4q+3 at [q][i]), then
-// the sums' starts [P] int32 (start * s: -128 s for the vnni path's Q8_0, -8 s for Q4_0, else 0), dx [P] float32, float(s) [P] float32.
+// the sums' starts [P] int32 (start * s: -128 s for the vnni path's Q8_0, -8 s for Q4_0, else 0), dx [P] float32,
+// float(s) [P] float32.
 // One pointer and constant offsets reach every row's operands; rows past the batch's end are zeros.
 template <int P>
 struct TileLayout {
@@ -337,7 +339,9 @@ void panel_tile(const int32_t* tile, int64_t nb, const Panel* p, int64_t r0, flo
       const __m512 dx = _mm512_set1_ps(dxs[i]);
       for (int v = 0; v < NV; ++v) {
         __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i][v]), _mm512_mul_ps(p[v].d[b], dx));
-        if (KIND == kQ4_1) term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(p[v].m[b], dx), _mm512_set1_ps(sxs[i])));
+        if (KIND == kQ4_1) {
+          term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(p[v].m[b], dx), _mm512_set1_ps(sxs[i])));
+        }
         acc[i][v] = _mm512_add_ps(acc[i][v], term);
       }
     }
@@ -447,7 +451,7 @@ void unpack_panel2(const Weights& w, int64_t g0, int64_t groups, Panel2& p) {
     for (int64_t j = 0; j < 2; ++j) {
       if (j >= groups) {
         lo[2 * j] = lo[2 * j + 1] = hi[2 * j] = hi[2 * j + 1] = _mm256_setzero_si256();
-        for (int64_t c = 0; c < kGroup; ++c) d[4 * (c & 1) + 2 * j + (c >> 1)] = m[4 * (c & 1) + 2 * j + (c >> 1)] = 0.0f;
+        for (int64_t c = 0; c < kGroup; ++c) d[4 * (c & 1) + 2 * j + (c >> 1)] = m[4 * (c & 1) + 2 * j + (c >> 1)] = 0;
         continue;
       }
       const int64_t block = (g0 + j) * w.nb + b;
