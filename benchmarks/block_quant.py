@@ -16,7 +16,7 @@ int8 and fp32: kernels, the engine at batch 1 with its memory, and accuracy.
 The CPU's name and flags come first. Not for a busy machine: the numbers are only worth a quiet host.
 
     .venv/bin/python benchmarks/block_quant.py [--sections kernels,engine,accuracy] [--modes fp32,gguf] [--paths]
-        [--smoke] [--json PATH]
+        [--smoke] [--json PATH] [--rows 1,8,32] [--threads 1 --cpu-time]
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ def one_pass(weights: list[Any], rows: int) -> Callable[[], None]:
 
 def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     layers, vocab = (2, 4096) if args.smoke else (LAYERS, VOCAB)
-    rows_list = (1, 8) if args.smoke else ROWS
+    rows_list = (1, 8) if args.smoke else tuple(int(r) for r in args.rows.split(","))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     weights = kernel_weights(layers, vocab, args.paths)
     result: dict[str, dict[str, float]] = {name: {} for name in weights}
     for rows in rows_list:
@@ -96,15 +99,17 @@ def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
         best = dict.fromkeys(passes, float("inf"))
         for _ in range(1 if args.smoke else args.repeats):  # interleaved: a burst of load hits every kernel alike
             for name, run in passes.items():
-                start = time.perf_counter()
+                start = clock()
                 run()
-                best[name] = min(best[name], time.perf_counter() - start)
+                best[name] = min(best[name], clock() - start)
         for name, seconds in best.items():
             result[name][str(rows)] = seconds * 1e3
     print(f"{'ms per step (121 products)':28}" + "".join(f"{r:>9}" for r in rows_list))
     for name, by_rows in result.items():
         print(f"{name:28}" + "".join(f"{by_rows[str(r)]:9.2f}" for r in rows_list))
-    return {"layers": layers, "vocab": vocab, "ms_per_step": result}
+    clock_name = "process CPU time" if args.cpu_time else "wall time"
+    return {"layers": layers, "vocab": vocab, "threads": torch.get_num_threads(), "clock": clock_name,
+            "ms_per_step": result}  # fmt: skip
 
 
 async def engine_run(model: str, mode: str | None, decode_tokens: int) -> dict[str, float]:
@@ -243,6 +248,10 @@ def main() -> None:
     parser.add_argument("--paths", action="store_true", help="also time Q4_0 on each slower kernel path, forced")
     parser.add_argument("--modes", default="fp32,int8,gguf,q4_0,q8_0", help="the engine section's modes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 8 tokens: checks the script runs")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="the kernels section's rows per product")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for the kernels (0: torch's default)")
+    parser.add_argument("--cpu-time", action="store_true", help="time by process CPU time (for --threads 1 on a "
+                        "shared host: another process's load does not count)")  # fmt: skip
     parser.add_argument("--json", default="benchmarks/results/block_quant.json")
     args = parser.parse_args()
     info = machine_info()

@@ -73,6 +73,38 @@ def test_every_path_equals_the_numpy_reference_bit_for_bit(
         assert torch.equal(got, want), (kind, path, float((got - want).abs().max()))
 
 
+GEMM_ROWS = (1, 3, 4, 5, 6, 7, 11, 12, 13, 15, 16, 17, 63, 64, 65, 257)  # the 6-row tile's edges and the threshold
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 13), (96, 37), (160, 47)])
+def test_the_many_row_gemm_equals_the_reference_at_every_tile_edge(
+    kernels: RowKernels, paths: list[str], kind: str, in_features: int, out_features: int
+) -> None:
+    """Row counts around the vnni GEMM's threshold (6) and its tiles (6 rows x 32 columns), column counts that are
+    no multiple of 16 or 32 (13: one part panel; 37, 47: a full tile of 2 panels and a part one): bit for bit."""
+    weight = quantize_blocks(_weight(in_features, out_features, out_features), kind)  # type: ignore[arg-type]
+    x = _input(max(GEMM_ROWS), in_features, in_features)
+    want = reference_block_linear(x, weight)
+    for rows in GEMM_ROWS:
+        for path in paths:
+            got = block_linear(x[:rows].contiguous(), weight, path)
+            assert torch.equal(got, want[:rows]), (kind, rows, path, float((got - want[:rows]).abs().max()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_gets_the_same_bits_alone_and_inside_a_64_row_batch(kernels: RowKernels, kind: str) -> None:
+    """A row alone goes through the GEMV, inside 64 rows through the GEMM (vnni) at each of the 6 places of a row
+    tile: the same bits, and equal to the reference's, on the best path."""
+    weight = quantize_blocks(_weight(576, 100, 11), kind)  # type: ignore[arg-type]
+    batch = _input(64, 576, 12)
+    many = block_linear(batch, weight)
+    for i in (0, 1, 2, 3, 4, 5, 31, 62, 63):
+        alone = block_linear(batch[i : i + 1].contiguous(), weight)
+        assert torch.equal(alone[0], many[i]), (kind, i)
+    assert torch.equal(many, reference_block_linear(batch, weight))
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_reference_is_the_product_of_the_dequantized_weight_within_activation_rounding(kind: str) -> None:
     """The reference itself against float64 `x @ dequantize()`: only the int8 activation blocks differ (at most
@@ -112,8 +144,9 @@ def test_bytes_per_value() -> None:
     assert sizes["q4_1"] == values // 2 + values // 32 * 4  # 5 bits
 
 
-def test_values_do_not_depend_on_the_thread_count_or_the_batch(kernels: RowKernels) -> None:
-    weight = quantize_blocks(_weight(576, 1536, 1), "q4_1")
+@pytest.mark.parametrize("kind", KINDS)
+def test_values_do_not_depend_on_the_thread_count_or_the_batch(kernels: RowKernels, kind: str) -> None:
+    weight = quantize_blocks(_weight(576, 1536, 1), kind)  # type: ignore[arg-type]
     x = _input(33, 576, 2)
     threads = torch.get_num_threads()
     try:

@@ -11,7 +11,9 @@ scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight 
 
 In memory (the layout `csrc/block_quant.h` documents): output columns in groups of 4 (the last zero-padded), each
 group's blocks interleaved by block index, so a product reads 4 columns' blocks from one place and reuses them for
-up to 4 rows.
+up to 4 rows. From 6 rows a GEMM unpacks each panel of columns (16 on AVX-512 VNNI, every kind; 8 on AVX2, Q4_0
+and Q4_1) once per call into int8 and sweeps every row over it (`csrc/block_quant.cpp`), with the same bits per row
+as the 1-row kernel.
 
 Quantizing float weights (`quantize_blocks`) follows llama.cpp's rules: Q8_0 `d = max |w| / 127`; Q4_0 `d = -w* / 8`
 for w* the block's value of largest magnitude (so it maps to q = 0); Q4_1 `m = min w`, `d = (max w - m) / 15`; the
@@ -351,9 +353,10 @@ def block_kernels() -> tuple[RowKernels, str] | None:
 
 def self_check(module: RowKernels, path: str) -> str:
     """ "" when `path` gives `reference_block_linear`'s values bit for bit on every kind (1, 3 and 9 rows of a
-    random 96 x 11 weight with a zero block and an input block of zeros), else what differs."""
+    random 96 x 37 weight with a zero block and an input block of zeros: on "vnni" 9 rows take the many-row GEMM,
+    a full tile and a part one, and 37 columns a tile of 2 panels and a part panel), else what differs."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 11, generator=generator)
+    weight = torch.randn(96, 37, generator=generator)
     weight[32:64, 3] = 0.0
     for kind in KIND_CODES:
         blocks = quantize_blocks(weight, kind)  # type: ignore[arg-type]
@@ -361,7 +364,7 @@ def self_check(module: RowKernels, path: str) -> str:
             x = torch.randn(rows, 96, generator=generator) * 3
             x[0, :32] = 0.0
             m = blocks.m if blocks.m is not None else _EMPTY_HALF
-            got = module.block_linear(x, blocks.qs, blocks.d, m, KIND_CODES[kind], 11, path)
+            got = module.block_linear(x, blocks.qs, blocks.d, m, KIND_CODES[kind], 37, path)
             if not torch.equal(got, reference_block_linear(x, blocks)):
                 return f"{kind}, {rows} rows"
     return ""

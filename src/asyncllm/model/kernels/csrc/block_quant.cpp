@@ -4,15 +4,17 @@
 // per block: Q8_0 w = d * q (q int8), Q4_0 w = d * (q - 8) (q 0..15), Q4_1 w = d * q + m (q 0..15): the block types
 // of llama.cpp's GGUF files (ggml's quants describe them; this is our own layout and code). Output columns come in
 // groups of 4 whose blocks are interleaved, so one pass over a block index reads 4 columns' blocks from one place
-// and reuses them across up to 4 rows (a GEMV streams each weight byte once; a GEMM tile of 4 rows x 4 columns
-// reads a weight block once per 4 rows). Activations are quantized per row and block of 32 to int8 with a float32
-// scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's offset and Q4_1's minimum term).
+// and reuses them across up to 4 rows (a GEMV streams each weight byte once; a tile of 4 rows x 4 columns reads a
+// weight block once per 4 rows). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
+// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1). Activations are quantized per row and
+// block of 32 to int8 with a float32 scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's
+// offset and Q4_1's minimum term).
 //
-// The integer dot of a block is exact on every path (AVX-512 VNNI `vpdpbusd` on 256-bit vectors, AVX2
-// `vpmaddubsw` + `vpmaddwd`, scalar C++); the float32 arithmetic after it is the same operation for operation
-// (built with -ffp-contract=off), so every path gives the same bits and tests compare them exactly with a numpy
-// reference. Columns are shared out to threads in whole groups, each output summed by one thread in block order:
-// values do not depend on the thread count, nor a row's on the other rows of its batch.
+// The integer dot of a block is exact on every path (AVX-512 VNNI `vpdpbusd` on 256-bit vectors, 512-bit in the
+// GEMM; AVX2 `vpmaddubsw` + `vpmaddwd`; scalar C++); the float32 arithmetic after it is the same operation for
+// operation (built with -ffp-contract=off), so every path gives the same bits and tests compare them exactly with a
+// numpy reference. Columns are shared out to threads in whole groups (panels in the GEMMs), each output summed by
+// one thread in block order: values do not depend on the thread count, nor a row's on the other rows of its batch.
 #include "vec_capability.h"
 #include "block_quant.h"
 
@@ -32,6 +34,9 @@ namespace {
 constexpr int64_t kBlock = 32;  // values per block
 constexpr int64_t kGroup = 4;   // output columns per interleaved group
 constexpr int64_t kRowTile = 4; // rows sharing one read of a group's weight blocks
+// From this many rows the unpacked-panel GEMM serves a product on the vnni path (measured, 1 thread, SmolLM2's
+// shapes: at 4 rows the GEMV and the GEMM were level within noise, at 6 the GEMM was 5-15% faster).
+constexpr int64_t kGemmMinRows = 6;
 
 enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 
@@ -192,6 +197,357 @@ void group_simd(const Acts& a, const Weights& w, int64_t g, int64_t r0, int64_t 
 }
 #endif
 
+#ifdef ASYNCLLM_BLOCK_AVX2
+// --- activations for the many-row GEMMs -----------------------------------------------------------------------------
+inline int32_t load_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// The activations of a tile of P rows, per block b: quads [8][P] int32 (row i's values 4q..4q+3 at [q][i]), then
+// the sums' starts [P] int32 (start * s: -128 s for the vnni path's Q8_0, -8 s for Q4_0, else 0), dx [P] float32,
+// float(s) [P] float32.
+// One pointer and constant offsets reach every row's operands; rows past the batch's end are zeros.
+template <int P>
+struct TileLayout {
+  static constexpr int64_t kQuads = 0, kStart = 8 * P, kDx = 9 * P, kSx = 10 * P, kWords = 11 * P;
+};
+
+template <int P>
+std::vector<int32_t> pack_tiles(const Acts& a, int64_t rows, int32_t start) {
+  using L = TileLayout<P>;
+  const int64_t tiles = (rows + P - 1) / P;
+  std::vector<int32_t> packed(tiles * a.nb * L::kWords, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / P, i = r % P;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      int32_t* rec = packed.data() + (t * a.nb + b) * L::kWords;
+      const int8_t* xb = a.q + (r * a.nb + b) * kBlock;
+      for (int64_t q = 0; q < 8; ++q) rec[L::kQuads + q * P + i] = load_quad(xb + 4 * q);
+      const int32_t sx = a.s[r * a.nb + b];
+      rec[L::kStart + i] = start * sx;
+      const float dx = a.d[r * a.nb + b], sxf = static_cast<float>(sx);
+      std::memcpy(rec + L::kDx + i, &dx, sizeof(float));
+      std::memcpy(rec + L::kSx + i, &sxf, sizeof(float));
+    }
+  }
+  return packed;
+}
+
+#endif
+
+#ifdef ASYNCLLM_BLOCK_VNNI
+// --- the many-row GEMM (AVX-512 VNNI, 512-bit vectors) ---------------------------------------------------------------
+// A panel of 16 output columns (4 groups) is unpacked ONCE per call into int8 quads laid out for `vpdpbusd`
+// (block b, quad q = values 4q..4q+3: one 64-byte vector of the 16 columns' quads), its scales into float32
+// vectors; then every row sweeps it in register tiles of kGemmRows rows x kGemmPanels panels, each weight vector
+// feeding kGemmRows `vpdpbusd` with a row's quad broadcast. A panel (nb * 576 bytes: 10 KB at 576 inputs, 27 KB at
+// 1536) stays in L1/L2; the activations are packed once per call so one pointer reaches a tile's operands.
+// Lane 4c + j of a vector holds column 4j + c of the panel (group j, column c): the in-lane 4 x 4 transpose that
+// makes the quads is then 8 unpack instructions; scales are laid out the same way and outputs are permuted back.
+// Every value is exact as an integer (Q8_0 weights are stored + 128, unsigned, and the row's 128 * s is taken off
+// by starting the sum at -128 s; Q4_0 starts at -8 s, which is dot - 8 s), and the float32 steps per block are
+// those of group_scalar in the same order: the same bits as the GEMV for every row, whatever its batch-mates.
+// Tile shapes measured (1 thread, ms per SmolLM2 step at 32 / 256 rows, Q4_0): 8 rows x 1 panel 40.8 / 289,
+// 4 x 1 44.5 / 290, 12 x 1 46.9 / 332, 4 x 2 42.2 / 267, 6 x 2 39.9 / 262: 6 rows x 2 panels (24 accumulators).
+constexpr int64_t kPanel = 16;  // columns per panel: one 512-bit vector of int32 / float32
+constexpr int kGemmRows = 6;    // rows per register tile
+constexpr int kGemmPanels = 2;  // panels per register tile
+
+struct Panel {
+  std::vector<__m512i> q;  // [nb, 8] quads
+  std::vector<__m512> d;   // [nb] scales
+  std::vector<__m512> m;   // [nb] minimums (Q4_1)
+  explicit Panel(int64_t nb) : q(nb * 8), d(nb), m(nb) {}
+};
+
+// r[j] holds, in 128-bit lane c, 4 dwords (quads) of group j's column c -> t[q] holds quad q of (j, c) at dword j
+// of lane c.
+inline void transpose4(const __m512i r[4], __m512i* t) {
+  const __m512i a = _mm512_unpacklo_epi32(r[0], r[1]), b = _mm512_unpackhi_epi32(r[0], r[1]);
+  const __m512i c = _mm512_unpacklo_epi32(r[2], r[3]), e = _mm512_unpackhi_epi32(r[2], r[3]);
+  t[0] = _mm512_unpacklo_epi64(a, c);
+  t[1] = _mm512_unpackhi_epi64(a, c);
+  t[2] = _mm512_unpacklo_epi64(b, e);
+  t[3] = _mm512_unpackhi_epi64(b, e);
+}
+
+template <int64_t KIND>
+void unpack_panel(const Weights& w, int64_t g0, int64_t groups, Panel& p) {
+  const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < w.nb; ++b) {
+    __m512i lo[kGroup], hi[kGroup];
+    float d[kPanel], m[kPanel];
+    for (int64_t j = 0; j < kGroup; ++j) {
+      if (j >= groups) {
+        lo[j] = hi[j] = _mm512_setzero_si512();
+        for (int64_t c = 0; c < kGroup; ++c) d[4 * c + j] = m[4 * c + j] = 0.0f;
+        continue;
+      }
+      const int64_t block = (g0 + j) * w.nb + b;
+      const uint8_t* src = w.qs + block * kGroup * w.block_bytes;
+      if (KIND == kQ8_0) {  // [c0 q0-3 | c0 q4-7 | c1 q0-3 | c1 q4-7], [c2 ... | c3 ...], + 128
+        const __m512i z0 = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
+        const __m512i z1 = _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
+        lo[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(2, 0, 2, 0));
+        hi[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(3, 1, 3, 1));
+      } else {  // [c0 | c1 | c2 | c3] bytes: low nibbles values 0-15, high ones 16-31
+        const __m512i z = _mm512_loadu_si512(src);
+        lo[j] = _mm512_and_si512(z, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+      }
+      for (int64_t c = 0; c < kGroup; ++c) {
+        d[4 * c + j] = static_cast<float>(w.d[block * kGroup + c]);
+        m[4 * c + j] = KIND == kQ4_1 ? static_cast<float>(w.m[block * kGroup + c]) : 0.0f;
+      }
+    }
+    transpose4(lo, &p.q[b * 8]);
+    transpose4(hi, &p.q[b * 8 + 4]);
+    p.d[b] = _mm512_loadu_ps(d);
+    p.m[b] = _mm512_loadu_ps(m);
+  }
+}
+
+// The first R rows of a packed tile of P against NV unpacked panels, the first one's first column col0;
+// `mask[v]` marks panel v's real columns.
+template <int64_t KIND, int P, int R, int NV>
+void panel_tile(const int32_t* tile, int64_t nb, const Panel* p, int64_t r0, float* out, int64_t ldo, int64_t col0,
+                const __mmask16* mask) {
+  using L = TileLayout<P>;
+  __m512 acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int32_t* rec = tile + b * L::kWords;
+    __m512i dot[R][NV];
+    for (int i = 0; i < R; ++i) {
+      const __m512i start = _mm512_set1_epi32(rec[L::kStart + i]);
+      for (int v = 0; v < NV; ++v) dot[i][v] = start;
+    }
+    for (int64_t q = 0; q < 8; ++q) {
+      __m512i wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = p[v].q[b * 8 + q];
+      for (int i = 0; i < R; ++i) {
+        const __m512i xv = _mm512_set1_epi32(rec[L::kQuads + q * P + i]);
+        for (int v = 0; v < NV; ++v) dot[i][v] = _mm512_dpbusd_epi32(dot[i][v], wv[v], xv);
+      }
+    }
+    const float* dxs = reinterpret_cast<const float*>(rec + L::kDx);
+    const float* sxs = reinterpret_cast<const float*>(rec + L::kSx);
+    for (int i = 0; i < R; ++i) {
+      const __m512 dx = _mm512_set1_ps(dxs[i]);
+      for (int v = 0; v < NV; ++v) {
+        __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[i][v]), _mm512_mul_ps(p[v].d[b], dx));
+        if (KIND == kQ4_1) {
+          term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(p[v].m[b], dx), _mm512_set1_ps(sxs[i])));
+        }
+        acc[i][v] = _mm512_add_ps(acc[i][v], term);
+      }
+    }
+  }
+  // lane 4c + j -> column 4j + c (the permutation is its own inverse)
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      _mm512_mask_storeu_ps(out + (r0 + i) * ldo + col0 + v * kPanel, mask[v],
+                            _mm512_permutexvar_ps(order, acc[i][v]));
+    }
+  }
+}
+
+template <int64_t KIND, int P, int R, int NV>
+void panel_rest(const int32_t* tile, int64_t nb, const Panel* p, int64_t r0, int64_t rows, float* out, int64_t ldo,
+                int64_t col0, const __mmask16* mask) {
+  if constexpr (R > 0) {
+    if (rows == R) return panel_tile<KIND, P, R, NV>(tile, nb, p, r0, out, ldo, col0, mask);
+    panel_rest<KIND, P, R - 1, NV>(tile, nb, p, r0, rows, out, ldo, col0, mask);
+  }
+}
+
+template <int64_t KIND, int P, int NV>
+void panel_rows(const int32_t* packed, int64_t nb, const Panel* p, int64_t rows, float* out, int64_t ldo,
+                int64_t col0, const __mmask16* mask) {
+  int64_t r = 0;
+  for (; r + P <= rows; r += P) {
+    panel_tile<KIND, P, P, NV>(packed + (r / P) * nb * TileLayout<P>::kWords, nb, p, r, out, ldo, col0, mask);
+  }
+  if (r < rows) {
+    panel_rest<KIND, P, P - 1, NV>(packed + (r / P) * nb * TileLayout<P>::kWords, nb, p, r, rows - r, out, ldo,
+                                   col0, mask);
+  }
+}
+
+template <int64_t KIND, int P, int NV>
+void gemm_t(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  const std::vector<int32_t> packed = pack_tiles<P>(a, rows, KIND == kQ4_1 ? 0 : KIND == kQ8_0 ? -128 : -8);
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  const int64_t steps = (panels + NV - 1) / NV;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * w.nb * kPanel * NV));
+  at::parallel_for(0, steps, grain, [&](int64_t s0, int64_t s1) {
+    std::vector<Panel> panel;
+    for (int v = 0; v < NV; ++v) panel.emplace_back(w.nb);
+    for (int64_t step = s0; step < s1; ++step) {
+      const int64_t pi = step * NV, col0 = pi * kPanel;
+      __mmask16 mask[NV];
+      int nv = 0;
+      for (; nv < NV && pi + nv < panels; ++nv) {
+        const int64_t g0 = (pi + nv) * (kPanel / kGroup);
+        unpack_panel<KIND>(w, g0, std::min(kPanel / kGroup, groups - g0), panel[nv]);
+        mask[nv] = static_cast<__mmask16>((1u << std::min(kPanel, out_features - col0 - nv * kPanel)) - 1u);
+      }
+      if (nv == NV) {
+        panel_rows<KIND, P, NV>(packed.data(), w.nb, panel.data(), rows, out, out_features, col0, mask);
+      } else {
+        panel_rows<KIND, P, 1>(packed.data(), w.nb, panel.data(), rows, out, out_features, col0, mask);
+      }
+    }
+  });
+}
+
+// The product of every row with every column: activations packed in tiles of kGemmRows rows, panels handed out to
+// threads kGemmPanels at a time (whole columns: each output is summed by one thread, in block order).
+template <int64_t KIND>
+void gemm(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  gemm_t<KIND, kGemmRows, kGemmPanels>(a, w, rows, out_features, out);
+}
+#endif
+
+#ifdef ASYNCLLM_BLOCK_AVX2
+// --- the many-row GEMM on AVX2 (no VNNI), Q4 only: the same idea on 256-bit vectors ---------------------------------
+// A panel of 8 columns (2 groups) is unpacked once per call into quads; a row's quad, broadcast, meets a quad vector
+// in `vpmaddubsw` (unsigned 4-bit weights x signed activations, pairs summed to int16: at most 2 * 15 * 127), a
+// block's 8 quads summed in int16 (at most 30480) before one `vpmaddwd` to int32. Exact integers again, then the
+// float32 steps of group_scalar in the same order. Lane 4l + k of a vector holds column 4(k / 2) + 2(k % 2) + l of
+// the panel (l the 128-bit lane). Q8_0 stays on the 4 x 4 tile: its signed weights need |x| x sign(w, x) and a
+// `vpmaddwd` per quad, and a GEMM built so was no faster (1 thread, ms per SmolLM2 step at 8 / 32 rows: 48.0 / 127.8
+// against the tile's 40.0 / 123.9); Q4_0 / Q4_1 gain 12% at 6-8 rows and 1.7x at 32 (66.4 / 73.7 from 115.8 / 130.7).
+constexpr int64_t kPanel2 = 8;  // columns per AVX2 panel
+constexpr int kGemmRows2 = 4;   // rows per AVX2 register tile: 8 accumulators of 16 registers
+
+struct Panel2 {
+  std::vector<__m256i> q;  // [nb, 8] quads
+  std::vector<__m256> d;   // [nb]
+  std::vector<__m256> m;   // [nb]
+  explicit Panel2(int64_t nb) : q(nb * 8), d(nb), m(nb) {}
+};
+
+inline void transpose4(const __m256i r[4], __m256i* t) {
+  const __m256i a = _mm256_unpacklo_epi32(r[0], r[1]), b = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i c = _mm256_unpacklo_epi32(r[2], r[3]), e = _mm256_unpackhi_epi32(r[2], r[3]);
+  t[0] = _mm256_unpacklo_epi64(a, c);
+  t[1] = _mm256_unpackhi_epi64(a, c);
+  t[2] = _mm256_unpacklo_epi64(b, e);
+  t[3] = _mm256_unpackhi_epi64(b, e);
+}
+
+template <int64_t KIND>
+void unpack_panel2(const Weights& w, int64_t g0, int64_t groups, Panel2& p) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < w.nb; ++b) {
+    __m256i lo[4], hi[4];  // r[k]: k = 2 * group + half (columns 0-1 or 2-3)
+    float d[kPanel2], m[kPanel2];
+    for (int64_t j = 0; j < 2; ++j) {
+      if (j >= groups) {
+        lo[2 * j] = lo[2 * j + 1] = hi[2 * j] = hi[2 * j + 1] = _mm256_setzero_si256();
+        for (int64_t c = 0; c < kGroup; ++c) d[4 * (c & 1) + 2 * j + (c >> 1)] = m[4 * (c & 1) + 2 * j + (c >> 1)] = 0;
+        continue;
+      }
+      const int64_t block = (g0 + j) * w.nb + b;
+      const uint8_t* src = w.qs + block * kGroup * w.block_bytes;
+      for (int64_t h = 0; h < 2; ++h) {  // columns 2h, 2h + 1
+        const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * 32));
+        lo[2 * j + h] = _mm256_and_si256(z, low);
+        hi[2 * j + h] = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+      }
+      for (int64_t c = 0; c < kGroup; ++c) {
+        const int64_t lane = 4 * (c & 1) + 2 * j + (c >> 1);
+        d[lane] = static_cast<float>(w.d[block * kGroup + c]);
+        m[lane] = KIND == kQ4_1 ? static_cast<float>(w.m[block * kGroup + c]) : 0.0f;
+      }
+    }
+    transpose4(lo, &p.q[b * 8]);
+    transpose4(hi, &p.q[b * 8 + 4]);
+    p.d[b] = _mm256_loadu_ps(d);
+    p.m[b] = _mm256_loadu_ps(m);
+  }
+}
+
+template <int64_t KIND, int P, int R>
+void panel2_tile(const int32_t* tile, int64_t nb, const Panel2& p, int64_t r0, float* out, int64_t ldo, int64_t col0,
+                 __m256i mask) {
+  using L = TileLayout<P>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int32_t* rec = tile + b * L::kWords;
+    __m256i dot[R];
+    for (int i = 0; i < R; ++i) dot[i] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < 8; ++q) {
+      const __m256i wv = p.q[b * 8 + q];
+      for (int i = 0; i < R; ++i) {
+        const __m256i xv = _mm256_set1_epi32(rec[L::kQuads + q * P + i]);
+        dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(wv, xv));  // int16 sums, at most 30480
+      }
+    }
+    const float* dxs = reinterpret_cast<const float*>(rec + L::kDx);
+    const float* sxs = reinterpret_cast<const float*>(rec + L::kSx);
+    for (int i = 0; i < R; ++i) {
+      const __m256i d32 = _mm256_add_epi32(_mm256_madd_epi16(dot[i], ones), _mm256_set1_epi32(rec[L::kStart + i]));
+      const __m256 dx = _mm256_set1_ps(dxs[i]);
+      __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(d32), _mm256_mul_ps(p.d[b], dx));
+      if (KIND == kQ4_1) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_mul_ps(p.m[b], dx), _mm256_set1_ps(sxs[i])));
+      acc[i] = _mm256_add_ps(acc[i], term);
+    }
+  }
+  // column c (group j = c / 4, column c % 4) is in lane 4 (c % 2) + 2 j + (c % 4) / 2
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int i = 0; i < R; ++i) {
+    _mm256_maskstore_ps(out + (r0 + i) * ldo + col0, mask, _mm256_permutevar8x32_ps(acc[i], order));
+  }
+}
+
+template <int64_t KIND, int P, int R>
+void panel2_rest(const int32_t* tile, int64_t nb, const Panel2& p, int64_t r0, int64_t rows, float* out, int64_t ldo,
+                 int64_t col0, __m256i mask) {
+  if constexpr (R > 0) {
+    if (rows == R) return panel2_tile<KIND, P, R>(tile, nb, p, r0, out, ldo, col0, mask);
+    panel2_rest<KIND, P, R - 1>(tile, nb, p, r0, rows, out, ldo, col0, mask);
+  }
+}
+
+template <int64_t KIND>
+void gemm_avx2(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  constexpr int P = kGemmRows2;
+  static_assert(KIND == kQ4_0 || KIND == kQ4_1, "the AVX2 GEMM is for Q4 weights");
+  const std::vector<int32_t> packed = pack_tiles<P>(a, rows, KIND == kQ4_0 ? -8 : 0);
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  const int64_t panels = (out_features + kPanel2 - 1) / kPanel2;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * w.nb * kPanel2));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    Panel2 panel(w.nb);
+    for (int64_t pi = p0; pi < p1; ++pi) {
+      const int64_t g0 = pi * 2, col0 = pi * kPanel2;
+      unpack_panel2<KIND>(w, g0, std::min<int64_t>(2, groups - g0), panel);
+      const int64_t columns = std::min(kPanel2, out_features - col0);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(columns)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      int64_t r = 0;
+      for (; r + P <= rows; r += P) {
+        panel2_tile<KIND, P, P>(packed.data() + (r / P) * w.nb * TileLayout<P>::kWords, w.nb, panel, r, out,
+                                out_features, col0, mask);
+      }
+      if (r < rows) {
+        panel2_rest<KIND, P, P - 1>(packed.data() + (r / P) * w.nb * TileLayout<P>::kWords, w.nb, panel, r, rows - r,
+                                    out, out_features, col0, mask);
+      }
+    }
+  });
+}
+#endif
+
 using GroupFn = void (*)(const Acts&, const Weights&, int64_t, int64_t, int64_t, float*, int64_t, int64_t);
 
 template <int64_t KIND>
@@ -279,6 +635,21 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     const GroupFn fn = kind == kQ8_0 ? group_fn<kQ8_0>(path) : kind == kQ4_0 ? group_fn<kQ4_0>(path)
                                                                                 : group_fn<kQ4_1>(path);
     float* op = out.data_ptr<float>();
+#ifdef ASYNCLLM_BLOCK_VNNI
+    if (path == Path::kVnni && rows >= kGemmMinRows) {
+      if (kind == kQ8_0) gemm<kQ8_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_0) gemm<kQ4_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_1) gemm<kQ4_1>(acts, weights, rows, out_features, op);
+      return out;
+    }
+#endif
+#ifdef ASYNCLLM_BLOCK_AVX2
+    if (path == Path::kAvx2 && rows >= kGemmMinRows && kind != kQ8_0) {
+      if (kind == kQ4_0) gemm_avx2<kQ4_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_1) gemm_avx2<kQ4_1>(acts, weights, rows, out_features, op);
+      return out;
+    }
+#endif
     // about 64 K block products per task: small products stay on one thread
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * nb * kGroup));
     at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
