@@ -82,7 +82,8 @@ def serving_tables(runs: dict[str, dict[str, Any]]) -> list[str]:
             f"**{name}**{' (quick)' if run['quick'] else ''}: {m['cpu']}, {m['cores']} cores; {load(run)}"
             f"{'; one CPU-bound process beside' if run['contended'] else ''}. Shapes: {shapes}.",
             "",
-            f"vLLM: {run['vllm'] or 'not installed in this run'}.",
+            f"vLLM: {run['vllm'] or 'not installed in this run'}. asyncllm: `asyncllm serve --max-model-len 2048"
+            f" --max-num-seqs 64{' ' + run['asyncllm_args'] if run.get('asyncllm_args') else ''}`.",
             "",
             "| shape | server | output tok/s | vs vLLM | mean TTFT | p99 TTFT | mean TPOT | p99 ITL |",
             "|---|---|---|---|---|---|---|---|",

