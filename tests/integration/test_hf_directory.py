@@ -11,6 +11,7 @@ import torch
 
 from asyncllm.config import ModelConfig
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.loading.gguf_metadata import read_gguf_header
 from asyncllm.model.loading.loader import _iter_gguf_weights, load_model, read_arch_config
 from asyncllm.model.loading.tokenizer import Tokenizer
 
@@ -47,7 +48,10 @@ def _write_hf_dir(model_path: str, path: pathlib.Path, generation: str) -> None:
     path.mkdir()
     (path / "config.json").write_text(json.dumps(cfg))
     save_file(
-        {name: w.contiguous() for name, w in _iter_gguf_weights(pathlib.Path(model_path), arch)},
+        {
+            name: w.contiguous()
+            for name, w in _iter_gguf_weights(pathlib.Path(model_path), arch, read_gguf_header(model_path))
+        },
         path / "model.safetensors",
     )
     tok = Tokenizer.load(model_path)
