@@ -7,7 +7,7 @@ run:            ## stream a real answer from the default model (SmolLM2-135M-Ins
 
 test:           ## the whole test suite (real model on CPU; 23.5 min on a quiet 2-core machine, 2026-12-03)
 	@scripts/setup.sh dev
-	@.venv/bin/python -m pytest -q --durations=30
+	@.venv/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=30
 
 test-fast:      ## unit tests not marked slow: no model weights, no engine process, no kernel build at start (15-20 s quiet, 41-64 s at load 6, 2 cores)
 	@scripts/setup.sh dev

@@ -2,7 +2,12 @@
 reference models built from it, loaded once per session and shared by every module that compares with them.
 
 Nothing is loaded or built at session start: the fixtures load on first use, and the fused kernels are built
-before the first `mp` test; a test that starts an engine process without the `mp` marker fails."""
+before the first `mp` test; a test that starts an engine process without the `mp` marker fails.
+
+Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), each test file runs whole on one worker (its module
+engines and fixtures are built once), the Ray files share one worker (one local Ray instance at a time), and the
+controller builds the kernels and fetches the default model before the workers start, so two workers never build
+into the same directory or download the same file at once."""
 
 from __future__ import annotations
 
@@ -44,6 +49,41 @@ def hf_reference(model_path: str) -> tuple[Any, Any]:
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return tok, ref.eval()
+
+
+RAY_GROUP = "ray"  # the xdist group of every test marked `ray`
+
+
+def _xdist_workers(config: pytest.Config) -> int:
+    """Worker processes pytest-xdist runs (0 without `-n`, or without pytest-xdist)."""
+    return int(getattr(config.option, "numprocesses", 0) or 0)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In an xdist controller (before it starts the workers): build the fused kernels and fetch the default model
+    once, instead of in two workers at once (the kernel build's lock and the download are per process)."""
+    config = session.config
+    if _xdist_workers(config) == 0 or hasattr(config, "workerinput"):
+        return
+    from asyncllm.config import DEFAULT_MODEL
+    from asyncllm.model.kernels.row_kernels import load_kernels
+    from asyncllm.model.loading.resolve import resolve_model_path
+
+    load_kernels()
+    resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist, give each test without an explicit `xdist_group` its file's group (`ray` for Ray tests), so
+    `--dist loadgroup` sends a file to one worker whole (runs before xdist's own hook reads the groups)."""
+    if not hasattr(config, "workerinput"):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = RAY_GROUP if item.get_closest_marker("ray") is not None else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 _CHILDREN = {"started": 0}  # engine and worker processes asyncllm started in this pytest process

@@ -27,6 +27,9 @@ peft = pytest.importorskip("peft")
 
 pytestmark = [
     pytest.mark.slow,  # a second HF model in memory, two engines
+    # the module's first setup loads HF's model and runs HF + peft greedy decoding: 300 s was too little beside
+    # another test worker on a loaded 2-core machine
+    pytest.mark.timeout(900),
     # peft's save_pretrained looks for the base model's config.json beside the GGUF, which has none.
     pytest.mark.filterwarnings("ignore:Could not find a config file:UserWarning"),
 ]
