@@ -4,6 +4,8 @@ machine's idle CPU time shows it, else at the next periodic probe."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
@@ -209,3 +211,115 @@ def test_a_long_step_of_another_size_is_not_a_slowdown() -> None:
 def test_needs_two_threads() -> None:
     with pytest.raises(ValueError, match="max_threads >= 2"):
         AdaptiveThreads(1)
+
+
+class _Serving:
+    """Step keys of a server under staggered arrivals (seeded): requests join with 50-512-token prompts (prefilled
+    within a 1024-token step budget beside the decodes, so a prompt may span two steps), and each decoding request
+    finishes with chance 1/64 a step; a request arrives with chance 0.3 a step, at most 32 in flight. So rows wander
+    over 1..32, decode-only steps have tokens == rows and mixed steps carry prefill chunks, keyed as `worker.py` keys
+    steps (scheduled tokens, rows)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.decoding = 1
+        self.prefill_left: list[int] = []
+
+    def next_key(self) -> tuple[int, int]:
+        rng = self.rng
+        self.decoding -= sum(rng.random() < 1 / 64 for _ in range(self.decoding))
+        if self.decoding + len(self.prefill_left) < 32 and rng.random() < 0.3:
+            self.prefill_left.append(rng.randint(50, 512))
+        if self.decoding + len(self.prefill_left) == 0:
+            self.prefill_left.append(rng.randint(50, 512))
+        tokens, rows = self.decoding, self.decoding
+        budget = 1024 - tokens
+        for i, left in enumerate(self.prefill_left):
+            if budget <= 0:
+                break
+            chunk = min(left, budget)
+            self.prefill_left[i] -= chunk
+            tokens, rows, budget = tokens + chunk, rows + 1, budget - chunk
+        self.decoding += sum(left == 0 for left in self.prefill_left)
+        self.prefill_left = [left for left in self.prefill_left if left > 0]
+        return tokens, rows
+
+
+class _ServingMachine(_Machine):
+    """Quiet 2-thread step: 24 ms + 0.5 ms per token + rows**0.85 ms (not linear in rows, like the logits product),
+    times noise of ~5% (seeded). One thread runs 1.25x as long quietly; contention makes 2-thread steps
+    `contended_2` x slower and 1-thread steps 1.1x. Quiet 1-thread steps leave 0.3 CPUs idle (`_PoolMachine`)."""
+
+    def __init__(self, contended_2: float, seed: int = 1) -> None:
+        super().__init__()
+        self.factor = {(2, False): 1.0, (1, False): 1.25, (2, True): contended_2, (1, True): 1.25 * 1.1}
+        self.rng = random.Random(seed)
+        self.key = (1, 1)
+
+    def step(self) -> None:
+        tokens, rows = self.key
+        quiet_2 = 0.024 + 0.0005 * tokens + 0.001 * rows**0.85
+        seconds = quiet_2 * self.factor[(self.threads, self.contended)] * self.rng.lognormvariate(0.0, 0.05)
+        self.now += seconds
+        self.idle_s += 0.0 if self.contended else seconds * (2 - self.threads) * 0.3
+        self.steps_at[self.threads] += 1
+
+
+def _serve(policy: AdaptiveThreads, machine: _ServingMachine, serving: _Serving, steps: int) -> None:
+    for _ in range(steps):
+        machine.key = serving.next_key()
+        policy.run(machine.key, machine.step)
+
+
+@pytest.mark.parametrize("contended_2", [2.0, 3.0])
+def test_serving_steps_of_changing_sizes_switch_within_a_few_probes(contended_2: float) -> None:
+    """Under serving, exact step sizes seldom repeat: the policy must judge steps of different sizes against each
+    other. Measured before the fix: beside a busy process a server stayed at 2 threads for ~105 s."""
+    serving, machine = _Serving(seed=0), _ServingMachine(contended_2)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, idle_meter=machine.idle_meter)
+    keys = [serving.next_key() for _ in range(2000)]
+    assert len(set(keys)) > 400  # the replay is varied: one step in five has a size of its own
+    assert {rows for _, rows in keys} >= set(range(2, 27))
+
+    _serve(policy, machine, serving, 3000)
+    assert policy.threads == 2
+    assert machine.steps_at[1] / 3000 < 0.03  # quiet: few probe steps
+
+    machine.contended = True
+    steps = 0
+    while policy.threads == 2:
+        _serve(policy, machine, serving, 1)
+        steps += 1
+        assert steps <= 64, "still two threads 64 steps into the contention"
+    machine.steps_at = {1: 0, 2: 0}
+    _serve(policy, machine, serving, 2000)
+    assert policy.threads == 1
+    assert machine.steps_at[2] / 2000 < 0.05  # contended: few 2-thread probe steps
+
+    machine.contended = False
+    steps = 0
+    while policy.threads == 1:
+        _serve(policy, machine, serving, 1)
+        steps += 1
+        assert steps <= 64, "still one thread 64 steps after the contention ended"
+    machine.steps_at = {1: 0, 2: 0}
+    _serve(policy, machine, serving, 2000)
+    assert policy.threads == 2
+    assert machine.steps_at[1] / 2000 < 0.03
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_server_started_beside_a_busy_process_drops_to_one_thread_soon(seed: int) -> None:
+    """No quiet history to call a step slow: only the periodic probes can decide, and the sizes they compare seldom
+    match exactly. Before the fix each undecided probe doubled the interval: 102 steps here, 2,037 with seed 3 (and
+    ~105 s into a real server's run, `benchmarks/analysis.md`)."""
+    serving, machine = _Serving(seed), _ServingMachine(contended_2=2.5, seed=seed + 1)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, idle_meter=machine.idle_meter)
+    machine.contended = True
+    steps = 0
+    while policy.threads == 2:
+        _serve(policy, machine, serving, 1)
+        steps += 1
+        assert steps <= 64, "still two threads 64 steps into a contended run"
+    _serve(policy, machine, serving, 1000)
+    assert policy.threads == 1
