@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
+from asyncllm.worker.thread_policy import AdaptiveThreads, StepCostFit, SystemIdleMeter
 
 
 class _Machine:
@@ -287,10 +287,10 @@ def test_serving_steps_of_changing_sizes_switch_within_a_few_probes(contended_2:
 
     machine.contended = True
     steps = 0
-    while policy.threads == 2:
+    while policy.threads == 2:  # before the fix: 46 steps (the slowdown trigger waited for a size to repeat)
         _serve(policy, machine, serving, 1)
         steps += 1
-        assert steps <= 64, "still two threads 64 steps into the contention"
+        assert steps <= 10, "still two threads 10 steps into the contention"
     machine.steps_at = {1: 0, 2: 0}
     _serve(policy, machine, serving, 2000)
     assert policy.threads == 1
@@ -323,3 +323,52 @@ def test_a_server_started_beside_a_busy_process_drops_to_one_thread_soon(seed: i
         assert steps <= 64, "still two threads 64 steps into a contended run"
     _serve(policy, machine, serving, 1000)
     assert policy.threads == 1
+
+
+def test_step_cost_fit_recovers_a_linear_cost_and_refuses_sizes_it_has_not_seen() -> None:
+    fit = StepCostFit(window=64)
+    assert fit.expected((32, 32)) is None  # fewer than min_steps steps
+    rng = random.Random(0)
+    for _ in range(100):
+        rows = rng.randint(1, 32)
+        tokens = rows + (rng.randint(50, 512) if rng.random() < 0.4 else 0)
+        fit.add((tokens, rows), 0.024 + 0.0005 * tokens + 0.001 * rows)
+    assert len(fit) == 64
+    assert fit.expected((300, 10)) == pytest.approx(0.024 + 0.15 + 0.010, rel=3e-3)  # the ridge: 0.1% bias
+    assert fit.expected((16, 16)) == pytest.approx(0.024 + 0.008 + 0.016, rel=3e-3)
+    assert fit.expected((4000, 32)) is None  # far more tokens than any step it fitted
+    assert fit.recent_ratios(3) == pytest.approx([1.0, 1.0, 1.0], rel=3e-3)
+
+
+def test_step_cost_fit_decode_only_and_single_size_steps() -> None:
+    """Decode-only steps (tokens == rows) cannot tell the token cost from the row cost; the fit still predicts
+    along them, and refuses a mixed step it knows nothing about. One size only: the mean."""
+    decode = StepCostFit()
+    for rows in [1, 5, 9, 13, 17, 21, 25, 29, 32] * 3:
+        decode.add((rows, rows), 0.020 + 0.0015 * rows)
+    assert decode.expected((20, 20)) == pytest.approx(0.050, rel=1e-3)
+    assert decode.expected((300, 10)) is None
+    same = StepCostFit()
+    for seconds in [0.010, 0.012, 0.011, 0.013]:
+        same.add((32, 32), seconds)
+    assert same.expected((32, 32)) == pytest.approx(0.0115)
+    assert same.expected((64, 32)) is None
+    with pytest.raises(ValueError, match="min_steps"):
+        StepCostFit(window=2, min_steps=4)
+
+
+def test_a_probe_of_sizes_the_fit_cannot_judge_is_undecided_and_keeps_the_interval() -> None:
+    """Before the fix such a probe counted as confirming the current count, and the interval doubled (32 -> 512
+    steps after four of them) while nothing had been compared."""
+    machine = _Machine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    _run(policy, machine, 32)  # the 32nd step starts the first probe
+    assert policy.current == 1
+    for _ in range(2 * policy.probe_steps):  # the probe runs long prefills, sizes no 2-thread step had
+        policy.run((900, 1), machine.step)
+    assert policy.current == 2
+    assert machine.steps_at[1] == 2 * policy.probe_steps  # it ran probe_steps more, hoping for a size it knows
+    _run(policy, machine, 31)
+    assert policy.current == 2
+    _run(policy, machine, 1)
+    assert policy.current == 1  # the next probe came after 32 steps again, not 64
