@@ -9,17 +9,18 @@ Steps of different sizes: under serving (arrivals, finishes, prefill chunks) a s
 tokens and rows) seldom repeats exactly, so steps are judged against a cost model rather than against earlier
 steps of the same size. `StepCostFit` fits seconds = a + b * tokens + c * rows by least squares to the last
 `fit_window` steps at the current count; a step's ratio is its time over the fit's expectation for its size.
-Sizes outside the range the fit has seen (a long prefill after decodes only) are not judged at all.
+Sizes far outside the range the fit has seen (a long prefill after decodes only) are not judged at all.
 
-Policy: the worker starts at `max_threads`. Every `probe_interval` steps (doubling after each probe that confirms
-the current count, up to `max_probe_interval`) it runs `probe_steps` steps at the other count, which wins when the
-median ratio of those steps is lower by `hysteresis` than that of the last `probe_steps` steps at the current
-count (fresh against fresh, so quiet history never decides a contended probe; both against the same fit, so only
-the sizes' relative costs need to be right). A probe with too few judged steps runs up to `probe_steps` more; one
-still without a judgement is undecided and keeps the interval. A step at `max_threads` slower than `slowdown` x the
-fit's expectation brings the probe forward to `probe_steps` steps later (so the current count is judged on steps
-that all ran in the new conditions); a slow one-thread step does not (more load never makes more threads faster).
-After a switch the fit starts again from the probe's steps.
+Policy: the worker starts at `max_threads` and probes the other count `first_probe` steps in (one started beside
+a busy process has no quiet steps to call a step slow). Then every `probe_interval` steps (doubling after each
+probe that confirms the current count, up to `max_probe_interval`) it runs `probe_steps` steps at the other count,
+which wins when the median ratio of those steps is lower by `hysteresis` than that of the last `probe_steps` steps
+at the current count (fresh against fresh, so quiet history never decides a contended probe; both against the same
+fit, so only the sizes' relative costs need to be right). A probe with too few judged steps runs up to
+`probe_steps` more; one still without a judgement is undecided and keeps the interval. A step at `max_threads`
+slower than `slowdown` x the fit's expectation brings the probe forward to `probe_steps` steps later (so the current
+count is judged on steps that all ran in the new conditions); a slow one-thread step does not (more load never
+makes more threads faster). After a switch the fit starts again from the probe's steps.
 
 Coming back from one thread: the end of contention does not slow one-thread steps, so the worker also reads the
 machine's idle CPU time during them (`SystemIdleMeter`): when at least `idle_cpus_to_probe` CPUs sat idle on
@@ -85,13 +86,15 @@ class StepCostFit:
         window: steps kept (>= 1).
         min_steps: steps needed before `expected` answers.
         margin: how far beyond the range of sizes seen `expected` still answers (factor on the largest tokens and
-            rows, divisor on the smallest).
+            rows, divisor on the smallest). 2 by default: while requests join, rows grow by more than a quarter
+            between the steps a fit saw and the probe's (at 1.25 the first probe of a seeded replay in
+            `tests/unit/test_thread_policy.py` judged none of its steps).
         ridge: the ridge, a fraction of each size's variance.
     Raises:
         ValueError: min_steps outside 1..window, margin < 1 or ridge <= 0.
     """
 
-    def __init__(self, window: int = 64, min_steps: int = 4, margin: float = 1.25, ridge: float = 1e-3) -> None:
+    def __init__(self, window: int = 64, min_steps: int = 4, margin: float = 2.0, ridge: float = 1e-3) -> None:
         if not 1 <= min_steps <= window or margin < 1 or ridge <= 0:
             raise ValueError("StepCostFit needs 1 <= min_steps <= window, margin >= 1 and ridge > 0")
         self.window, self.min_steps, self.margin, self.ridge = window, min_steps, margin, ridge
@@ -175,6 +178,9 @@ class AdaptiveThreads:
     Args:
         max_threads: the thread count when the machine is quiet (>= 2; with 1 there is nothing to adapt).
         probe_interval: steps between two probes at first (doubles while probes confirm the choice).
+        first_probe: steps before the very first probe. A worker that starts beside a busy process has no quiet
+            steps for the slowdown trigger to compare with, so only a probe can tell it; its cost when quiet is
+            `probe_steps` slower steps once.
         max_probe_interval: the longest gap between probes, in steps.
         probe_steps: steps run at the other count per probe.
         slowdown: a step at `max_threads` slower than this factor x the time `StepCostFit` expects for its size
@@ -195,6 +201,7 @@ class AdaptiveThreads:
         self,
         max_threads: int,
         probe_interval: int = 32,
+        first_probe: int = 8,
         max_probe_interval: int = 512,
         probe_steps: int = 3,
         slowdown: float = 1.6,
@@ -206,7 +213,7 @@ class AdaptiveThreads:
         idle_cpus_to_probe: float = 0.2,
         fit_window: int = 64,
     ) -> None:
-        if max_threads < 2 or probe_interval < 1 or probe_steps < 1 or fit_window < probe_steps:
+        if max_threads < 2 or min(probe_interval, first_probe, probe_steps) < 1 or fit_window < probe_steps:
             raise ValueError(
                 "AdaptiveThreads needs max_threads >= 2, positive probe sizes and fit_window >= probe_steps"
             )
@@ -216,7 +223,7 @@ class AdaptiveThreads:
         self._set_threads, self._clock = set_threads, clock
         self.threads = max_threads  # the chosen count
         self._interval = probe_interval
-        self._until_probe = probe_interval
+        self._until_probe = first_probe
         self._probing = 0  # probe steps left
         self.fit_window = fit_window
         self._fit = StepCostFit(fit_window)  # the current count's recent steps
