@@ -6,14 +6,17 @@ float16 scale d (and for Q4_1 a float16 minimum m): Q8_0 `w = d * q` (q int8, |q
 dequantized values (`gguf.quants.dequantize`), so a GGUF file's own blocks can be kept as they are: the loader
 hands them over as their bytes (`FileBlocks`, regrouped without dequantizing), and `from_values` finds them again
 in dequantized values bit for bit. The products (`block_linear`, `csrc/block_quant.cpp`) quantize the input per row
-and block of 32 to int8 (`dx = max |x| / 127`) and sum each block's integer products exactly (AVX-512 VNNI, AVX2 or
-scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight value instead of 32.
+and block of 32 to int8 (`dx = max |x| / 127`) and sum each block's integer products exactly (AMX int8 tiles,
+AVX-512 VNNI, AVX2 or scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight value
+instead of 32.
 
 In memory (the layout `csrc/block_quant.h` documents): output columns in groups of 4 (the last zero-padded), each
 group's blocks interleaved by block index, so a product reads 4 columns' blocks from one place and reuses them for
 up to 4 rows. From 6 rows a GEMM unpacks each panel of columns (16 on AVX-512 VNNI, every kind; 8 on AVX2, Q4_0
 and Q4_1) once per call into int8 and sweeps every row over it (`csrc/block_quant.cpp`), with the same bits per row
-as the 1-row kernel.
+as the 1-row kernel. On the "amx" path (a CPU with AMX-INT8 and Linux's permission for its tile data, asked at the
+first call; `block_quant_amx_status` says why not, logged) products of 16 rows or more take the panels as AMX tiles:
+one tile product per block of 32 (its exact int32 dots), then the same float32 steps per block.
 
 Quantizing float weights (`quantize_blocks`) follows llama.cpp's rules: Q8_0 `d = max |w| / 127`; Q4_0 `d = -w* / 8`
 for w* the block's value of largest magnitude (so it maps to q = 0); Q4_1 `m = min w`, `d = (max w - m) / 15`; the

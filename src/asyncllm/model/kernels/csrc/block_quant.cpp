@@ -322,11 +322,10 @@ void unpack_panel(const Weights& w, int64_t g0, int64_t groups, Panel& p) {
   const __m512i offset = _mm512_set1_epi8(KIND == kQ4_0 && SIGNED ? 8 : 0);
   for (int64_t b = 0; b < w.nb; ++b) {
     __m512i lo[kGroup], hi[kGroup];
-    float d[kPanel], m[kPanel];
+    int64_t d4[kGroup] = {0, 0, 0, 0}, m4[kGroup] = {0, 0, 0, 0};  // each group's 4 float16 scales (minimums)
     for (int64_t j = 0; j < kGroup; ++j) {
       if (j >= groups) {
         lo[j] = hi[j] = _mm512_setzero_si512();
-        for (int64_t c = 0; c < kGroup; ++c) d[4 * c + j] = m[4 * c + j] = 0.0f;
         continue;
       }
       const int64_t block = (g0 + j) * w.nb + b;
@@ -342,15 +341,17 @@ void unpack_panel(const Weights& w, int64_t g0, int64_t groups, Panel& p) {
         lo[j] = _mm512_sub_epi8(_mm512_and_si512(z, low), offset);
         hi[j] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(z, 4), low), offset);
       }
-      for (int64_t c = 0; c < kGroup; ++c) {
-        d[4 * c + j] = static_cast<float>(w.d[block * kGroup + c]);
-        m[4 * c + j] = KIND == kQ4_1 ? static_cast<float>(w.m[block * kGroup + c]) : 0.0f;
-      }
+      std::memcpy(&d4[j], w.d + block * kGroup, sizeof(int64_t));
+      if (KIND == kQ4_1) std::memcpy(&m4[j], w.m + block * kGroup, sizeof(int64_t));
     }
     transpose4(lo, &p.q[b * 8]);
     transpose4(hi, &p.q[b * 8 + 4]);
-    p.d[b] = _mm512_loadu_ps(d);
-    p.m[b] = _mm512_loadu_ps(m);
+    // float16 -> float32 is exact (vcvtph2ps as c10::Half's conversion); lane 4j + c -> lane 4c + j
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    p.d[b] = _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_setr_epi64x(d4[0], d4[1], d4[2], d4[3])));
+    if (KIND == kQ4_1) {
+      p.m[b] = _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_setr_epi64x(m4[0], m4[1], m4[2], m4[3])));
+    }
   }
 }
 
