@@ -475,7 +475,7 @@ void gemm(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, f
 // (`ldtilecfg`) and released after it; they need the process's permission from Linux (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once by amx_unavailable_reason(): without it the path is not offered.
 // The functions that touch tiles are built with target("amx-tile,amx-int8"), whatever -march says.
-constexpr int64_t kAmxRows = 16;                 // rows per A tile
+constexpr int kAmxRows = 16;                     // rows per A tile
 constexpr int64_t kAmxQBytes = kAmxRows * kBlock;  // an A tile: 512 bytes
 constexpr int64_t kAmxRecord = kAmxQBytes + 2 * kAmxRows * 4;  // + dx [16] float32, float(s) [16] float32
 // From this many rows the "amx" path takes the AMX GEMM (below it the vnni GEMM and GEMV).
@@ -526,21 +526,22 @@ std::vector<int8_t> pack_amx_rows(const Acts& a, int64_t rows) {
     _tile_dpbssd(C, A, B);                               \
   } while (0)
 
-// 16 packed rows (the first `rows` real) against one unpacked panel: out[r0 + i, col0 + c] for the columns in mask.
+// 16 packed rows (the first R real) against one unpacked panel: out[r0 + i, col0 + c] for the columns in mask. The
+// tile products always take 16 rows; the float32 steps only the R real ones.
 // A pipeline of three blocks: while block b's int32 dots (stored one step earlier) take their float32 steps, block
 // b + 1's tile is stored and block b + 2's tile product runs (tile sets by parity: C 0/1, A 4/5, B 6/7), so neither
 // the product's latency nor the store's stalls the vector steps (a tile stored right after its product, and read
 // right after its store, took half the time: measured with perf).
-template <int64_t KIND>
+template <int64_t KIND, int R>
 __attribute__((target("amx-tile,amx-int8"))) void amx_tile(const int8_t* records, int64_t nb, const Panel& p,
-                                                            int64_t r0, int64_t rows, float* out, int64_t ldo,
-                                                            int64_t col0, __mmask16 mask) {
+                                                            int64_t r0, float* out, int64_t ldo, int64_t col0,
+                                                            __mmask16 mask) {
   alignas(64) int32_t dots[2][kAmxRows * 16];
   // unrolled, so the accumulators are 16 registers: as an array they were kept on the stack (a load and a store
   // per row and block: 28.4 -> 23.7 ns per 16 x 16 block product in a stand-alone loop)
   __m512 acc[kAmxRows];
 #pragma GCC unroll 16
-  for (int64_t i = 0; i < kAmxRows; ++i) acc[i] = _mm512_setzero_ps();
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   ASYNCLLM_AMX_BLOCK_DOTS(0, 4, 6, records, &p.q[0]);
   if (nb > 1) ASYNCLLM_AMX_BLOCK_DOTS(1, 5, 7, records + kAmxRecord, &p.q[8]);
   _tile_stored(0, dots[0], 64);
@@ -557,7 +558,7 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_tile(const int8_t* records
     const float* sxs = dxs + kAmxRows;
     const __m512 dw = p.d[b];
 #pragma GCC unroll 16
-    for (int64_t i = 0; i < kAmxRows; ++i) {
+    for (int i = 0; i < R; ++i) {
       const __m512 dx = _mm512_set1_ps(dxs[i]);
       __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(block_dots + i * 16)), _mm512_mul_ps(dw, dx));
       if (KIND == kQ4_1) term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(p.m[b], dx), _mm512_set1_ps(sxs[i])));
@@ -567,8 +568,18 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_tile(const int8_t* records
   // lane 4c + j -> column 4j + c, as in panel_tile
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 #pragma GCC unroll 16
-  for (int64_t i = 0; i < kAmxRows; ++i) {
-    if (i < rows) _mm512_mask_storeu_ps(out + (r0 + i) * ldo + col0, mask, _mm512_permutexvar_ps(order, acc[i]));
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(out + (r0 + i) * ldo + col0, mask, _mm512_permutexvar_ps(order, acc[i]));
+  }
+}
+
+// amx_tile for the last tile's `rows` (< R) real rows.
+template <int64_t KIND, int R>
+void amx_rest(const int8_t* records, int64_t nb, const Panel& p, int64_t r0, int64_t rows, float* out, int64_t ldo,
+              int64_t col0, __mmask16 mask) {
+  if constexpr (R > 0) {
+    if (rows == R) return amx_tile<KIND, R>(records, nb, p, r0, out, ldo, col0, mask);
+    amx_rest<KIND, R - 1>(records, nb, p, r0, rows, out, ldo, col0, mask);
   }
 }
 
@@ -588,8 +599,13 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_panels(const int8_t* packe
     const auto mask = static_cast<__mmask16>((1u << std::min(kPanel, out_features - col0)) - 1u);
     asm volatile("" ::: "memory");  // the tile loads are assembly reading memory: the panel is stored before them
     for (int64_t t = 0; t < row_tiles; ++t) {
-      amx_tile<KIND>(packed + t * w.nb * kAmxRecord, w.nb, panel, t * kAmxRows,
-                     std::min(kAmxRows, rows - t * kAmxRows), out, out_features, col0, mask);
+      const int8_t* records = packed + t * w.nb * kAmxRecord;
+      if (rows - t * kAmxRows >= kAmxRows) {
+        amx_tile<KIND, kAmxRows>(records, w.nb, panel, t * kAmxRows, out, out_features, col0, mask);
+      } else {
+        amx_rest<KIND, kAmxRows - 1>(records, w.nb, panel, t * kAmxRows, rows - t * kAmxRows, out, out_features,
+                                     col0, mask);
+      }
     }
   }
   _tile_release();
