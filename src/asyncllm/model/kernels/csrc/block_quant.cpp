@@ -6,12 +6,13 @@
 // groups of 4 whose blocks are interleaved, so one pass over a block index reads 4 columns' blocks from one place
 // and reuses them across up to 4 rows (a GEMV streams each weight byte once; a tile of 4 rows x 4 columns reads a
 // weight block once per 4 rows). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
-// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1). Activations are quantized per row and
+// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1; from kAmxMinRows rows on the "amx" path,
+// the same panels as AMX int8 tiles, every kind). Activations are quantized per row and
 // block of 32 to int8 with a float32 scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's
 // offset and Q4_1's minimum term).
 //
 // The integer dot of a block is exact on every path (AVX-512 VNNI `vpdpbusd` on 256-bit vectors, 512-bit in the
-// GEMM; AVX2 `vpmaddubsw` + `vpmaddwd`; scalar C++); the float32 arithmetic after it is the same operation for
+// GEMM; AMX `tdpbssd` with K = 32, one block per tile product; AVX2 `vpmaddubsw` + `vpmaddwd`; scalar C++); the float32 arithmetic after it is the same operation for
 // operation (built with -ffp-contract=off), so every path gives the same bits and tests compare them exactly with a
 // numpy reference. Columns are shared out to threads in whole groups (panels in the GEMMs), each output summed by
 // one thread in block order: values do not depend on the thread count, nor a row's on the other rows of its batch.
