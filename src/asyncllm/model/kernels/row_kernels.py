@@ -178,7 +178,12 @@ class RowKernels(Protocol):
         ...
 
     def block_quant_paths(self) -> list[str]:
-        """The block-quantized product paths this build has, best first ("vnni", "avx2", "scalar")."""
+        """The block-quantized product paths this build and process have, best first ("amx", "vnni", "avx2",
+        "scalar"; "amx" where the CPU has AMX-INT8 and Linux granted the tile data permission)."""
+        ...
+
+    def block_quant_amx_status(self) -> str:
+        """ "" when the "amx" block path is offered, else why not (the build, the CPU or Linux's permission)."""
         ...
 
     def block_quantize_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -321,6 +326,7 @@ KERNELS = (
     "sgemm_pack",
     "sgemm_packed",
     "block_quant_paths",
+    "block_quant_amx_status",
     "block_quantize_rows",
     "block_linear",
 )

@@ -423,6 +423,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgemm_packed", &sgemm_packed);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("block_quant_paths", &block_quant_paths);
+  m.def("block_quant_amx_status", &block_quant_amx_status);
   m.def("block_quantize_rows", &block_quantize_rows);
   m.def("block_linear", &block_linear);
 }
