@@ -1,0 +1,136 @@
+"""`kv_cache_dtype="bfloat16"` on the real SmolLM2-135M-Instruct: greedy outputs close to the float32 cache's, and
+the same guarantees the float32 cache keeps (batch == solo, chunked prefill == whole prefill, prefix-cache hit ==
+miss); twice the blocks in one memory budget; the setting crosses to an engine process.
+
+Outputs of one bf16 engine are compared with another bf16 engine's as `test_scheduler_features` compares float32
+engines: identical token ids, except from a near-tie of the reference's greedy choice (a different batch shape or
+chunking changes float32 summation order). The bf16 cache against the float32 cache is a different model numerically
+(K/V rounded to 8 mantissa bits, bfloat16 prefill attention), so that comparison measures agreement instead:
+`AGREEMENT_BOUND` is below what was measured (see `test_bf16_cache_agrees_with_the_float32_cache`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from asyncllm import AsyncLLM, EngineArgs
+from asyncllm.errors import ConfigError
+from tests.integration.conftest import greedy, wait_until_idle
+from tests.integration.test_scheduler_features import (
+    QUESTIONS,
+    SHORT_PROMPTS,
+    assert_same_greedy,
+    chat,
+    first_difference,
+    run_all,
+    run_one,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+BF16 = {"kv_cache_dtype": "bfloat16", "engine_process": False}
+TOKENS = 32
+# Of the greedy tokens of the 8 prompts below (32 each), the share the bf16 cache produces identically before its
+# first divergence from the float32 cache. Measured 95.7% (7 of 8 prompts identical; 2026-12-03, fp32 weights);
+# the bound leaves room for a loaded machine's kernel choices (another product kernel changes summation order too).
+AGREEMENT_BOUND = 0.8
+
+
+def prompts() -> list:
+    return [chat(q) for q in QUESTIONS] + SHORT_PROMPTS
+
+
+def agreement(expected: list, got: list) -> tuple[float, int]:
+    """(share of tokens equal up to each prompt's first difference, prompts identical throughout)."""
+    same = total = identical = 0
+    for want, have in zip(expected, got, strict=True):
+        ref_ids, got_ids = want.outputs[0].token_ids, have.outputs[0].token_ids
+        total += len(ref_ids)
+        index = first_difference(ref_ids, got_ids)
+        same += len(ref_ids) if index is None else index
+        identical += index is None
+    return same / total, identical
+
+
+async def test_bf16_cache_agrees_with_the_float32_cache(make_llm, caplog) -> None:
+    params = greedy(TOKENS, ignore_eos=True)
+    fp32 = make_llm(engine_process=False, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    expected = await run_all(fp32, prompts(), params)
+    fp32_stats = await fp32.get_scheduler_stats()
+    await asyncio.to_thread(fp32.shutdown)
+    with caplog.at_level(logging.INFO, logger="asyncllm.worker.worker"):
+        bf16 = make_llm(max_num_batched_tokens=4096, enable_prefix_caching=False, **BF16)
+    assert any("KV cache: 128 blocks" in r.message and "bfloat16" in r.message for r in caplog.records)
+    got = await run_all(bf16, prompts(), params)
+    stats = await bf16.get_scheduler_stats()
+    assert stats.num_total_blocks == fp32_stats.num_total_blocks == 128  # num_kv_blocks fixed by the test defaults
+    assert stats.kv_cache_bytes * 2 == fp32_stats.kv_cache_bytes  # half the bytes for the same blocks
+    share, identical = agreement(expected, got)
+    print(f"bf16 vs fp32 KV cache: {share:.1%} of greedy tokens agree before divergence; {identical}/8 identical")
+    assert share >= AGREEMENT_BOUND, f"only {share:.1%} of tokens agree ({identical}/8 prompts identical)"
+    assert all(len(out.outputs[0].token_ids) == TOKENS for out in got)
+
+
+async def test_bf16_cache_batch_equals_solo(make_llm, reference_model) -> None:
+    params = greedy(TOKENS, ignore_eos=True)
+    llm = make_llm(max_num_batched_tokens=4096, enable_prefix_caching=False, **BF16)
+    solo = [await run_one(llm, p, params) for p in prompts()]
+    batch = await run_all(llm, prompts(), params)
+    assert_same_greedy(reference_model, solo, batch)
+    await wait_until_idle(llm)
+
+
+async def test_bf16_cache_chunked_prefill_and_prefix_hits_equal_whole_prefill(make_llm, reference_model) -> None:
+    """Chunks of 16 read their prefix back from the bf16 cache; prefix-cache hits read whole blocks written by
+    another request; both must give the tokens of one whole prefill, which reads none of its K/V back."""
+    params = greedy(12)
+    whole = make_llm(max_num_batched_tokens=4096, enable_prefix_caching=False, **BF16)
+    baseline = await run_all(whole, [chat(q) for q in QUESTIONS], params)
+    await asyncio.to_thread(whole.shutdown)
+
+    chunked = make_llm(max_num_batched_tokens=16, enable_prefix_caching=False, **BF16)
+    got = await run_all(chunked, [chat(q) for q in QUESTIONS], params)
+    assert all(len(out.prompt_token_ids) > 3 * 16 for out in got)  # the prompts really were chunked
+    assert_same_greedy(reference_model, baseline, got)
+    await asyncio.to_thread(chunked.shutdown)
+
+    cached = make_llm(max_num_batched_tokens=4096, **BF16)  # prefix caching on (the default)
+    hits = [await run_one(cached, chat(q), params) for q in QUESTIONS]  # one after another: later ones hit
+    assert hits[0].num_cached_tokens == 0
+    assert all(out.num_cached_tokens >= 48 for out in hits[1:])
+    again = await run_one(cached, chat(QUESTIONS[0]), params)  # all but the last token cached
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16
+    assert_same_greedy(reference_model, baseline, hits)
+    assert_same_greedy(reference_model, baseline[:1], [again])
+    await wait_until_idle(cached)
+
+
+async def test_a_memory_budget_holds_twice_the_blocks_in_bf16(make_llm) -> None:
+    budget = 64 * 737_280  # 64 float32 blocks of SmolLM2-135M (30 layers, 3 K/V heads of 64, 16 tokens)
+    fp32 = make_llm(engine_process=False, num_kv_blocks=None, kv_cache_memory_bytes=budget)
+    fp32_stats = await fp32.get_scheduler_stats()
+    await asyncio.to_thread(fp32.shutdown)
+    bf16 = make_llm(num_kv_blocks=None, kv_cache_memory_bytes=budget, **BF16)
+    stats = await bf16.get_scheduler_stats()
+    assert (fp32_stats.num_total_blocks, stats.num_total_blocks) == (64, 128)
+    assert stats.kv_cache_bytes == fp32_stats.kv_cache_bytes == budget
+
+
+@pytest.mark.mp
+async def test_bf16_cache_in_an_engine_process(make_llm) -> None:
+    llm: AsyncLLM = make_llm(kv_cache_dtype="bfloat16", engine_process=True)
+    assert llm.config.cache.cache_dtype == "bfloat16"
+    out = await run_one(llm, "The capital of France is", greedy(8, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 8
+    assert "Paris" in out.outputs[0].text
+    stats = await llm.get_scheduler_stats()
+    assert stats.kv_cache_bytes == 128 * 737_280 // 2
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "float16", "half", "float32", "bf16", "", None, 2])
+def test_unsupported_kv_cache_dtypes_are_config_errors(model_path: str, value: object) -> None:
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineArgs(model=model_path, kv_cache_dtype=value).create_engine_config()  # type: ignore[arg-type]
