@@ -139,6 +139,32 @@ def test_a_bfloat16_cache_matches_dense_attention_on_rounded_kv(
         _run_case(query_lens, seq_lens, 9, 3, seed, window, pass_new_kv, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1], [1, 7, 13]), ([5, 9], [5, 9]), ([3, 6], [11, 6]), ([1, 5, 1, 7, 3], [10, 5, 1, 9, 12])],
+    ids=["decodes", "prefills", "prefill-with-cached-prefix", "mixed"],
+)
+@pytest.mark.parametrize("window", [None, 3])
+def test_soft_capping_on_a_bfloat16_cache_is_float32_math_on_the_rounded_kv(
+    query_lens: list[int], seq_lens: list[int], window: int | None
+) -> None:
+    """Gemma 2's soft-capped scores are written out in float32: a bfloat16 cache's K/V are widened (exactly), so the
+    result equals the float32 cache holding the same rounded values, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 2
+    tables, cursor = [], 0
+    for s in seq_lens:
+        tables.append(list(range(cursor, cursor + -(-s // BLOCK_SIZE))))
+        cursor += len(tables[-1])
+    meta = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
+    bf16 = torch.randn(num_blocks, 2, BLOCK_SIZE, 2, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    query = torch.randn(sum(query_lens), 6, HEAD_DIM, generator=gen)
+    got = paged_attention(query, bf16, meta, window=window, softcap=2.0)
+    want = paged_attention(query, bf16.float(), meta, window=window, softcap=2.0)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
 def test_write_kv_cache_rounds_into_a_bfloat16_cache() -> None:
     cache = torch.zeros(3, 2, BLOCK_SIZE, 1, 2, dtype=torch.bfloat16)
     k = torch.tensor([[[1 + 2**-8, 1 + 3 * 2**-8]], [[0.1, -0.1]]])
