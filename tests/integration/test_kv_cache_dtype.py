@@ -127,3 +127,46 @@ async def test_bf16_cache_in_an_engine_process(make_llm) -> None:
     assert "Paris" in out.outputs[0].text
     stats = await llm.get_scheduler_stats()
     assert stats.kv_cache_bytes == 128 * 737_280 // 2
+
+
+@pytest.mark.mp
+async def test_bf16_cache_at_tp3_equals_tp1(make_llm, reference_model) -> None:
+    """Each of 3 `mp` ranks allocates its one K/V head's bf16 cache; greedy tokens equal TP=1's up to near-ties (TP
+    sums partial products in another order)."""
+    params = greedy(16, ignore_eos=True)
+    tp1 = make_llm(max_num_batched_tokens=4096, **BF16)
+    expected = await run_all(tp1, SHORT_PROMPTS, params)
+    await asyncio.to_thread(tp1.shutdown)
+    tp3 = make_llm(
+        kv_cache_dtype="bfloat16",
+        distributed_executor_backend="mp",
+        tensor_parallel_size=3,
+        max_num_batched_tokens=4096,
+    )
+    stats = await tp3.get_scheduler_stats()
+    assert stats.kv_cache_bytes == 128 * 737_280 // 2  # the three ranks' shares together
+    got = await run_all(tp3, SHORT_PROMPTS, params)
+    assert_same_greedy(reference_model, expected, got)
+
+
+@pytest.mark.slow
+async def test_gemma3_sliding_windows_on_a_bf16_cache(make_llm) -> None:
+    """Gemma 3 270M (local layers with a 512-token window beside global ones; head_dim 256): a 700-token prompt in
+    chunks of 64 crosses the window (padded, masked bf16 SDPA for the local layers; the decode kernel's window),
+    then comes back from the prefix cache and in a batch with the same continuation; a short prompt gives the
+    float32 cache's text (HF's, `test_gemma3_engine`)."""
+    from tests.integration.test_gemma3_engine import FRANCE, FRANCE_CONTINUATION
+    from tests.integration.test_gemma3_parity import LONG_TEXT
+
+    llm = make_llm(model="gemma-3-270m", max_model_len=1024, num_kv_blocks=70, max_num_batched_tokens=64, **BF16)
+    out = await run_one(llm, FRANCE, greedy(9))
+    assert out.outputs[0].text.startswith(FRANCE_CONTINUATION)
+    ids = llm.get_tokenizer().encode(LONG_TEXT * 12)[:700]
+    prompt = {"prompt_token_ids": ids}
+    first = await run_one(llm, prompt, greedy(12))
+    again = await run_one(llm, prompt, greedy(12))
+    assert again.num_cached_tokens >= 640
+    batched = await run_all(llm, [{"prompt_token_ids": ids[:650] + ids[:50]}, FRANCE, prompt], greedy(12))
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids == batched[2].outputs[0].token_ids
+    assert len(set(first.outputs[0].token_ids)) > 3  # a real continuation, not one token repeated
+    await wait_until_idle(llm)
