@@ -127,6 +127,8 @@ async def test_bf16_cache_in_an_engine_process(make_llm) -> None:
     assert "Paris" in out.outputs[0].text
     stats = await llm.get_scheduler_stats()
     assert stats.kv_cache_bytes == 128 * 737_280 // 2
+    (info,) = [m for m in llm.get_metrics() if m.name == "asyncllm:cache_config_info"]  # vLLM's gauge and label
+    assert (info.labels["cache_dtype"], info.labels["num_gpu_blocks"], info.value) == ("bfloat16", "128", 1.0)
 
 
 @pytest.mark.mp
