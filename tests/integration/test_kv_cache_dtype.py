@@ -6,7 +6,7 @@ Outputs of one bf16 engine are compared with another bf16 engine's as `test_sche
 engines: identical token ids, except from a near-tie of the reference's greedy choice (a different batch shape or
 chunking changes float32 summation order). The bf16 cache against the float32 cache is a different model numerically
 (K/V rounded to 8 mantissa bits, bfloat16 prefill attention), so that comparison measures agreement instead:
-`AGREEMENT_BOUND` is below what was measured (see `test_bf16_cache_agrees_with_the_float32_cache`).
+`AGREEMENT_BOUND` is below what was measured.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 BF16 = {"kv_cache_dtype": "bfloat16", "engine_process": False}
 TOKENS = 32
-# Of the greedy tokens of the 8 prompts below (32 each), the share the bf16 cache produces identically before its
-# first divergence from the float32 cache. Measured 95.7% (7 of 8 prompts identical; 2026-12-03, fp32 weights);
-# the bound leaves room for a loaded machine's kernel choices (another product kernel changes summation order too).
-AGREEMENT_BOUND = 0.8
+# Of the greedy tokens of the 8 prompts below (32 each, EOS ignored), the share the bf16 cache produces identically
+# before its first divergence from the float32 cache, by weights. Measured 2026-12-03: fp32 95.7% (7 of 8 prompts
+# identical); int8 57.0% (2 of 8; int8's per-row activation quantization amplifies small changes: int8 against fp32
+# weights, both with the float32 cache, agree on 48.8%, 0 of 8). The bounds leave room for a loaded machine's kernel
+# choices (another product kernel changes summation order too).
+AGREEMENT_BOUND = {None: 0.8, "int8": 0.4}
 
 
 def prompts() -> list:
@@ -54,22 +56,27 @@ def agreement(expected: list, got: list) -> tuple[float, int]:
     return same / total, identical
 
 
-async def test_bf16_cache_agrees_with_the_float32_cache(make_llm, caplog) -> None:
+@pytest.mark.parametrize("quantization", [None, "int8"])
+async def test_bf16_cache_agrees_with_the_float32_cache(make_llm, caplog, quantization: str | None) -> None:
     params = greedy(TOKENS, ignore_eos=True)
-    fp32 = make_llm(engine_process=False, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    fp32 = make_llm(
+        engine_process=False, max_num_batched_tokens=4096, enable_prefix_caching=False, quantization=quantization
+    )
     expected = await run_all(fp32, prompts(), params)
     fp32_stats = await fp32.get_scheduler_stats()
     await asyncio.to_thread(fp32.shutdown)
     with caplog.at_level(logging.INFO, logger="asyncllm.worker.worker"):
-        bf16 = make_llm(max_num_batched_tokens=4096, enable_prefix_caching=False, **BF16)
+        bf16 = make_llm(max_num_batched_tokens=4096, enable_prefix_caching=False, quantization=quantization, **BF16)
     assert any("KV cache: 128 blocks" in r.message and "bfloat16" in r.message for r in caplog.records)
     got = await run_all(bf16, prompts(), params)
     stats = await bf16.get_scheduler_stats()
     assert stats.num_total_blocks == fp32_stats.num_total_blocks == 128  # num_kv_blocks fixed by the test defaults
     assert stats.kv_cache_bytes * 2 == fp32_stats.kv_cache_bytes  # half the bytes for the same blocks
     share, identical = agreement(expected, got)
-    print(f"bf16 vs fp32 KV cache: {share:.1%} of greedy tokens agree before divergence; {identical}/8 identical")
-    assert share >= AGREEMENT_BOUND, f"only {share:.1%} of tokens agree ({identical}/8 prompts identical)"
+    print(
+        f"{quantization or 'fp32'} weights, bf16 vs float32 KV cache: {share:.1%} of greedy tokens agree before divergence; {identical}/8 identical"
+    )
+    assert share >= AGREEMENT_BOUND[quantization], f"only {share:.1%} of tokens agree ({identical}/8 prompts identical)"
     assert all(len(out.outputs[0].token_ids) == TOKENS for out in got)
 
 
