@@ -73,9 +73,8 @@ async def test_bf16_cache_agrees_with_the_float32_cache(make_llm, caplog, quanti
     assert stats.num_total_blocks == fp32_stats.num_total_blocks == 128  # num_kv_blocks fixed by the test defaults
     assert stats.kv_cache_bytes * 2 == fp32_stats.kv_cache_bytes  # half the bytes for the same blocks
     share, identical = agreement(expected, got)
-    print(
-        f"{quantization or 'fp32'} weights, bf16 vs float32 KV cache: {share:.1%} of greedy tokens agree before divergence; {identical}/8 identical"
-    )
+    weights = quantization or "fp32"
+    print(f"{weights} weights, bf16 vs float32 KV cache: {share:.1%} of tokens agree; {identical}/8 prompts identical")
     assert share >= AGREEMENT_BOUND[quantization], f"only {share:.1%} of tokens agree ({identical}/8 prompts identical)"
     assert all(len(out.outputs[0].token_ids) == TOKENS for out in got)
 
