@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "block_quant.h"
@@ -351,27 +352,37 @@ void check_index(const at::Tensor& index, int64_t n, const char* name) {
 }
 
 // Copies row i of `key` and `value` ([rows, heads, head_dim]) to key_dst[i0(i)][i1(i)] and value_dst[...], whose
-// rows are `row_numel` floats apart within dimension 1 and `stride0` floats apart within dimension 0.
-void copy_kv_rows(const at::Tensor& key, const at::Tensor& value, float* key_dst, float* value_dst,
-                  const int64_t* i0, int64_t stride0, const int64_t* i1, int64_t row_numel) {
+// rows are `row_numel` elements apart within dimension 1 and `stride0` elements apart within dimension 0. A bfloat16
+// destination gets each float rounded to nearest even (c10::BFloat16's conversion, as `.to(torch.bfloat16)`).
+template <typename T>
+void copy_kv_rows(const at::Tensor& key, const at::Tensor& value, T* key_dst, T* value_dst, const int64_t* i0,
+                  int64_t stride0, const int64_t* i1, int64_t row_numel) {
   const int64_t rows = key.size(0);
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t at = i0[r] * stride0 + i1[r] * row_numel;
-    std::copy_n(kp + r * key.stride(0), row_numel, key_dst + at);
-    std::copy_n(vp + r * value.stride(0), row_numel, value_dst + at);
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy_n(kp + r * key.stride(0), row_numel, key_dst + at);
+      std::copy_n(vp + r * value.stride(0), row_numel, value_dst + at);
+    } else {
+      const float* k = kp + r * key.stride(0);
+      const float* v = vp + r * value.stride(0);
+      for (int64_t j = 0; j < row_numel; ++j) key_dst[at + j] = static_cast<T>(k[j]);
+      for (int64_t j = 0; j < row_numel; ++j) value_dst[at + j] = static_cast<T>(v[j]);
+    }
   }
 }
 
 // The paged KV cache write (model/attention.py `write_kv_cache`): kv_cache [num_blocks, 2, block_size, heads,
-// head_dim] float32 contiguous gets key[i] at [blocks[i], 0, offsets[i]] and value[i] at [blocks[i], 1, offsets[i]].
+// head_dim] float32 or bfloat16 (rounded to nearest even) contiguous gets key[i] at [blocks[i], 0, offsets[i]] and value[i] at [blocks[i], 1, offsets[i]].
 // Raises IndexError for a block or offset outside the cache (nothing is written then).
 void store_kv_cache_(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& blocks,
                      const at::Tensor& offsets) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.scalar_type() == at::kFloat &&
+  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && (kv_cache.scalar_type() == at::kFloat || bf16) &&
                   kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous float32 [num_blocks, 2, block_size, heads, head_dim] tensor");
+              "kv_cache must be a contiguous float32 or bfloat16 [num_blocks, 2, block_size, heads, head_dim] tensor");
   const int64_t rows = key.size(0), num_blocks = kv_cache.size(0), block_size = kv_cache.size(2);
   const int64_t row_numel = kv_cache.size(3) * kv_cache.size(4);
   check_heads(key, rows, row_numel, "key");
@@ -383,9 +394,14 @@ void store_kv_cache_(at::Tensor& kv_cache, const at::Tensor& key, const at::Tens
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK_INDEX(bp[r] >= 0 && bp[r] < num_blocks && op[r] >= 0 && op[r] < block_size, "slot of row ", r,
                       " (block ", bp[r], ", offset ", op[r], ") is outside the KV cache");
-  float* base = kv_cache.data_ptr<float>();
   const int64_t stride0 = 2 * block_size * row_numel;
-  copy_kv_rows(key, value, base, base + block_size * row_numel, bp, stride0, op, row_numel);
+  if (bf16) {
+    c10::BFloat16* base = kv_cache.data_ptr<c10::BFloat16>();
+    copy_kv_rows(key, value, base, base + block_size * row_numel, bp, stride0, op, row_numel);
+  } else {
+    float* base = kv_cache.data_ptr<float>();
+    copy_kv_rows(key, value, base, base + block_size * row_numel, bp, stride0, op, row_numel);
+  }
 }
 
 // The decode K/V mirror write (model/kv_mirror.py): key_dst and value_dst [rows, capacity, heads, head_dim] float32
