@@ -164,6 +164,40 @@ def test_values_do_not_depend_on_the_thread_count_or_the_batch(kernels: RowKerne
     assert torch.equal(one, solo)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_few_row_gemv_gives_the_same_bits_on_one_thread_and_two(kernels: RowKernels, kind: str) -> None:
+    """1-5 rows take the GEMV (vnni: chunks of 16 columns shared out to threads from 2 chunks at 576 inputs);
+    1000 columns end in a part chunk of 2 groups. Split over 2 threads, alone on one and the reference: equal."""
+    weight = quantize_blocks(_weight(576, 1000, 5), kind)  # type: ignore[arg-type]
+    x = _input(5, 576, 6)
+    want = reference_block_linear(x, weight)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in range(1, 6):
+                got = block_linear(x[:rows].contiguous(), weight)
+                assert torch.equal(got, want[:rows]), (kind, count, rows, float((got - want[:rows]).abs().max()))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_activation_blocks_equal_the_reference_ties_to_even_included(kernels: RowKernels) -> None:
+    """`block_quantize_rows` (vectorized where the CPU has AVX-512) against `reference_quantize_rows`: a block whose
+    scale is exactly 1 with values at half steps (2.5 -> 2, -3.5 -> -4, 0.5 -> 0: ties to even), a zero block, a
+    block of negatives, random rows."""
+    x = _input(3, 160, 7)
+    x[1, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.0] * 26)
+    x[1, 64:96] = 0.0
+    x[2, 96:128] = -torch.arange(1.0, 33.0)
+    q, d, s = kernels.block_quantize_rows(x)
+    rq, rd, rs = block_quant.reference_quantize_rows(x.numpy())
+    assert q.tolist()[1][:6] == [127, 2, -4, 0, 0, 2]
+    assert np.array_equal(q.numpy().reshape(rq.shape), rq)
+    assert np.array_equal(d.numpy(), rd)
+    assert np.array_equal(s.numpy(), rs)
+
+
 def test_dequantize_columns_equals_the_dense_columns() -> None:
     weight = quantize_blocks(_weight(64, 11, 4), "q4_0")
     columns = torch.tensor([10, 0, 5, 5])
