@@ -27,6 +27,7 @@ from asyncllm.model.kernels.row_kernels import RowKernels
 from tests.kernel_checks import require_kernels
 
 KINDS = ("q8_0", "q4_0", "q4_1")
+KIND_CODE = block_quant.KIND_CODES
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +197,35 @@ def test_the_activation_blocks_equal_the_reference_ties_to_even_included(kernels
     assert np.array_equal(q.numpy().reshape(rq.shape), rq)
     assert np.array_equal(d.numpy(), rd)
     assert np.array_equal(s.numpy(), rs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_the_fused_call_gives_the_separate_calls_bits(kernels: RowKernels, kind: str, rows: int) -> None:
+    """`fused_block_linear` (RMSNorm or SiLU x mul before the product, the residual added after, in one call)
+    equals `block_linear(kernels.rms_norm(x) / kernels.silu_mul(x)) + residual` bit for bit, GEMV and GEMM rows."""
+    chosen = block_quant.block_kernels()
+    assert chosen is not None
+    module, path = chosen
+    hidden, inter = 96, 160
+    norm = torch.rand(hidden, generator=torch.Generator().manual_seed(3)) + 0.5
+    x = _input(rows, hidden, 8)
+    gate_up = _input(rows, 2 * inter, 9)
+    residual = _input(rows, hidden, 10)
+    w_in = quantize_blocks(_weight(hidden, 2 * inter, 12), kind)  # type: ignore[arg-type]
+    w_out = quantize_blocks(_weight(inter, hidden, 13), kind)  # type: ignore[arg-type]
+    w_sq = quantize_blocks(_weight(hidden, hidden, 14), kind)  # type: ignore[arg-type]
+    fused = block_quant.fused_block_linear
+    normed = fused(module, path, x, w_in, "rms_norm", norm, 1e-5)
+    assert torch.equal(normed, block_linear(kernels.rms_norm(x, norm, 1e-5), w_in, path))
+    down = fused(module, path, gate_up, w_out, "silu_mul", residual=residual)
+    assert torch.equal(down, block_linear(kernels.silu_mul(gate_up), w_out, path).add_(residual))
+    plain = fused(module, path, x, w_sq, residual=residual)
+    assert torch.equal(plain, block_linear(x, w_sq, path) + residual)
+    with pytest.raises(RuntimeError, match="residual"):
+        fused(module, path, x, w_sq, residual=residual[:, :32].contiguous())
+    with pytest.raises(RuntimeError, match="prologue"):
+        module.block_linear_fused(x, 3, None, 0.0, None, w_sq.qs, w_sq.d, w_sq.d, KIND_CODE[kind], hidden, path)
 
 
 def test_dequantize_columns_equals_the_dense_columns() -> None:

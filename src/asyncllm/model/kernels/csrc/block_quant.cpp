@@ -5,7 +5,8 @@
 // of llama.cpp's GGUF files (ggml's quants describe them; this is our own layout and code). Output columns come in
 // groups of 4 whose blocks are interleaved, so one pass over a block index reads 4 columns' blocks from one place
 // and reuses them across up to 4 rows (a GEMV streams each weight byte once; a tile of 4 rows x 4 columns reads a
-// weight block once per 4 rows). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
+// weight block once per 4 rows; on vnni the 1-5 row GEMV takes 4 groups, 16 columns, per pass and sums their block
+// dots in registers). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
 // sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1). Activations are quantized per row and
 // block of 32 to int8 with a float32 scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's
 // offset and Q4_1's minimum term).
