@@ -12,8 +12,9 @@ blocks). Prints:
 3. The cost of a call without its weight stream: `block_linear` on a 1-row x 576 input and a 4-column weight.
 4. The step at 2 threads against 1, by wall time (best of `--repeats`), with the load average before and after:
    on a shared host this is only as good as the load it ran beside.
+5. With `--rows 2,4,5`: the step at those row counts too (1 thread, CPU time; the GEMV serves 1-5 rows).
 
-    .venv/bin/python benchmarks/gemv_block.py [--repeats 30] [--json PATH]
+    .venv/bin/python benchmarks/gemv_block.py [--repeats 30] [--rows 2,4,5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def bandwidth(repeats: int) -> dict[str, float]:
     return result
 
 
-def step_of(weights: list[BlockQuantWeight]) -> Callable[[], None]:
-    inputs = {i: torch.randn(1, i) for i in (HIDDEN, 1536)}
+def step_of(weights: list[BlockQuantWeight], rows: int = 1) -> Callable[[], None]:
+    inputs = {i: torch.randn(rows, i) for i in (HIDDEN, 1536)}
 
     def run() -> None:
         for w in weights:
@@ -85,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", default=None, help="write the numbers here too")
+    parser.add_argument("--rows", default="", help="more row counts to time the step at, e.g. 2,4,5")
     args = parser.parse_args()
     chosen = block_kernels()
     if chosen is None:
@@ -130,6 +132,11 @@ def main() -> None:
     per_call = thread_ms(lambda: [block_linear(x, tiny) for _ in range(calls)], args.repeats) / calls * 1e3
     result["call_us"] = per_call
     print(f"one call without a weight stream (1 x 576 by a 4-column weight): {per_call:.2f} us")
+
+    if args.rows:
+        by_rows = {int(r): thread_ms(step_of([*body, head], int(r)), args.repeats) for r in args.rows.split(",")}
+        result["ms_1t_cpu_by_rows"] = by_rows
+        print("step at more rows, 1 thread, CPU ms: " + ", ".join(f"{r} rows {v:.2f}" for r, v in by_rows.items()))
 
     step = step_of([*body, head])
     wall = {}
