@@ -200,14 +200,17 @@ def test_the_activation_blocks_equal_the_reference_ties_to_even_included(kernels
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_the_fused_call_gives_the_separate_calls_bits(kernels: RowKernels, kind: str, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "hidden", "inter"), [(1, 96, 160), (3, 96, 160), (8, 96, 160), (1100, 256, 256)])
+def test_the_fused_call_gives_the_separate_calls_bits(
+    kernels: RowKernels, kind: str, rows: int, hidden: int, inter: int
+) -> None:
     """`fused_block_linear` (RMSNorm or SiLU x mul before the product, the residual added after, in one call)
-    equals `block_linear(kernels.rms_norm(x) / kernels.silu_mul(x)) + residual` bit for bit, GEMV and GEMM rows."""
+    equals `block_linear(kernels.rms_norm(x) / kernels.silu_mul(x)) + residual` bit for bit: GEMV and GEMM rows,
+    and 1100 x 256 inputs, past the per-thread scratch (256 K values: a prefill chunk's rows get tensors of their
+    own)."""
     chosen = block_quant.block_kernels()
     assert chosen is not None
     module, path = chosen
-    hidden, inter = 96, 160
     norm = torch.rand(hidden, generator=torch.Generator().manual_seed(3)) + 0.5
     x = _input(rows, hidden, 8)
     gate_up = _input(rows, 2 * inter, 9)

@@ -708,8 +708,12 @@ Path parse_path(const std::string& name) {
   return chosen == "vnni" ? Path::kVnni : chosen == "avx2" ? Path::kAvx2 : Path::kScalar;
 }
 
-// The rows' activation blocks in this thread's scratch (grown as needed, never freed: no allocation per call at a
-// steady shape); valid until this thread's next call.
+// Inputs of up to this many values have their activation blocks in a per-thread scratch (decode steps); larger ones
+// (prefill chunks) in tensors of their own, so a long prompt does not leave megabytes held per thread.
+constexpr int64_t kScratchValues = int64_t(1) << 18;
+
+// The rows' activation blocks in this thread's scratch (grown as needed up to kScratchValues, never freed: no
+// allocation per call at a steady shape); valid until this thread's next call.
 Acts quantize_to_scratch(const float* x, int64_t rows, int64_t nb) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
@@ -787,7 +791,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   if (rows == 0) return out;
   {
     pybind11::gil_scoped_release no_gil;
-    const Acts acts = quantize_to_scratch(x.data_ptr<float>(), rows, nb);
+    std::vector<at::Tensor> owned;  // the activation blocks of a large input
+    Acts acts{};
+    if (rows * nb * kBlock <= kScratchValues) {
+      acts = quantize_to_scratch(x.data_ptr<float>(), rows, nb);
+    } else {
+      owned = block_quantize_rows(x);
+      acts = Acts{owned[0].data_ptr<int8_t>(), owned[1].data_ptr<float>(), owned[2].data_ptr<int32_t>(), nb};
+    }
     const Weights weights{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
                           kind == kQ4_1 ? m.data_ptr<c10::Half>() : nullptr, nb, block_bytes};
     const GroupFn fn = kind == kQ8_0 ? group_fn<kQ8_0>(path) : kind == kQ4_0 ? group_fn<kQ4_0>(path)

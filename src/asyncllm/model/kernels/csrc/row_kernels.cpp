@@ -319,10 +319,13 @@ at::Tensor block_linear_fused(const at::Tensor& x, int64_t prologue, const std::
     const int64_t cols = prologue == 1 ? x.size(1) : x.size(1) / 2;
     TORCH_CHECK(prologue == 2 || norm_weight.has_value(), "block_linear_fused: RMSNorm needs its weight");
     if (prologue == 1) check_weight(*norm_weight, cols);
+    // a decode step's rows in a per-thread scratch; a prefill chunk's (over 256 K values) in a tensor of its own
+    const bool own = rows * cols > (int64_t(1) << 18);
     thread_local std::vector<float> scratch;
-    if (static_cast<int64_t>(scratch.size()) < rows * cols) scratch.resize(rows * cols);
+    if (!own && static_cast<int64_t>(scratch.size()) < rows * cols) scratch.resize(rows * cols);
+    if (own) input = at::empty({rows, cols}, x.options());
     const float* xp = x.data_ptr<float>();
-    float* yp = scratch.data();
+    float* yp = own ? input.data_ptr<float>() : scratch.data();
     if (prologue == 1) {
       const float* wp = norm_weight->data_ptr<float>();
       at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
@@ -333,7 +336,7 @@ at::Tensor block_linear_fused(const at::Tensor& x, int64_t prologue, const std::
         for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * 2 * cols, cols, 1.f, yp + r * cols);
       });
     }
-    input = at::from_blob(yp, {rows, cols}, x.options());
+    if (!own) input = at::from_blob(yp, {rows, cols}, x.options());
   }
   at::Tensor out = block_linear(input, qs, d, m, kind, out_features, path);
   if (residual.has_value()) {
