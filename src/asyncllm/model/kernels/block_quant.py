@@ -12,11 +12,12 @@ instead of 32.
 
 In memory (the layout `csrc/block_quant.h` documents): output columns in groups of 4 (the last zero-padded), each
 group's blocks interleaved by block index, so a product reads 4 columns' blocks from one place and reuses them for
-up to 4 rows. From 6 rows a GEMM unpacks each panel of columns (16 on AVX-512 VNNI, every kind; 8 on AVX2, Q4_0
-and Q4_1) once per call into int8 and sweeps every row over it (`csrc/block_quant.cpp`), with the same bits per row
-as the 1-row kernel. On the "amx" path (a CPU with AMX-INT8 and Linux's permission for its tile data, asked at the
-first call; `block_quant_amx_status` says why not, logged) products of 16 rows or more take the panels as AMX tiles:
-one tile product per block of 32 (its exact int32 dots), then the same float32 steps per block.
+up to 4 rows (on AVX-512 VNNI the 1-5 row GEMV takes 4 neighbouring groups, 16 columns, per pass). From 6 rows
+a GEMM unpacks each panel of columns (16 on AVX-512 VNNI, every kind; 8 on AVX2, Q4_0 and Q4_1) once per call into
+int8 and sweeps every row over it (`csrc/block_quant.cpp`), with the same bits per row as the 1-row kernel. On the
+"amx" path (a CPU with AMX-INT8 and Linux's permission for its tile data, asked at the first call;
+`block_quant_amx_status` says why not, logged) products of 16 rows or more take the panels as AMX tiles: one tile
+product per block of 32 (its exact int32 dots), then the same float32 steps per block.
 
 Quantizing float weights (`quantize_blocks`) follows llama.cpp's rules: Q8_0 `d = max |w| / 127`; Q4_0 `d = -w* / 8`
 for w* the block's value of largest magnitude (so it maps to q = 0); Q4_1 `m = min w`, `d = (max w - m) / 15`; the
@@ -324,6 +325,32 @@ def block_linear(x: torch.Tensor, weight: BlockQuantWeight, path: str | None = N
 
 
 _EMPTY_HALF = torch.empty(0, dtype=torch.float16)
+PROLOGUES: dict[str, int] = {"none": 0, "rms_norm": 1, "silu_mul": 2}
+
+
+def fused_block_linear(
+    kernels: RowKernels,
+    path: str,
+    x: torch.Tensor,
+    weight: BlockQuantWeight,
+    prologue: Literal["none", "rms_norm", "silu_mul"] = "none",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One kernel call for `block_linear(p(x), weight) + residual` on a checked path (`block_kernels()`'s module
+    and path): p is nothing, `rms_norm(x, norm_weight, eps)` ([hidden] float32 weight) or `silu_mul(x)` ([rows,
+    2 * inter] gate/up), `residual` `[rows, out]` float32 or None. The same bits as the separate calls: the batch-1
+    block layer's 4 products in 4 calls instead of 9. `x` `[rows, in]` float32 contiguous; -> `[rows, out]` float32.
+
+    Raises:
+        RuntimeError: shapes or dtypes the kernels refuse.
+    """
+    m = weight.m if weight.m is not None else _EMPTY_HALF
+    return kernels.block_linear_fused(
+        x, PROLOGUES[prologue], norm_weight, eps, residual, weight.qs, weight.d, m, KIND_CODES[weight.kind],
+        weight.out_features, path,
+    )  # fmt: skip
 
 
 @functools.cache

@@ -210,6 +210,25 @@ class RowKernels(Protocol):
         on wrong shapes or dtypes or a path this build does not have."""
         ...
 
+    def block_linear_fused(
+        self,
+        x: torch.Tensor,
+        prologue: int,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        residual: torch.Tensor | None,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        kind: int,
+        out_features: int,
+        path: str,
+    ) -> torch.Tensor:
+        """`block_linear` of `x` as it is (prologue 0), of `rms_norm(x, norm_weight, eps)` (1) or of
+        `silu_mul(x)` (2), plus `residual` (`[rows, out_features]`, if given), in one call with the same bits as
+        the separate calls (`csrc/row_kernels.cpp`). Raises RuntimeError on what those calls refuse."""
+        ...
+
     def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, num_threads: int) -> torch.Tensor:
         """`x @ W`: `[rows, in]` float32 contiguous times a packed `[in, out_features]` weight -> `[rows, out_features]`
         (MKL's kernel, float32 arithmetic in its own summation order), its column chunks handed out on demand to
@@ -333,6 +352,7 @@ KERNELS = (
     "block_quant_amx_status",
     "block_quantize_rows",
     "block_linear",
+    "block_linear_fused",
 )
 
 

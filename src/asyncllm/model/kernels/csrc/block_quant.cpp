@@ -5,7 +5,8 @@
 // of llama.cpp's GGUF files (ggml's quants describe them; this is our own layout and code). Output columns come in
 // groups of 4 whose blocks are interleaved, so one pass over a block index reads 4 columns' blocks from one place
 // and reuses them across up to 4 rows (a GEMV streams each weight byte once; a tile of 4 rows x 4 columns reads a
-// weight block once per 4 rows). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
+// weight block once per 4 rows; on vnni and amx the 1-5 row GEMV takes 4 groups, 16 columns, per pass and sums
+// their block dots in registers). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
 // sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1; from kAmxMinRows rows on the "amx" path,
 // the same panels as AMX int8 tiles, every kind). Activations are quantized per row and
 // block of 32 to int8 with a float32 scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's
@@ -81,15 +82,16 @@ struct Weights {  // one block weight in the grouped layout (block_quant.h)
 };
 
 void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s) {
-#ifdef ASYNCLLM_BLOCK_VNNI
-  // The same values on 16 lanes: max |x| is exact in any order (a NaN skipped as std::max skips it), the quotient
-  // the same IEEE division, `vcvtps2dq` rounds half to even as std::nearbyint does (the default rounding mode), and
-  // the values fit int8 (|x / d| <= 127).
+  int64_t b = 0;
+#ifdef __AVX512F__
+  // The same steps 16 values at a time: max|x| is exact in any order, vdivps is IEEE division and vcvtps2dq rounds
+  // half to even under the default rounding mode, as std::nearbyint does; |q| <= 127, so vpmovdb keeps every value.
   const __m512 sign = _mm512_set1_ps(-0.0f);
-  for (int64_t b = 0; b < nb; ++b) {
+  for (; b < nb; ++b) {
     const float* xb = x + b * kBlock;
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const __m512 a0 = _mm512_andnot_ps(sign, x0), a1 = _mm512_andnot_ps(sign, x1);
+    // vmaxps returns its second operand where either is NaN: with 0 second, a NaN is skipped as std::max skips it
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, _mm512_max_ps(a1, _mm512_setzero_ps())));
     const float scale = amax / 127.0f;
     d[b] = scale;
@@ -99,14 +101,14 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s) {
       s[b] = 0;
       continue;
     }
-    const __m512 vs = _mm512_set1_ps(scale);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, vs)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, vs));
+    const __m512 sv = _mm512_set1_ps(scale);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, sv)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, sv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
     s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
-#else
-  for (int64_t b = 0; b < nb; ++b) {
+#endif
+  for (; b < nb; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.0f;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
@@ -125,7 +127,6 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s) {
     }
     s[b] = sum;
   }
-#endif
 }
 
 // One group of 4 columns for rows [r0, r1), plain C++: the reference every vector path equals bit for bit.
@@ -236,6 +237,120 @@ void group_simd(const Acts& a, const Weights& w, int64_t g, int64_t r0, int64_t 
       for (int64_t c = 0; c < columns; ++c) out[(rt + i) * ldo + g * kGroup + c] = values[c];
     }
   }
+}
+#endif
+
+#ifdef ASYNCLLM_BLOCK_VNNI
+// --- the few-row GEMV (AVX-512 VNNI, 512-bit vectors) ----------------------------------------------------------------
+// 1 to kGemmMinRows - 1 rows against a chunk of 16 columns (4 groups, whose blocks lie next to each other in memory)
+// per pass over the blocks. Per block, group j's 64 bytes (Q4: 4 columns x 16 bytes; Q8_0: 128 bytes, halves
+// regrouped) give two vectors whose 128-bit lane c holds column c's values 0-15 and 16-31, met by the row's values
+// 0-15 and 16-31 broadcast to every lane in two `vpdpbusd`; the 4 partial sums per column are added in registers
+// (unpack + add, exact) into one int32 per column, so no horizontal sum per group and block as in group_simd. Then
+// the float32 steps of group_scalar for 16 columns at once, in block order. Q8_0 weights are taken + 128 (unsigned)
+// and the row's sum starts at -128 s; Q4_0 at -8 s: exact integers, the same bits as every other path.
+// The next chunk's lines are prefetched one chunk ahead (the weight streams from memory at batch 1).
+constexpr int64_t kChunk = 16;  // columns per GEMV chunk
+constexpr int kGemvMaxRows = 4;  // rows per GEMV pass (a 5th row takes a second pass)
+
+// Column (j, c) of 4 vectors whose lane 4c + k holds partial k of group j's column c -> lane 4c + j, exact.
+inline __m512i sum_partials(__m512i d0, __m512i d1, __m512i d2, __m512i d3) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d0, d1), _mm512_unpackhi_epi32(d0, d1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d2, d3), _mm512_unpackhi_epi32(d2, d3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+// The 16 float16 values at p[j] + offset (4 each, j = 0..3) as float32, lane 4j + c.
+inline __m512 load_half16(const c10::Half* const* p, int64_t offset) {
+  const __m128i a = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[0] + offset)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[1] + offset)));
+  const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[2] + offset)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[3] + offset)));
+  return _mm512_cvtph_ps(_mm256_set_m128i(b, a));
+}
+
+template <int64_t KIND, int R>
+void gemv_chunk(const Acts& a, const Weights& w, int64_t g0, int64_t groups, int64_t r0, float* out, int64_t ldo,
+                int64_t columns) {
+  const int64_t nb = w.nb, group_bytes = nb * kGroup * w.block_bytes;
+  const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i to_columns = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  // a chunk past the last real group reads the last one again (its outputs are not stored)
+  const uint8_t* src[kGroup];
+  const c10::Half* dp[kGroup];
+  const c10::Half* mp[kGroup];
+  for (int64_t j = 0; j < kGroup; ++j) {
+    const int64_t g = g0 + std::min(j, groups - 1);
+    src[j] = w.qs + g * group_bytes;
+    dp[j] = w.d + g * nb * kGroup;
+    mp[j] = KIND == kQ4_1 ? w.m + g * nb * kGroup : nullptr;
+  }
+  const uint8_t* next = w.qs + (g0 + kGroup) * group_bytes;  // the next chunk (may be past the end: prefetch only)
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[kGroup], hi[kGroup];
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const uint8_t* p = src[j] + b * kGroup * w.block_bytes;
+      if (KIND == kQ8_0) {
+        const __m512i z0 = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
+        const __m512i z1 = _mm512_xor_si512(_mm512_loadu_si512(p + 64), flip);
+        lo[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(2, 0, 2, 0));
+        hi[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(3, 1, 3, 1));
+        _mm_prefetch(reinterpret_cast<const char*>(next + (j * nb + b) * kGroup * w.block_bytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + (j * nb + b) * kGroup * w.block_bytes + 64), _MM_HINT_T0);
+      } else {
+        const __m512i z = _mm512_loadu_si512(p);
+        lo[j] = _mm512_and_si512(z, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+        _mm_prefetch(reinterpret_cast<const char*>(next + (j * nb + b) * kGroup * w.block_bytes), _MM_HINT_T0);
+      }
+    }
+    const __m512 dw = load_half16(dp, b * kGroup);
+    __m512 mw = _mm512_setzero_ps();
+    if (KIND == kQ4_1) mw = load_half16(mp, b * kGroup);
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      const int8_t* xq = a.q + (r * a.nb + b) * kBlock;
+      const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+      const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+      __m512i parts[kGroup];
+      for (int64_t j = 0; j < kGroup; ++j) {
+        parts[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xl), hi[j], xh);
+      }
+      __m512i dot = _mm512_permutexvar_epi32(to_columns, sum_partials(parts[0], parts[1], parts[2], parts[3]));
+      const int32_t sx = a.s[r * a.nb + b];
+      if (KIND != kQ4_1) dot = _mm512_add_epi32(dot, _mm512_set1_epi32((KIND == kQ8_0 ? -128 : -8) * sx));
+      const __m512 dx = _mm512_set1_ps(a.d[r * a.nb + b]);
+      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx));
+      if (KIND == kQ4_1) term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(mw, dx), _mm512_set1_ps(float(sx))));
+      acc[i] = _mm512_add_ps(acc[i], term);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1u);
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (r0 + i) * ldo + g0 * kGroup, mask, acc[i]);
+}
+
+template <int64_t KIND>
+void gemv(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  const int64_t chunks = (out_features + kChunk - 1) / kChunk;
+  // about 4 K block products per task: at 1 row a SmolLM2 product of 576 inputs splits from 2 chunks of 16 columns
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, rows * w.nb * kChunk));
+  at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t g0 = c * (kChunk / kGroup), n = std::min(kGroup, groups - g0);
+      const int64_t columns = std::min(kChunk, out_features - c * kChunk);
+      for (int64_t r = 0; r < rows; r += kGemvMaxRows) {
+        switch (std::min<int64_t>(kGemvMaxRows, rows - r)) {
+          case 1: gemv_chunk<KIND, 1>(a, w, g0, n, r, out, out_features, columns); break;
+          case 2: gemv_chunk<KIND, 2>(a, w, g0, n, r, out, out_features, columns); break;
+          case 3: gemv_chunk<KIND, 3>(a, w, g0, n, r, out, out_features, columns); break;
+          default: gemv_chunk<KIND, 4>(a, w, g0, n, r, out, out_features, columns); break;
+        }
+      }
+    }
+  });
 }
 #endif
 
@@ -808,6 +923,31 @@ const std::string& amx_unavailable_reason() {
   return reason;
 }
 
+// Inputs of up to this many values have their activation blocks in a per-thread scratch (decode steps); larger ones
+// (prefill chunks) in tensors of their own, so a long prompt does not leave megabytes held per thread.
+constexpr int64_t kScratchValues = int64_t(1) << 18;
+
+// The rows' activation blocks in this thread's scratch (grown as needed up to kScratchValues, never freed: no
+// allocation per call at a steady shape); valid until this thread's next call.
+Acts quantize_to_scratch(const float* x, int64_t rows, int64_t nb) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> s;
+  if (static_cast<int64_t>(d.size()) < rows * nb) {
+    q.resize(rows * nb * kBlock);
+    d.resize(rows * nb);
+    s.resize(rows * nb);
+  }
+  int8_t* qp = q.data();
+  float* dp = d.data();
+  int32_t* sp = s.data();
+  const int64_t in = nb * kBlock;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / in), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * in, nb, qp + r * in, dp + r * nb, sp + r * nb);
+  });
+  return Acts{qp, dp, sp, nb};
+}
+
 }  // namespace
 
 std::vector<std::string> block_quant_paths() {
@@ -869,9 +1009,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   if (rows == 0) return out;
   {
     pybind11::gil_scoped_release no_gil;
-    const auto quantized = block_quantize_rows(x);
-    const Acts acts{quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(),
-                    quantized[2].data_ptr<int32_t>(), nb};
+    std::vector<at::Tensor> owned;  // the activation blocks of a large input
+    Acts acts{};
+    if (rows * nb * kBlock <= kScratchValues) {
+      acts = quantize_to_scratch(x.data_ptr<float>(), rows, nb);
+    } else {
+      owned = block_quantize_rows(x);
+      acts = Acts{owned[0].data_ptr<int8_t>(), owned[1].data_ptr<float>(), owned[2].data_ptr<int32_t>(), nb};
+    }
     const Weights weights{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
                           kind == kQ4_1 ? m.data_ptr<c10::Half>() : nullptr, nb, block_bytes};
     const GroupFn fn = kind == kQ8_0 ? group_fn<kQ8_0>(path) : kind == kQ4_0 ? group_fn<kQ4_0>(path)
@@ -886,7 +1031,13 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     }
 #endif
 #ifdef ASYNCLLM_BLOCK_VNNI
-    if ((path == Path::kVnni || path == Path::kAmx) && rows >= kGemmMinRows) {
+    if ((path == Path::kVnni || path == Path::kAmx) && rows < kGemmMinRows) {
+      if (kind == kQ8_0) gemv<kQ8_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_0) gemv<kQ4_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_1) gemv<kQ4_1>(acts, weights, rows, out_features, op);
+      return out;
+    }
+    if (path == Path::kVnni || path == Path::kAmx) {
       if (kind == kQ8_0) gemm<kQ8_0>(acts, weights, rows, out_features, op);
       if (kind == kQ4_0) gemm<kQ4_0>(acts, weights, rows, out_features, op);
       if (kind == kQ4_1) gemm<kQ4_1>(acts, weights, rows, out_features, op);

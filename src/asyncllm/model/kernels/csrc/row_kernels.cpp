@@ -301,6 +301,58 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// block_linear (block_quant.h) with its input made in the same call and a residual added after: prologue 0 takes x
+// as it is, 1 its RMSNorm (x [rows, hidden], norm_weight [hidden]: rms_norm's bits), 2 silu(gate) * up (x [rows,
+// 2 * inter]: silu_mul's bits), into a per-thread scratch instead of a new tensor; residual ([rows, out_features]
+// float32, if given) is added to the product (out + residual: `add_`'s bits). One call instead of two or three at
+// batch 1. Raises (c10::Error) on what block_linear, rms_norm or silu_mul refuse, an unknown prologue or a residual
+// of another shape.
+at::Tensor block_linear_fused(const at::Tensor& x, int64_t prologue, const std::optional<at::Tensor>& norm_weight,
+                              double eps, const std::optional<at::Tensor>& residual, const at::Tensor& qs,
+                              const at::Tensor& d, const at::Tensor& m, int64_t kind, int64_t out_features,
+                              const std::string& path) {
+  check_rows(x, "x");
+  TORCH_CHECK(prologue >= 0 && prologue <= 2, "block_linear_fused: unknown prologue ", prologue);
+  const int64_t rows = x.size(0);
+  at::Tensor input = x;
+  if (prologue != 0) {
+    TORCH_CHECK(prologue == 1 || x.size(1) % 2 == 0, "gate_up must have an even number of columns");
+    const int64_t cols = prologue == 1 ? x.size(1) : x.size(1) / 2;
+    TORCH_CHECK(prologue == 2 || norm_weight.has_value(), "block_linear_fused: RMSNorm needs its weight");
+    if (prologue == 1) check_weight(*norm_weight, cols);
+    // a decode step's rows in a per-thread scratch; a prefill chunk's (over 256 K values) in a tensor of its own
+    const bool own = rows * cols > (int64_t(1) << 18);
+    thread_local std::vector<float> scratch;
+    if (!own && static_cast<int64_t>(scratch.size()) < rows * cols) scratch.resize(rows * cols);
+    if (own) input = at::empty({rows, cols}, x.options());
+    const float* xp = x.data_ptr<float>();
+    float* yp = own ? input.data_ptr<float>() : scratch.data();
+    if (prologue == 1) {
+      const float* wp = norm_weight->data_ptr<float>();
+      at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * cols, wp, cols, static_cast<float>(eps), yp + r * cols);
+      });
+    } else {
+      at::parallel_for(0, rows, grain_rows(2 * cols), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * 2 * cols, cols, 1.f, yp + r * cols);
+      });
+    }
+    if (!own) input = at::from_blob(yp, {rows, cols}, x.options());
+  }
+  at::Tensor out = block_linear(input, qs, d, m, kind, out_features, path);
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->is_contiguous() && residual->dim() == 2 &&
+                    residual->size(0) == rows && residual->size(1) == out_features,
+                "block_linear_fused: residual must be a contiguous float32 [", rows, ", ", out_features, "]");
+    float* op = out.data_ptr<float>();
+    const float* rp = residual->data_ptr<float>();
+    at::parallel_for(0, rows, grain_rows(out_features), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) add_row(op + r * out_features, rp + r * out_features, out_features);
+    });
+  }
+  return out;
+}
+
 // In place on qkv [rows, cols] float32: y = qkv * row_scale (if given) + bias (if given), then the first `rotated`
 // columns, one head of `head_dim` at a time, become y * cos + roll(y, head_dim / 2) * sin (model/llama.py
 // `apply_rotary` on the sign-folded tables). cos, sin: rows * head_dim float32, contiguous ([rows, 1, head_dim]).
@@ -441,5 +493,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_paths", &block_quant_paths);
   m.def("block_quant_amx_status", &block_quant_amx_status);
   m.def("block_quantize_rows", &block_quantize_rows);
+  m.def("block_linear_fused", &block_linear_fused);
   m.def("block_linear", &block_linear);
 }
