@@ -3,8 +3,9 @@ int8 and fp32: kernels, the engine at batch 1 with its memory, and accuracy.
 
 1. Kernels: SmolLM2-135M's fused linear shapes and LM head (30 layers of random weights, so they stream from
    memory as in a real step), `linear()` at 1, 8, 32, 64 and 256 rows per product, for Q4_0 / Q4_1 / Q8_0 blocks
-   (the best kernel path this CPU has; `--paths` adds each path forced), int8 (the chooser's kernels) and fp32
-   (the chooser's kernels). Time per step (all 121 products) = best of `--repeats` interleaved passes.
+   (the best kernel path this CPU has), the "q4_0" and "gguf" modes as the engine stores the default model (Q4_0
+   or Q4_1 layers, a Q8_0 head; `--paths vnni,...` adds them forced onto other paths), int8 (the chooser's kernels)
+   and fp32 (the chooser's kernels). Time per step (all 121 products) = best of `--repeats` interleaved passes.
 2. Engine: `AsyncLLM` (engine in its own process), batch 1: a 64-token prompt, 128 greedy tokens (EOS ignored);
    decode tok/s = 127 / (end - first token), and the engine process's RSS (`VmRSS`) after the run, for fp32, int8,
    gguf, q4_0 and q8_0 on the default model.
@@ -15,7 +16,7 @@ int8 and fp32: kernels, the engine at batch 1 with its memory, and accuracy.
 
 The CPU's name and flags come first. Not for a busy machine: the numbers are only worth a quiet host.
 
-    .venv/bin/python benchmarks/block_quant.py [--sections kernels,engine,accuracy] [--modes fp32,gguf] [--paths]
+    .venv/bin/python benchmarks/block_quant.py [--sections kernels,engine,accuracy] [--modes fp32,gguf] [--paths [P,..]]
         [--smoke] [--json PATH] [--rows 1,8,32] [--threads 1 --cpu-time]
 """
 
@@ -57,7 +58,10 @@ HELD_OUT = [  # no words of the int8 calibration text (model/loading/loader.py)
 ]
 
 
-def kernel_weights(layers: int, vocab: int, paths: bool) -> dict[str, list[Any]]:
+def kernel_weights(layers: int, vocab: int, paths: list[str]) -> dict[str, list[Any]]:
+    """The products of one step per kernel: fp32, int8, each block kind throughout, the "q4_0" and "gguf" modes
+    as the engine stores the default model (Q4_0 or the file's Q4_1 layers, a Q8_0 head), and those two modes
+    forced onto each of `paths` (block kernel paths)."""
     gen = torch.Generator().manual_seed(0)
     plain = [torch.randn(i, o, generator=gen) * i**-0.5 for _ in range(layers) for i, o in SHAPES]
     plain.append(torch.randn(HIDDEN, vocab, generator=gen) * HIDDEN**-0.5)
@@ -67,9 +71,13 @@ def kernel_weights(layers: int, vocab: int, paths: bool) -> dict[str, list[Any]]
     }
     for kind in ("q4_0", "q4_1", "q8_0"):
         weights[kind] = [quantize_blocks(w, kind) for w in plain]  # type: ignore[arg-type]
-    if paths and (chosen := block_kernels()) is not None:
-        for path in chosen[0].block_quant_paths()[1:]:
-            weights[f"q4_0 {path}"] = [(w, path) for w in weights["q4_0"]]
+    # the engine's modes on the default model: "q4_0" keeps the head at Q8_0, "gguf" keeps the file's Q4_1 layers
+    # and its Q8_0 token embedding (the tied head)
+    weights["q4_0 mode"] = weights["q4_0"][:-1] + weights["q8_0"][-1:]
+    weights["gguf mode"] = weights["q4_1"][:-1] + weights["q8_0"][-1:]
+    for path in paths:
+        for mode in ("q4_0 mode", "gguf mode"):
+            weights[f"{mode} {path}"] = [(w, path) for w in weights[mode]]
     return weights
 
 
@@ -92,7 +100,13 @@ def bench_kernels(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
-    weights = kernel_weights(layers, vocab, args.paths)
+    chosen = block_kernels()
+    available = list(chosen[0].block_quant_paths()) if chosen is not None else []
+    wanted = available[1:] if args.paths == "slower" else [p for p in args.paths.split(",") if p]
+    unknown = [p for p in wanted if p not in available]
+    if unknown:
+        raise SystemExit(f"--paths {','.join(unknown)}: not block kernel paths of this build and CPU ({available})")
+    weights = kernel_weights(layers, vocab, wanted)
     result: dict[str, dict[str, float]] = {name: {} for name in weights}
     for rows in rows_list:
         passes = {name: one_pass(ws, rows) for name, ws in weights.items()}
@@ -245,7 +259,8 @@ def main() -> None:
     parser.add_argument("--sections", default="kernels,engine,accuracy")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--paths", action="store_true", help="also time Q4_0 on each slower kernel path, forced")
+    paths_help = "also time the q4_0 and gguf modes forced onto these block kernel paths (comma-separated; none: all)"
+    parser.add_argument("--paths", nargs="?", const="slower", default="", help=paths_help)
     parser.add_argument("--modes", default="fp32,int8,gguf,q4_0,q8_0", help="the engine section's modes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, 8 tokens: checks the script runs")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="the kernels section's rows per product")

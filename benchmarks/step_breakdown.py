@@ -2,8 +2,9 @@
 on one thread, 96 cached tokens, per quantization mode ("fp32", "int8", "gguf", "q8_0", "q4_0").
 
 Prints per mode: the load's CPU time; the step's thread CPU time (`time.thread_time_ns`, best of 40: robust on a
-shared machine, unlike wall time) split into the linear products (every `linear` / `int8_matmul` / `block_linear`
-call the model makes, activation quantization included) and the rest; torch ops per step (all, and the top-level
+shared machine, unlike wall time) split into the linear products (every `linear` / `int8_matmul` / `block_linear` /
+`fused_block_linear` call the model makes, activation quantization included; a fused call's RMSNorm or SiLU x mul
+and residual add count as products too) and the rest; torch ops per step (all, and the top-level
 ones, per layer); Python-level calls per step (`sys.setprofile`: Python frames and C functions such as the row
 kernels, which the torch profiler does not see). The timing wrappers add about 1 us per product to "products".
 Runs in well under a minute per mode.
@@ -105,7 +106,7 @@ def measure(mode: str, path: str) -> str:
 
 def main() -> None:
     torch.set_num_threads(1)
-    for name in ("linear", "int8_matmul", "block_linear"):
+    for name in ("linear", "int8_matmul", "block_linear", "fused_block_linear"):
         if hasattr(llama, name):
             setattr(llama, name, timed(getattr(llama, name)))
     path = str(resolve_model_path("smollm2-135m-instruct"))

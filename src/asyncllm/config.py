@@ -12,15 +12,17 @@ import dataclasses
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from asyncllm.engine_config import (
     BLOCK_QUANTIZATIONS,
+    KV_CACHE_DTYPES,
     LINEAR_KERNEL_ENV,
     LOGPROBS_MODES,
     CacheConfig,
     DataParallelBackend,
     EngineConfig,
+    KVCacheDtype,
     LoadFormat,
     LogprobsMode,
     LoRAConfig,
@@ -185,6 +187,10 @@ class EngineArgs:
         dtype: vLLM's model dtype: "auto", "float32" or "float" (torch.float32 too) run as asked: asyncllm
             computes in float32 on CPU. "bfloat16", "float16", "half" and other types raise ConfigError (use
             `quantization="int8"`, "q8_0", "q4_0" or "gguf" for smaller weights).
+        kv_cache_dtype: vLLM's KV cache element type: "auto" (default: the model's dtype, float32) or "bfloat16"
+            (K/V rounded to bfloat16 as they are cached: half the memory per block, so twice the blocks in the same
+            budget; prefill attention runs in bfloat16, decode attention widens the cached K/V to float32). Other
+            vLLM values ("fp8", "fp8_e4m3", "fp8_e5m2", ...) raise ConfigError. Accuracy: README "Memory".
     Raises:
         ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -228,6 +234,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     disable_log_stats: bool | None = None
     dtype: Any = "auto"
+    kv_cache_dtype: str = "auto"
     metrics_prefix: MetricsPrefix = "asyncllm"
 
     @classmethod
@@ -310,7 +317,8 @@ class EngineArgs:
         self._validate_lora()
 
     def _validate_vllm_args(self) -> None:
-        """vLLM's arguments: `max_logprobs`, `logprobs_mode`, `skip_tokenizer_init`, `disable_log_stats`, `dtype`."""
+        """vLLM's arguments: `max_logprobs`, `logprobs_mode`, `skip_tokenizer_init`, `disable_log_stats`, `dtype`,
+        `kv_cache_dtype`."""
         logprobs = self.max_logprobs
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1:
             raise ConfigError(f"EngineArgs.max_logprobs={logprobs!r} is invalid: must be -1 (the vocabulary) or >= 0")
@@ -323,6 +331,11 @@ class EngineArgs:
         if self.disable_log_stats is True and self.log_stats:
             raise ConfigError("EngineArgs.log_stats=True and disable_log_stats=True disagree; give one of them")
         dtype_name(self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"EngineArgs.kv_cache_dtype={self.kv_cache_dtype!r} is not supported: must be one of "
+                f"{list(KV_CACHE_DTYPES)} ('auto' = the model's float32; fp8 and float16 caches are not implemented)"
+            )
         if self.metrics_prefix not in ("asyncllm", "vllm"):
             raise ConfigError(f"EngineArgs.metrics_prefix={self.metrics_prefix!r}: must be 'asyncllm' or 'vllm'")
         if self.logprobs_mode.startswith("processed_") and self.speculative_config is not None:
@@ -405,6 +418,7 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=bool(self.enable_prefix_caching),
+            cache_dtype=cast(KVCacheDtype, self.kv_cache_dtype),
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -16,6 +16,9 @@ from asyncllm.errors import ConfigError
 
 LoadFormat = Literal["auto", "dummy"]
 Quantization = Literal["int8", "q8_0", "q4_0", "gguf"]
+KVCacheDtype = Literal["auto", "bfloat16"]  # "auto": the model's dtype (float32)
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
+KV_CACHE_ITEMSIZE = {"auto": 4, "bfloat16": 2}  # bytes per cached K or V element
 BLOCK_QUANTIZATIONS = ("q8_0", "q4_0", "gguf")  # the modes storing weights in blocks (`model/kernels/block_quant.py`)
 SchedulingPolicy = Literal["fcfs", "priority"]
 DataParallelBackend = Literal["mp", "ray"]
@@ -106,12 +109,20 @@ class CacheConfig:
         kv_cache_memory_bytes: memory budget of the KV cache over all layers, in bytes; None = the default size
             (`max_num_seqs` sequences of `max_model_len` tokens, capped by a fraction of available memory).
         enable_prefix_caching: reuse the KV blocks of a prompt prefix another request computed.
+        cache_dtype: element type of the cached K/V (vLLM's `cache_dtype`): "auto" (the model's, float32) or
+            "bfloat16" (half the bytes per block; see `EngineArgs.kv_cache_dtype`).
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: KVCacheDtype = "auto"
+
+    @property
+    def cache_itemsize(self) -> int:
+        """Bytes of one cached K or V element: 4 ("auto", float32) or 2 ("bfloat16")."""
+        return KV_CACHE_ITEMSIZE[self.cache_dtype]
 
 
 @dataclass(frozen=True)

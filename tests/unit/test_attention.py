@@ -37,9 +37,12 @@ def _run_case(
     seed: int,
     window: int | None = None,
     pass_new_kv: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """With `pass_new_kv`, attention is given this step's K/V as the model gives them, which routes full-attention
-    prefill groups one sequence at a time (`sequence_prefill_attention`); without, they run padded SDPA."""
+    prefill groups one sequence at a time (`sequence_prefill_attention`); without, they run padded SDPA. With a
+    bfloat16 cache, the reference takes query, keys and values rounded to bfloat16 and the output may differ by
+    bfloat16's rounding of SDPA's output (2**-9 relative)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 5
     block_ids = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled, non-contiguous
@@ -49,7 +52,7 @@ def _run_case(
         tables.append(block_ids[cursor : cursor + n])
         cursor += n
     meta = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
-    cache = torch.randn(num_blocks, 2, BLOCK_SIZE, kv_heads, HEAD_DIM, generator=gen)  # garbage elsewhere
+    cache = torch.randn(num_blocks, 2, BLOCK_SIZE, kv_heads, HEAD_DIM, generator=gen).to(dtype)  # garbage elsewhere
     keys = [torch.randn(s, kv_heads, HEAD_DIM, generator=gen) for s in seq_lens]
     values = [torch.randn(s, kv_heads, HEAD_DIM, generator=gen) for s in seq_lens]
     queries = [torch.randn(q, heads, HEAD_DIM, generator=gen) for q in query_lens]
@@ -65,9 +68,13 @@ def _run_case(
 
     new_kv = (new_k, new_v) if pass_new_kv else None
     out = paged_attention(torch.cat(queries), cache, meta, window=window, new_kv=new_kv)
+    if dtype != torch.float32:
+        queries, keys, values = ([t.to(dtype).float() for t in ts] for ts in (queries, keys, values))
     expected = torch.cat([_dense_reference(q, k, v, window) for q, k, v in zip(queries, keys, values, strict=True)])
     assert out.shape == (sum(query_lens), heads * HEAD_DIM)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert out.dtype == torch.float32
+    tolerance = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2), (9, 3)])
@@ -109,6 +116,62 @@ def test_sliding_window_attention_matches_dense(
     """A layer with a sliding window sees only the last `window` keys of each query (itself included)."""
     for seed in range(2):
         _run_case(query_lens, seq_lens, 6, 2, seed, window, pass_new_kv)
+
+
+@pytest.mark.parametrize("window", [None, 3, 13])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [
+        pytest.param([1, 1, 1], [1, 7, 13], id="decodes"),
+        pytest.param([1, 1, 1], [6, 6, 6], id="decodes-of-one-length"),
+        pytest.param([5, 9], [5, 9], id="prefills"),
+        pytest.param([3, 6], [11, 6], id="prefill-with-cached-prefix"),
+        pytest.param([1, 5, 1, 7, 3], [10, 5, 1, 9, 12], id="mixed"),
+    ],
+)
+@pytest.mark.parametrize("pass_new_kv", [False, True], ids=["padded", "per-sequence"])
+def test_a_bfloat16_cache_matches_dense_attention_on_rounded_kv(
+    query_lens: list[int], seq_lens: list[int], window: int | None, pass_new_kv: bool
+) -> None:
+    """`kv_cache_dtype="bfloat16"` on the torch paths (no kernels): writes round K/V to bfloat16, every path (decode
+    gather, padded SDPA, per sequence with and without a cached prefix, windows) reads them and returns float32."""
+    for seed in range(2):
+        _run_case(query_lens, seq_lens, 9, 3, seed, window, pass_new_kv, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1], [1, 7, 13]), ([5, 9], [5, 9]), ([3, 6], [11, 6]), ([1, 5, 1, 7, 3], [10, 5, 1, 9, 12])],
+    ids=["decodes", "prefills", "prefill-with-cached-prefix", "mixed"],
+)
+@pytest.mark.parametrize("window", [None, 3])
+def test_soft_capping_on_a_bfloat16_cache_is_float32_math_on_the_rounded_kv(
+    query_lens: list[int], seq_lens: list[int], window: int | None
+) -> None:
+    """Gemma 2's soft-capped scores are written out in float32: a bfloat16 cache's K/V are widened (exactly), so the
+    result equals the float32 cache holding the same rounded values, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    num_blocks = sum(-(-s // BLOCK_SIZE) for s in seq_lens) + 2
+    tables, cursor = [], 0
+    for s in seq_lens:
+        tables.append(list(range(cursor, cursor + -(-s // BLOCK_SIZE))))
+        cursor += len(tables[-1])
+    meta = build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE)
+    bf16 = torch.randn(num_blocks, 2, BLOCK_SIZE, 2, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    query = torch.randn(sum(query_lens), 6, HEAD_DIM, generator=gen)
+    got = paged_attention(query, bf16, meta, window=window, softcap=2.0)
+    want = paged_attention(query, bf16.float(), meta, window=window, softcap=2.0)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
+def test_write_kv_cache_rounds_into_a_bfloat16_cache() -> None:
+    cache = torch.zeros(3, 2, BLOCK_SIZE, 1, 2, dtype=torch.bfloat16)
+    k = torch.tensor([[[1 + 2**-8, 1 + 3 * 2**-8]], [[0.1, -0.1]]])
+    write_kv_cache(cache, k, -k, torch.tensor([5, 8]))
+    assert torch.equal(cache[1, 0, 1, 0], k[0, 0].to(torch.bfloat16))
+    assert cache[1, 0, 1, 0].float().tolist() == [1.0, 1 + 2**-6]  # ties to even
+    assert torch.equal(cache[2, 1, 0, 0], (-k[1, 0]).to(torch.bfloat16))
 
 
 def test_prefills_run_per_sequence_only_for_full_attention_given_the_new_kv() -> None:

@@ -27,6 +27,7 @@ from asyncllm.model.kernels.row_kernels import RowKernels
 from tests.kernel_checks import require_kernels
 
 KINDS = ("q8_0", "q4_0", "q4_1")
+KIND_CODE = block_quant.KIND_CODES
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +163,72 @@ def test_values_do_not_depend_on_the_thread_count_or_the_batch(kernels: RowKerne
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
     assert torch.equal(one, solo)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_few_row_gemv_gives_the_same_bits_on_one_thread_and_two(kernels: RowKernels, kind: str) -> None:
+    """1-5 rows take the GEMV (vnni: chunks of 16 columns shared out to threads from 2 chunks at 576 inputs);
+    1000 columns end in a part chunk of 2 groups. Split over 2 threads, alone on one and the reference: equal."""
+    weight = quantize_blocks(_weight(576, 1000, 5), kind)  # type: ignore[arg-type]
+    x = _input(5, 576, 6)
+    want = reference_block_linear(x, weight)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in range(1, 6):
+                got = block_linear(x[:rows].contiguous(), weight)
+                assert torch.equal(got, want[:rows]), (kind, count, rows, float((got - want[:rows]).abs().max()))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_activation_blocks_equal_the_reference_ties_to_even_included(kernels: RowKernels) -> None:
+    """`block_quantize_rows` (vectorized where the CPU has AVX-512) against `reference_quantize_rows`: a block whose
+    scale is exactly 1 with values at half steps (2.5 -> 2, -3.5 -> -4, 0.5 -> 0: ties to even), a zero block, a
+    block of negatives, random rows."""
+    x = _input(3, 160, 7)
+    x[1, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.0] * 26)
+    x[1, 64:96] = 0.0
+    x[2, 96:128] = -torch.arange(1.0, 33.0)
+    q, d, s = kernels.block_quantize_rows(x)
+    rq, rd, rs = block_quant.reference_quantize_rows(x.numpy())
+    assert q.tolist()[1][:6] == [127, 2, -4, 0, 0, 2]
+    assert np.array_equal(q.numpy().reshape(rq.shape), rq)
+    assert np.array_equal(d.numpy(), rd)
+    assert np.array_equal(s.numpy(), rs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("rows", "hidden", "inter"), [(1, 96, 160), (3, 96, 160), (8, 96, 160), (1100, 256, 256)])
+def test_the_fused_call_gives_the_separate_calls_bits(
+    kernels: RowKernels, kind: str, rows: int, hidden: int, inter: int
+) -> None:
+    """`fused_block_linear` (RMSNorm or SiLU x mul before the product, the residual added after, in one call)
+    equals `block_linear(kernels.rms_norm(x) / kernels.silu_mul(x)) + residual` bit for bit: GEMV and GEMM rows,
+    and 1100 x 256 inputs, past the per-thread scratch (256 K values: a prefill chunk's rows get tensors of their
+    own)."""
+    chosen = block_quant.block_kernels()
+    assert chosen is not None
+    module, path = chosen
+    norm = torch.rand(hidden, generator=torch.Generator().manual_seed(3)) + 0.5
+    x = _input(rows, hidden, 8)
+    gate_up = _input(rows, 2 * inter, 9)
+    residual = _input(rows, hidden, 10)
+    w_in = quantize_blocks(_weight(hidden, 2 * inter, 12), kind)  # type: ignore[arg-type]
+    w_out = quantize_blocks(_weight(inter, hidden, 13), kind)  # type: ignore[arg-type]
+    w_sq = quantize_blocks(_weight(hidden, hidden, 14), kind)  # type: ignore[arg-type]
+    fused = block_quant.fused_block_linear
+    normed = fused(module, path, x, w_in, "rms_norm", norm, 1e-5)
+    assert torch.equal(normed, block_linear(kernels.rms_norm(x, norm, 1e-5), w_in, path))
+    down = fused(module, path, gate_up, w_out, "silu_mul", residual=residual)
+    assert torch.equal(down, block_linear(kernels.silu_mul(gate_up), w_out, path).add_(residual))
+    plain = fused(module, path, x, w_sq, residual=residual)
+    assert torch.equal(plain, block_linear(x, w_sq, path) + residual)
+    with pytest.raises(RuntimeError, match="residual"):
+        fused(module, path, x, w_sq, residual=residual[:, :32].contiguous())
+    with pytest.raises(RuntimeError, match="prologue"):
+        module.block_linear_fused(x, 3, None, 0.0, None, w_sq.qs, w_sq.d, w_sq.d, KIND_CODE[kind], hidden, path)
 
 
 def test_dequantize_columns_equals_the_dense_columns() -> None:

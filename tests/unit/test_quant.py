@@ -80,13 +80,14 @@ def _tiny_model(tmp_path, quantization: str | None):  # type: ignore[no-untyped-
     return model
 
 
-def _logits(model, chunks: list[list[list[int]]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """Run steps; chunks[step][seq] are the new tokens of each sequence. Returns every token's logits of the
-    last step, [num_tokens, vocab]."""
+def _logits(model, chunks: list[list[list[int]]], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Run steps; chunks[step][seq] are the new tokens of each sequence, in a KV cache of `kv_dtype`. Returns every
+    token's logits of the last step, [num_tokens, vocab]."""
     arch, block_size = model.arch, 8
     num_seqs = len(chunks[0])
     blocks = 16
-    kv = [torch.zeros(num_seqs * blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim) for _ in range(2)]
+    shape = (num_seqs * blocks, 2, block_size, arch.num_key_value_heads, arch.head_dim)
+    kv = [torch.zeros(shape, dtype=kv_dtype) for _ in range(2)]
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(num_seqs)]
     seq_lens = [0] * num_seqs
     for step in chunks:

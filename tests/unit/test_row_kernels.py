@@ -163,24 +163,45 @@ def test_bad_inputs_raise_instead_of_reading_wrong_memory(kernels: RowKernels) -
         kernels.scale_bias_rotate_(x, None, None, torch.ones(3, 1, 8), torch.ones(3, 1, 8), 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "head_dim", "block_size"), [(3, 64, 16), (1, 2, 1), (8, 128, 4)])
-def test_kv_stores_equal_torchs_indexed_writes(kernels: RowKernels, heads: int, head_dim: int, block_size: int) -> None:
+def test_kv_stores_equal_torchs_indexed_writes(
+    kernels: RowKernels, heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
     rows, width = 7, heads * head_dim
     qkv = _rows(rows, 3 * width + 5, seed=4)  # key and value are strided views of a wider product, as in the model
     key = qkv[:, width : 2 * width].view(rows, heads, head_dim)
     value = qkv[:, 2 * width : 3 * width].view(rows, heads, head_dim)
     slots = torch.tensor([0, 5, 6, 13, 2, 31, 17]) % (8 * block_size)
-    got = torch.randn(8, 2, block_size, heads, head_dim)
-    want = got.clone()
+    got = torch.randn(8, 2, block_size, heads, head_dim).to(dtype)
+    want, want_float32 = got.clone(), got.float()
     kernels.store_kv_cache_(got, key, value, slots // block_size, slots % block_size)
     write_kv_cache(want, key, value, slots)
     assert torch.equal(got, want)
+    write_kv_cache(want_float32, key, value, slots)  # a float32 cache rounded afterwards: `.to(torch.bfloat16)`
+    assert torch.equal(got, want_float32.to(dtype))
     positions = torch.tensor([0, 3, 1, 9, 9, 2, 4])
     got = torch.randn(2, rows, 10, heads, head_dim)
     want = got.clone()
     kernels.store_kv_rows_(got[0], got[1], key, value, positions)
     want[0][torch.arange(rows), positions], want[1][torch.arange(rows), positions] = key, value
     assert torch.equal(got, want)
+
+
+def test_the_bfloat16_cache_store_rounds_to_nearest_even(kernels: RowKernels) -> None:
+    """Ties between two bfloat16 values go to the even one (1 + 2**-8 -> 1, 1 + 3 * 2**-8 -> 1 + 2**-6), others
+    to the nearest; infinities, zeros, subnormals and huge values as torch's `.to(torch.bfloat16)` gives them; NaN
+    stays NaN (its payload bits differ: torch's vectorized conversion gives 0xFFFF, c10::BFloat16 0x7FC0)."""
+    values = [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -(1 + 2**-8), 3.0e38, float("inf"), float("-inf"), -0.0]
+    row = torch.tensor([*values, float("nan"), 0.0, 1e-40, 65504.0, -7.25, 2**-130, 123.456, 1.0])  # 16 values
+    key = row.view(1, 1, 16)
+    cache = torch.zeros(1, 2, 1, 1, 16, dtype=torch.bfloat16)
+    kernels.store_kv_cache_(cache, key, -key, torch.tensor([0]), torch.tensor([0]))
+    numbers = ~row.isnan()
+    for got, want in ((cache[0, 0, 0, 0], row.to(torch.bfloat16)), (cache[0, 1, 0, 0], (-row).to(torch.bfloat16))):
+        assert torch.equal(got[numbers].view(torch.int16), want[numbers].view(torch.int16))  # bit for bit
+        assert got[~numbers].isnan().all()
+    assert cache[0, 0, 0, 0, :2].float().tolist() == [1.0, 1 + 2**-6]
 
 
 def test_kv_stores_reject_slots_outside_without_writing(kernels: RowKernels) -> None:
@@ -240,6 +261,30 @@ def test_models_give_the_same_logits_with_and_without_them(
     torch.testing.assert_close(with_cache_attention, eager, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_bfloat16_cache_gives_logits_close_to_float32_with_and_without_the_kernels(
+    kernels: RowKernels, tmp_path, quantization: str | None
+) -> None:  # type: ignore[no-untyped-def]
+    """Prefill of two sequences, then decodes, with a bfloat16 KV cache: the kernels (bf16 store, decode attention
+    widening bf16 rows) against the torch ops (bf16 SDPA), and both against the float32 cache, within bfloat16's
+    rounding of K/V: |diff| <= 5% of the largest logit (measured 0.3-0.4% with fp32 weights, 2.2% with int8, whose
+    per-row activation quantization amplifies a small change)."""
+    model = _tiny_model(tmp_path, quantization)
+    chunks = [[[5, 9, 200, 31, 7, 7, 1], [7, 1, 3]], [[3], [8]], [[11], [12]]]
+    float32 = _logits(model, chunks)
+    bf16 = _logits(model, chunks, torch.bfloat16)
+    for module in (model, *model.layers):
+        module.fused_kernels = None
+    bf16_eager = _logits(model, chunks, torch.bfloat16)
+    scale = float(float32.abs().max())
+    assert scale > 0.1
+    for got in (bf16, bf16_eager):
+        assert got.dtype == torch.float32
+        assert float((got - float32).abs().max()) <= 0.05 * scale
+    assert float((bf16 - bf16_eager).abs().max()) <= 0.05 * scale
+    assert not torch.equal(bf16, float32)  # the cache really held bfloat16
+
+
 def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path) -> None:  # type: ignore[no-untyped-def]
     lock = tmp_path / "lock"
     assert not row_kernels.remove_stale_lock(tmp_path)  # no lock: nothing to do
@@ -284,16 +329,18 @@ def test_the_self_check_names_a_kernel_that_differs(kernels: RowKernels) -> None
     assert row_kernels.self_check(kernels) == ""
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 256), (8, 8, 16), (2, 1, 128)])
 @pytest.mark.parametrize("window", [0, 1, 20])
 def test_decode_attention_reads_the_cache_like_gathered_sdpa(
-    kernels: RowKernels, num_heads: int, num_kv_heads: int, head_dim: int, window: int
+    kernels: RowKernels, num_heads: int, num_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype
 ) -> None:
     """GQA shapes of SmolLM2 (9/3 x 64), Gemma 3 270M (4/1 x 256), MHA and Llama-like heads; sequences of 1 token,
-    a partial block, a whole block and a long one, through shuffled block tables; with and without a window."""
+    a partial block, a whole block and a long one, through shuffled block tables; with and without a window; on a
+    float32 and a bfloat16 cache (the reference widens it to float32 and runs float32 SDPA)."""
     gen = torch.Generator().manual_seed(head_dim + window)
     block_size, max_blocks = 16, 40
-    kv_cache = torch.randn(170, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    kv_cache = torch.randn(170, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor([1, 7, 16, 600])
     tables = torch.randperm(170, generator=gen)[: 4 * max_blocks].view(4, max_blocks).contiguous()
     query = torch.randn(4, num_heads, head_dim, generator=gen) * 3
@@ -311,6 +358,9 @@ def test_decode_attention_reads_the_cache_like_gathered_sdpa(
         )
     finally:
         torch.set_num_threads(threads)
+    if dtype == torch.bfloat16:  # widening in registers is exact: the same bits as the widened float32 cache
+        widened = kernels.paged_decode_attention(query, kv_cache.float(), tables, seq_lens, head_dim**-0.5, window)
+        assert torch.equal(got, widened)
 
 
 def test_decode_attention_refuses_bad_tables_and_shapes(kernels: RowKernels) -> None:
@@ -324,6 +374,8 @@ def test_decode_attention_refuses_bad_tables_and_shapes(kernels: RowKernels) -> 
         kernels.paged_decode_attention(
             torch.zeros(1, 3, 64), torch.zeros(4, 2, 16, 2, 64), torch.tensor([[0]]), torch.tensor([3]), 0.125, 0
         )
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernels.paged_decode_attention(query, cache.half(), torch.tensor([[0]]), torch.tensor([3]), 0.125, 0)
     with pytest.raises(RuntimeError, match="is not 1, 2, 4, 8"):
         kernels.paged_decode_attention(
             torch.zeros(1, 2, 24), torch.zeros(4, 2, 16, 1, 24), torch.tensor([[0]]), torch.tensor([3]), 0.125, 0

@@ -4,9 +4,11 @@ machine's idle CPU time shows it, else at the next periodic probe."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
+from asyncllm.worker.thread_policy import AdaptiveThreads, StepCostFit, SystemIdleMeter
 
 
 class _Machine:
@@ -209,3 +211,165 @@ def test_a_long_step_of_another_size_is_not_a_slowdown() -> None:
 def test_needs_two_threads() -> None:
     with pytest.raises(ValueError, match="max_threads >= 2"):
         AdaptiveThreads(1)
+
+
+class _Serving:
+    """Step keys of a server under staggered arrivals (seeded): requests join with 50-512-token prompts (prefilled
+    within a 1024-token step budget beside the decodes, so a prompt may span two steps), and each decoding request
+    finishes with chance 1/64 a step; a request arrives with chance 0.3 a step, at most 32 in flight. So rows wander
+    over 1..32, decode-only steps have tokens == rows and mixed steps carry prefill chunks, keyed as `worker.py` keys
+    steps (scheduled tokens, rows)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.decoding = 1
+        self.prefill_left: list[int] = []
+
+    def next_key(self) -> tuple[int, int]:
+        rng = self.rng
+        self.decoding -= sum(rng.random() < 1 / 64 for _ in range(self.decoding))
+        if self.decoding + len(self.prefill_left) < 32 and rng.random() < 0.3:
+            self.prefill_left.append(rng.randint(50, 512))
+        if self.decoding + len(self.prefill_left) == 0:
+            self.prefill_left.append(rng.randint(50, 512))
+        tokens, rows = self.decoding, self.decoding
+        budget = 1024 - tokens
+        for i, left in enumerate(self.prefill_left):
+            if budget <= 0:
+                break
+            chunk = min(left, budget)
+            self.prefill_left[i] -= chunk
+            tokens, rows, budget = tokens + chunk, rows + 1, budget - chunk
+        self.decoding += sum(left == 0 for left in self.prefill_left)
+        self.prefill_left = [left for left in self.prefill_left if left > 0]
+        return tokens, rows
+
+
+class _ServingMachine(_Machine):
+    """Quiet 2-thread step: 24 ms + 0.5 ms per token + rows**0.85 ms (not linear in rows, like the logits product),
+    times noise of ~5% (seeded). One thread runs 1.25x as long quietly; contention makes 2-thread steps
+    `contended_2` x slower and 1-thread steps 1.1x. Quiet 1-thread steps leave 0.3 CPUs idle (`_PoolMachine`)."""
+
+    def __init__(self, contended_2: float, seed: int = 1) -> None:
+        super().__init__()
+        self.factor = {(2, False): 1.0, (1, False): 1.25, (2, True): contended_2, (1, True): 1.25 * 1.1}
+        self.rng = random.Random(seed)
+        self.key = (1, 1)
+
+    def step(self) -> None:
+        tokens, rows = self.key
+        quiet_2 = 0.024 + 0.0005 * tokens + 0.001 * rows**0.85
+        seconds = quiet_2 * self.factor[(self.threads, self.contended)] * self.rng.lognormvariate(0.0, 0.05)
+        self.now += seconds
+        self.idle_s += 0.0 if self.contended else seconds * (2 - self.threads) * 0.3
+        self.steps_at[self.threads] += 1
+
+
+def _serve(policy: AdaptiveThreads, machine: _ServingMachine, serving: _Serving, steps: int) -> None:
+    for _ in range(steps):
+        machine.key = serving.next_key()
+        policy.run(machine.key, machine.step)
+
+
+@pytest.mark.parametrize("contended_2", [2.0, 3.0])
+def test_serving_steps_of_changing_sizes_switch_within_a_few_probes(contended_2: float) -> None:
+    """Under serving, exact step sizes seldom repeat: the policy must judge steps of different sizes against each
+    other. Measured before the fix: beside a busy process a server stayed at 2 threads for ~105 s."""
+    serving, machine = _Serving(seed=0), _ServingMachine(contended_2)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, idle_meter=machine.idle_meter)
+    keys = [serving.next_key() for _ in range(2000)]
+    assert len(set(keys)) > 400  # the replay is varied: one step in five has a size of its own
+    assert {rows for _, rows in keys} >= set(range(2, 27))
+
+    _serve(policy, machine, serving, 3000)
+    assert policy.threads == 2
+    assert machine.steps_at[1] / 3000 < 0.03  # quiet: few probe steps
+
+    machine.contended = True
+    steps = 0
+    while policy.threads == 2:  # before the fix: 46 steps (the slowdown trigger waited for a size to repeat)
+        _serve(policy, machine, serving, 1)
+        steps += 1
+        assert steps <= 10, "still two threads 10 steps into the contention"
+    machine.steps_at = {1: 0, 2: 0}
+    _serve(policy, machine, serving, 2000)
+    assert policy.threads == 1
+    assert machine.steps_at[2] / 2000 < 0.05  # contended: few 2-thread probe steps
+
+    machine.contended = False
+    steps = 0
+    while policy.threads == 1:
+        _serve(policy, machine, serving, 1)
+        steps += 1
+        assert steps <= 64, "still one thread 64 steps after the contention ended"
+    machine.steps_at = {1: 0, 2: 0}
+    _serve(policy, machine, serving, 2000)
+    assert policy.threads == 2
+    assert machine.steps_at[1] / 2000 < 0.03
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_server_started_beside_a_busy_process_drops_to_one_thread_soon(seed: int) -> None:
+    """No quiet history to call a step slow: only the periodic probes can decide, and the sizes they compare seldom
+    match exactly. Before the fix each undecided probe doubled the interval: 102 steps here, 2,037 with seed 3 (and
+    ~105 s into a real server's run, `benchmarks/analysis.md`); with the cost fit and the first probe 32 steps in,
+    35-38 steps; with the first probe 8 steps in, 11-12."""
+    serving, machine = _Serving(seed), _ServingMachine(contended_2=2.5, seed=seed + 1)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, idle_meter=machine.idle_meter)
+    machine.contended = True
+    steps = 0
+    while policy.threads == 2:
+        _serve(policy, machine, serving, 1)
+        steps += 1
+        assert steps <= 16, "still two threads 16 steps into a contended run"
+    _serve(policy, machine, serving, 1000)
+    assert policy.threads == 1
+
+
+def test_step_cost_fit_recovers_a_linear_cost_and_refuses_sizes_it_has_not_seen() -> None:
+    fit = StepCostFit(window=64)
+    assert fit.expected((32, 32)) is None  # fewer than min_steps steps
+    rng = random.Random(0)
+    for _ in range(100):
+        rows = rng.randint(1, 32)
+        tokens = rows + (rng.randint(50, 512) if rng.random() < 0.4 else 0)
+        fit.add((tokens, rows), 0.024 + 0.0005 * tokens + 0.001 * rows)
+    assert len(fit) == 64
+    assert fit.expected((300, 10)) == pytest.approx(0.024 + 0.15 + 0.010, rel=3e-3)  # the ridge: 0.1% bias
+    assert fit.expected((16, 16)) == pytest.approx(0.024 + 0.008 + 0.016, rel=3e-3)
+    assert fit.expected((4000, 32)) is None  # far more tokens than any step it fitted
+    assert fit.recent_ratios(3) == pytest.approx([1.0, 1.0, 1.0], rel=3e-3)
+
+
+def test_step_cost_fit_decode_only_and_single_size_steps() -> None:
+    """Decode-only steps (tokens == rows) cannot tell the token cost from the row cost; the fit still predicts
+    along them, and refuses a mixed step it knows nothing about. One size only: the mean."""
+    decode = StepCostFit()
+    for rows in [1, 5, 9, 13, 17, 21, 25, 29, 32] * 3:
+        decode.add((rows, rows), 0.020 + 0.0015 * rows)
+    assert decode.expected((20, 20)) == pytest.approx(0.050, rel=1e-3)
+    assert decode.expected((300, 10)) is None
+    same = StepCostFit()
+    for seconds in [0.010, 0.012, 0.011, 0.013]:
+        same.add((32, 32), seconds)
+    assert same.expected((32, 32)) == pytest.approx(0.0115)
+    assert same.expected((128, 32)) is None  # more than twice the tokens of any step seen
+    with pytest.raises(ValueError, match="min_steps"):
+        StepCostFit(window=2, min_steps=4)
+
+
+def test_a_probe_of_sizes_the_fit_cannot_judge_is_undecided_and_keeps_the_interval() -> None:
+    """Before the fix such a probe counted as confirming the current count, and the interval doubled (32 -> 512
+    steps after four of them) while nothing had been compared."""
+    machine = _Machine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, first_probe=32)
+    _run(policy, machine, 32)  # the 32nd step starts the first probe
+    assert policy.current == 1
+    for _ in range(2 * policy.probe_steps):  # the probe runs long prefills, sizes no 2-thread step had
+        policy.run((900, 1), machine.step)
+    assert policy.current == 2
+    assert machine.steps_at[1] == 2 * policy.probe_steps  # it ran probe_steps more, hoping for a size it knows
+    _run(policy, machine, 31)
+    assert policy.current == 2
+    _run(policy, machine, 1)
+    assert policy.current == 1  # the next probe came after 32 steps again, not 64

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 import torch
 
 from asyncllm import ConfigError, EngineArgs, InvalidRequestError, SamplingParams
+from asyncllm.entrypoints.arg_utils import add_engine_args, engine_args_from
 from asyncllm.processing.input_processor import InputProcessor
 from asyncllm.processing.no_tokenizer import NoTokenizer
 from asyncllm.worker.logprobs import compute_logprobs
@@ -75,6 +77,22 @@ def test_float32_dtypes_are_accepted(dtype: object) -> None:
 def test_other_dtypes_are_a_config_error_naming_them(dtype: object) -> None:
     with pytest.raises(ConfigError, match=r"dtype=.*(bfloat16|float16|half).* is not supported: .*float32"):
         EngineArgs(dtype=dtype).validate()
+
+
+@pytest.mark.parametrize("value", ["auto", "bfloat16"])
+def test_kv_cache_dtypes_implemented_are_accepted_and_reach_the_cache_config(value: str) -> None:
+    EngineArgs(kv_cache_dtype=value).validate()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(parser.parse_args(["--kv-cache-dtype", value]), "m")
+    assert args.kv_cache_dtype == value
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "float16", "half", "float32", "bf16", "", None, 2])
+def test_other_kv_cache_dtypes_are_a_config_error_naming_them(value: object) -> None:
+    """vLLM's fp8 kinds and anything else: refused before any engine starts, never a silent float32 cache."""
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype=.* is not supported: must be one of \['auto', 'bfloat16'\]"):
+        EngineArgs(kv_cache_dtype=value).validate()  # type: ignore[arg-type]
 
 
 def test_logprobs_mode_and_max_logprobs_are_checked() -> None:

@@ -133,9 +133,10 @@ class ModelArchConfig:
             return self.sliding_window
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes of one KV cache block over all layers (float32 K and V)."""
-        return self.num_hidden_layers * 2 * block_size * self.num_key_value_heads * self.head_dim * 4
+    def kv_cache_bytes_per_block(self, block_size: int, itemsize: int = 4) -> int:
+        """Bytes of one KV cache block over all layers: K and V of `itemsize` bytes per element (4: float32, the
+        default; 2: bfloat16, `CacheConfig.cache_itemsize`)."""
+        return self.num_hidden_layers * 2 * block_size * self.num_key_value_heads * self.head_dim * itemsize
 
 
 def gemma_layer_pattern(layers: int, pattern: int) -> tuple[str, ...]:

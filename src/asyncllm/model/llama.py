@@ -35,6 +35,7 @@ from asyncllm.model.kernels.block_quant import (
     block_kernels,
     block_linear,
     block_weight_for,
+    fused_block_linear,
 )
 from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
@@ -143,12 +144,22 @@ class LlamaDecoderLayer(LayerWeights):
         meta: AttentionMetadata,
         kernels: RowKernels,
     ) -> torch.Tensor:
-        """`forward` with block weights at TP=1 and no LoRA: the four products straight on `block_linear`, each
-        residual added in place into its product's output (`out + hidden` is `hidden + out` bit for bit), without
-        `linear`'s dispatch, the all-reduce calls or a new tensor per add."""
+        """`forward` with block weights at TP=1 and no LoRA: the four products straight on the block kernels, each
+        RMSNorm / SiLU x mul run inside its product's call and each residual added there (`out + hidden` is
+        `hidden + out` bit for bit; `fused_block_linear`), without `linear`'s dispatch, the all-reduce calls or a new
+        tensor per norm and add; where the block kernels failed their check, the same steps as separate calls."""
         qkv_proj, o_proj = cast(BlockQuantWeight, self.qkv_proj), cast(BlockQuantWeight, self.o_proj)
         gate_up_proj, down_proj = cast(BlockQuantWeight, self.gate_up_proj), cast(BlockQuantWeight, self.down_proj)
         eps = self.arch.rms_norm_eps
+        checked = block_kernels()
+        if checked is not None:  # each norm, SiLU x mul and residual add inside its product's call: 4 calls, not 9
+            module, path = checked
+            hidden = hidden.contiguous()
+            qkv = fused_block_linear(module, path, hidden, qkv_proj, "rms_norm", self.input_norm, eps)
+            attn = self._attend(qkv, cos, sin, kv_cache, meta).contiguous()
+            hidden = fused_block_linear(module, path, attn, o_proj, residual=hidden)
+            gate_up = fused_block_linear(module, path, hidden, gate_up_proj, "rms_norm", self.post_attention_norm, eps)
+            return fused_block_linear(module, path, gate_up, down_proj, "silu_mul", residual=hidden)
         qkv = block_linear(kernels.rms_norm(hidden.contiguous(), self.input_norm, eps), qkv_proj)
         hidden = block_linear(self._attend(qkv, cos, sin, kv_cache, meta), o_proj).add_(hidden)
         gate_up = block_linear(kernels.rms_norm(hidden, self.post_attention_norm, eps), gate_up_proj)

@@ -5,14 +5,22 @@ takes one of the cores, one of our threads is descheduled for whole time slices 
 multi-thread step slows far more than a one-thread step. No fixed count is right both quiet and contended, so the
 worker measures (the measurements behind the policy and its defaults: `benchmarks/analysis.md`, "Thread policy").
 
-Policy: steps are compared only with steps of the same size (`StepKey`: scheduled tokens and rows). The worker
-starts at `max_threads`. Every `probe_interval` steps (doubling after each probe that confirms the current count,
-up to `max_probe_interval`) it runs `probe_steps` steps at the other count, which wins when its median step time
-is lower by `hysteresis` than that of the last `probe_steps` steps at the current count (fresh against fresh, so
-quiet history never decides a contended probe). A step at `max_threads` slower than `slowdown` x the fastest
-recent step of its size brings the probe forward to `probe_steps` steps later (so the current count is judged
-on steps that all ran in the new conditions); a slow one-thread step does not (more load never makes more threads
-faster).
+Steps of different sizes: under serving (arrivals, finishes, prefill chunks) a step's size (`StepKey`: scheduled
+tokens and rows) seldom repeats exactly, so steps are judged against a cost model rather than against earlier
+steps of the same size. `StepCostFit` fits seconds = a + b * tokens + c * rows by least squares to the last
+`fit_window` steps at the current count; a step's ratio is its time over the fit's expectation for its size.
+Sizes far outside the range the fit has seen (a long prefill after decodes only) are not judged at all.
+
+Policy: the worker starts at `max_threads` and probes the other count `first_probe` steps in (one started beside
+a busy process has no quiet steps to call a step slow). Then every `probe_interval` steps (doubling after each
+probe that confirms the current count, up to `max_probe_interval`) it runs `probe_steps` steps at the other count,
+which wins when the median ratio of those steps is lower by `hysteresis` than that of the last `probe_steps` steps
+at the current count (fresh against fresh, so quiet history never decides a contended probe; both against the same
+fit, so only the sizes' relative costs need to be right). A probe with too few judged steps runs up to
+`probe_steps` more; one still without a judgement is undecided and keeps the interval. A step at `max_threads`
+slower than `slowdown` x the fit's expectation brings the probe forward to `probe_steps` steps later (so the current
+count is judged on steps that all ran in the new conditions); a slow one-thread step does not (more load never
+makes more threads faster). After a switch the fit starts again from the probe's steps.
 
 Coming back from one thread: the end of contention does not slow one-thread steps, so the worker also reads the
 machine's idle CPU time during them (`SystemIdleMeter`): when at least `idle_cpus_to_probe` CPUs sat idle on
@@ -66,16 +74,117 @@ class SystemIdleMeter:
         return (int(fields[4]) + int(fields[5])) * self.tick_s
 
 
+class StepCostFit:
+    """Least-squares step time `a + b * tokens + c * rows` (seconds) over the last `window` steps of one thread count.
+
+    The sums behind the fit are updated per step (O(1); exact integers for the sizes), so `expected` costs
+    microseconds. Where the steps leave a direction undetermined (decode-only steps have tokens == rows; all steps
+    one size) a ridge of `ridge` x each size's own variance picks the smallest slopes that fit, which predicts
+    right along the sizes seen; sizes off them are refused by the range check.
+
+    Args:
+        window: steps kept (>= 1).
+        min_steps: steps needed before `expected` answers.
+        margin: how far beyond the range of sizes seen `expected` still answers (factor on the largest tokens and
+            rows, divisor on the smallest). 2 by default: while requests join, rows grow by more than a quarter
+            between the steps a fit saw and the probe's (at 1.25 the first probe of a seeded replay in
+            `tests/unit/test_thread_policy.py` judged none of its steps).
+        ridge: the ridge, a fraction of each size's variance.
+    Raises:
+        ValueError: min_steps outside 1..window, margin < 1 or ridge <= 0.
+    """
+
+    def __init__(self, window: int = 64, min_steps: int = 4, margin: float = 2.0, ridge: float = 1e-3) -> None:
+        if not 1 <= min_steps <= window or margin < 1 or ridge <= 0:
+            raise ValueError("StepCostFit needs 1 <= min_steps <= window, margin >= 1 and ridge > 0")
+        self.window, self.min_steps, self.margin, self.ridge = window, min_steps, margin, ridge
+        self._steps: deque[tuple[int, int, float]] = deque()
+        self._sums = [0, 0, 0, 0, 0, 0.0, 0.0, 0.0]  # x, y, xx, xy, yy (ints), t, xt, yt (x: tokens, y: rows)
+        self._adds = 0
+        self._model: tuple[float, float, float, int, int, int, int] | None = None  # a, b, c, x range, y range
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def add(self, key: StepKey, seconds: float) -> None:
+        """Account one step of size `key` (tokens, rows) that took `seconds`."""
+        self._steps.append((key[0], key[1], seconds))
+        self._accumulate(key[0], key[1], seconds, 1)
+        if len(self._steps) > self.window:
+            self._accumulate(*self._steps.popleft(), -1)
+        self._adds += 1
+        if self._adds % self.window == 0:  # float sums drift with every subtraction: start them afresh
+            self._sums = [0, 0, 0, 0, 0, 0.0, 0.0, 0.0]
+            for step in self._steps:
+                self._accumulate(*step, 1)
+        self._model = None
+
+    def _accumulate(self, x: int, y: int, t: float, sign: int) -> None:
+        s = self._sums
+        s[0] += sign * x
+        s[1] += sign * y
+        s[2] += sign * x * x
+        s[3] += sign * x * y
+        s[4] += sign * y * y
+        s[5] += sign * t
+        s[6] += sign * x * t
+        s[7] += sign * y * t
+
+    def expected(self, key: StepKey) -> float | None:
+        """Seconds the fit expects for a step of size `key`, or None where it cannot say: fewer than `min_steps`
+        steps, `key` outside the sizes seen (with `margin`), or an expectation that is not positive."""
+        if len(self._steps) < self.min_steps:
+            return None
+        if self._model is None:
+            self._model = self._solve()
+        a, b, c, x_lo, x_hi, y_lo, y_hi = self._model
+        x, y = key
+        if not (
+            x_lo <= self.margin * x and x <= self.margin * x_hi and y_lo <= self.margin * y and y <= self.margin * y_hi
+        ):
+            return None
+        seconds = a + b * x + c * y
+        return seconds if seconds > 0 else None
+
+    def recent_ratios(self, num_steps: int) -> list[float]:
+        """The last `num_steps` steps' seconds over what the fit expects for their sizes, oldest first (steps the fit
+        cannot judge left out)."""
+        ratios = []
+        for x, y, seconds in list(self._steps)[-num_steps:]:
+            expected = self.expected((x, y))
+            if expected is not None:
+                ratios.append(seconds / expected)
+        return ratios
+
+    def _solve(self) -> tuple[float, float, float, int, int, int, int]:
+        n = len(self._steps)
+        sx, sy, sxx, sxy, syy, st, sxt, syt = self._sums
+        nxx, nxy, nyy = n * sxx - sx * sx, n * sxy - sx * sy, n * syy - sy * sy  # n^2 x (co)variances, exact
+        nxt, nyt = n * sxt - sx * st, n * syt - sy * st
+        axx, ayy = nxx * (1 + self.ridge), nyy * (1 + self.ridge)
+        det = axx * ayy - float(nxy) * nxy
+        if det > 0:
+            b, c = (ayy * nxt - nxy * nyt) / det, (axx * nyt - nxy * nxt) / det
+        else:  # at most one size varies
+            b = nxt / axx if axx > 0 else 0.0
+            c = nyt / ayy if ayy > 0 else 0.0
+        xs, ys = [step[0] for step in self._steps], [step[1] for step in self._steps]
+        return (st - b * sx - c * sy) / n, b, c, min(xs), max(xs), min(ys), max(ys)
+
+
 class AdaptiveThreads:
     """Switches `torch.set_num_threads` between `max_threads` and 1 by measured step time.
 
     Args:
         max_threads: the thread count when the machine is quiet (>= 2; with 1 there is nothing to adapt).
         probe_interval: steps between two probes at first (doubles while probes confirm the choice).
+        first_probe: steps before the very first probe. A worker that starts beside a busy process has no quiet
+            steps for the slowdown trigger to compare with, so only a probe can tell it; its cost when quiet is
+            `probe_steps` slower steps once.
         max_probe_interval: the longest gap between probes, in steps.
         probe_steps: steps run at the other count per probe.
-        slowdown: a step at `max_threads` slower than this factor x the fastest recent step of its size triggers a
-            probe.
+        slowdown: a step at `max_threads` slower than this factor x the time `StepCostFit` expects for its size
+            triggers a probe.
         hysteresis: the other count must be this much faster (fraction) to be chosen.
         set_threads: sets the thread count (torch.set_num_threads; replaceable in tests).
         clock: seconds (time.perf_counter).
@@ -83,14 +192,16 @@ class AdaptiveThreads:
             the idle trigger off.
         idle_window_steps: one-thread steps over which idle CPU time is averaged.
         idle_cpus_to_probe: average idle CPUs during those steps that start a probe of `max_threads`.
+        fit_window: steps at the current count that `StepCostFit` fits.
     Raises:
-        ValueError: max_threads < 2 or a non-positive interval.
+        ValueError: max_threads < 2, a non-positive interval or fit_window < probe_steps.
     """
 
     def __init__(
         self,
         max_threads: int,
         probe_interval: int = 32,
+        first_probe: int = 8,
         max_probe_interval: int = 512,
         probe_steps: int = 3,
         slowdown: float = 1.6,
@@ -100,18 +211,23 @@ class AdaptiveThreads:
         idle_meter: Callable[[], float | None] | None = None,
         idle_window_steps: int = 8,
         idle_cpus_to_probe: float = 0.2,
+        fit_window: int = 64,
     ) -> None:
-        if max_threads < 2 or probe_interval < 1 or probe_steps < 1:
-            raise ValueError("AdaptiveThreads needs max_threads >= 2 and positive probe sizes")
+        if max_threads < 2 or min(probe_interval, first_probe, probe_steps) < 1 or fit_window < probe_steps:
+            raise ValueError(
+                "AdaptiveThreads needs max_threads >= 2, positive probe sizes and fit_window >= probe_steps"
+            )
         self.max_threads = max_threads
         self.base_interval, self.max_interval = probe_interval, max_probe_interval
         self.probe_steps, self.slowdown, self.hysteresis = probe_steps, slowdown, hysteresis
         self._set_threads, self._clock = set_threads, clock
         self.threads = max_threads  # the chosen count
         self._interval = probe_interval
-        self._until_probe = probe_interval
+        self._until_probe = first_probe
         self._probing = 0  # probe steps left
-        self._times: dict[int, dict[StepKey, deque[float]]] = {max_threads: {}, 1: {}}
+        self.fit_window = fit_window
+        self._fit = StepCostFit(fit_window)  # the current count's recent steps
+        self._probe: list[tuple[StepKey, float, float | None]] = []  # this probe's steps: size, seconds, ratio
         self.num_switches = 0
         self._idle_meter = idle_meter
         self._idle_known = idle_meter is not None and idle_meter() is not None  # the meter reads on this machine
@@ -167,48 +283,61 @@ class AdaptiveThreads:
 
     def record(self, key: StepKey, seconds: float) -> None:
         """Account one step of size `key` that took `seconds` at `self.current` threads."""
-        threads = self.current
-        history = self._times[threads].setdefault(key, deque(maxlen=8))
-        fastest = min(history, default=seconds)
-        history.append(seconds)
         if self._probing:
+            expected = self._fit.expected(key)  # the current count's fit: it takes no steps during a probe
+            self._probe.append((key, seconds, seconds / expected if expected else None))
             self._probing -= 1
+            judged = sum(ratio is not None for _, _, ratio in self._probe)
+            if self._probing == 0 and judged < self.probe_steps and len(self._probe) < 2 * self.probe_steps:
+                self._probing = 1  # too few steps of sizes the fit knows: run one more
             if self._probing == 0:
-                self._decide(key)
+                self._decide()
             return
+        slow = False
+        if self.threads == self.max_threads:
+            expected = self._fit.expected(key)
+            slow = expected is not None and seconds > self.slowdown * expected
+        self._fit.add(key, seconds)
         self._until_probe -= 1
-        if threads == self.max_threads and seconds > self.slowdown * fastest:  # probe `probe_steps` steps later
+        if slow:  # probe `probe_steps` steps later
             self._until_probe = min(self._until_probe, self.probe_steps)
         if self._until_probe <= 0:
             self._start_probe()
 
     def _start_probe(self) -> None:
         self._probing = self.probe_steps
-        self._times[self._other].clear()  # judge the other count on fresh steps only
+        self._probe = []  # judge the other count on fresh steps only
         self._set_threads(self._other)
 
-    def _decide(self, key: StepKey) -> None:
-        ours, theirs = self._times[self.threads].get(key), self._times[self._other].get(key)
-        recent = list(ours)[-self.probe_steps :] if ours else []  # the current count's steps just before the probe
-        if recent and theirs and statistics.median(theirs) < (1 - self.hysteresis) * statistics.median(recent):
+    def _decide(self) -> None:
+        ours = self._fit.recent_ratios(self.probe_steps)  # the current count's steps just before the probe
+        judged = [(key, ratio) for key, _, ratio in self._probe if ratio is not None]
+        theirs = [ratio for _, ratio in judged]
+        if not ours or not theirs:  # undecided: no evidence either way, so the interval stays
+            logger.debug("thread policy: probe of %d threads undecided (sizes the fit cannot judge)", self._other)
+        elif statistics.median(theirs) < (1 - self.hysteresis) * statistics.median(ours):
+            key = judged[-1][0]
+            scale = self._fit.expected(key) or 0.0  # both medians as seconds of a step of this size
             logger.info(
                 "thread policy: %d -> %d threads (step %s: median %.1f ms at %d threads, %.1f ms at %d)",
                 self.threads,
                 self._other,
                 key,
-                1000 * statistics.median(recent),
+                1000 * scale * statistics.median(ours),
                 self.threads,
-                1000 * statistics.median(theirs),
+                1000 * scale * statistics.median(theirs),
                 self._other,
             )
             self.threads = self._other
-            self._times[self.threads] = {key: deque(theirs, maxlen=8)}
-            self._times[self._other] = {}
+            self._fit = StepCostFit(self.fit_window)
+            for size, seconds, _ in self._probe:
+                self._fit.add(size, seconds)
             self.num_switches += 1
             one_thread_watched = self.threads < self.max_threads and self._idle_known
             self._interval = self.max_interval if one_thread_watched else self.base_interval
             self._idle_gap = self.idle_window_steps
         else:
             self._interval = min(2 * self._interval, self.max_interval)
+        self._probe = []
         self._until_probe = self._interval
         self._set_threads(self.threads)

@@ -7,6 +7,7 @@ callable by name through `Executor.collective_rpc`.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import cast
 
@@ -24,6 +25,9 @@ from asyncllm.model.loading.loader import load_model
 from asyncllm.worker.kv_cache_sizing import allocate_zeroed, available_memory_bytes, default_num_kv_blocks
 from asyncllm.worker.model_runner import CausalLM, ModelRunner
 from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
+
+logger = logging.getLogger(__name__)
+KV_CACHE_TORCH_DTYPES = {"auto": torch.float32, "bfloat16": torch.bfloat16}  # `CacheConfig.cache_dtype` -> torch
 
 
 class Worker:
@@ -97,7 +101,7 @@ class Worker:
         cache = self.config.cache
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
-        bytes_per_block = self.arch.kv_cache_bytes_per_block(cache.block_size)
+        bytes_per_block = self.arch.kv_cache_bytes_per_block(cache.block_size, cache.cache_itemsize)
         if cache.kv_cache_memory_bytes is not None:
             return max(1, cache.kv_cache_memory_bytes // bytes_per_block)
         max_model_len, _ = self.get_model_info()
@@ -106,29 +110,44 @@ class Worker:
             max_num_seqs, max_model_len, cache.block_size, bytes_per_block, available_memory_bytes()
         )
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: float32 ("auto") or bfloat16 (`CacheConfig.cache_dtype`)."""
+        return KV_CACHE_TORCH_DTYPES[self.config.cache.cache_dtype]
+
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
         """One layer's KV cache on this rank: [num_blocks, 2 (K, V), block_size, num_kv_heads / tp_size, head_dim]."""
         return (num_blocks, 2, self.config.cache.block_size, self.num_local_kv_heads, self.arch.head_dim)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads / tp_size, head_dim] float32 tensor per
-        layer (this rank's KV heads only), on lazily committed memory (`kv_cache_sizing.allocate_zeroed`).
+        """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads / tp_size, head_dim] tensor per layer
+        (this rank's KV heads only; float32, or bfloat16 under `kv_cache_dtype="bfloat16"`), on lazily committed
+        memory (`kv_cache_sizing.allocate_zeroed`). Logs its size at INFO.
 
         Raises:
             ConfigError: the operating system refuses that much memory (names the size and what is available).
         """
-        arch = self.arch
+        arch, dtype = self.arch, self.kv_cache_dtype
         shape = self._kv_cache_shape(num_blocks)
+        size = num_blocks * 2 * shape[2] * shape[3] * shape[4] * dtype.itemsize * arch.num_hidden_layers
         try:
-            self.model_runner.kv_caches = [allocate_zeroed(shape) for _ in range(arch.num_hidden_layers)]
+            self.model_runner.kv_caches = [allocate_zeroed(shape, dtype) for _ in range(arch.num_hidden_layers)]
         except (OSError, MemoryError, RuntimeError) as e:
             self.model_runner.kv_caches = []
-            size = num_blocks * 2 * shape[2] * shape[3] * shape[4] * 4 * arch.num_hidden_layers
             raise ConfigError(
                 f"the KV cache of {num_blocks} blocks ({size / 2**30:.1f} GiB on this rank) does not fit in memory "
                 f"({available_memory_bytes() / 2**30:.1f} GiB available): lower num_kv_blocks or "
                 f"kv_cache_memory_bytes ({type(e).__name__}: {e})"
             ) from e
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB on rank %d (reserved; resident where written)",
+            num_blocks,
+            shape[2],
+            num_blocks * shape[2],
+            str(dtype).removeprefix("torch."),
+            size / 2**20,
+            self.rank,
+        )
         self.warm_up()
 
     @torch.inference_mode()
@@ -137,7 +156,8 @@ class Worker:
         torch's one-time kernel set-up (seconds on a busy 2-core machine). The real KV cache is untouched."""
         arch, block_size = self.arch, self.config.cache.block_size
         num_blocks = -(-(num_tokens + 1) // block_size)
-        scratch = [torch.zeros(self._kv_cache_shape(num_blocks)) for _ in range(arch.num_hidden_layers)]
+        shape, dtype = self._kv_cache_shape(num_blocks), self.kv_cache_dtype
+        scratch = [torch.zeros(shape, dtype=dtype) for _ in range(arch.num_hidden_layers)]
         table = [list(range(num_blocks))]
         prefill = build_attention_metadata([num_tokens], [num_tokens], table, block_size)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long), torch.arange(num_tokens), scratch, prefill)

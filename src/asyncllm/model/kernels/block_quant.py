@@ -6,14 +6,18 @@ float16 scale d (and for Q4_1 a float16 minimum m): Q8_0 `w = d * q` (q int8, |q
 dequantized values (`gguf.quants.dequantize`), so a GGUF file's own blocks can be kept as they are: the loader
 hands them over as their bytes (`FileBlocks`, regrouped without dequantizing), and `from_values` finds them again
 in dequantized values bit for bit. The products (`block_linear`, `csrc/block_quant.cpp`) quantize the input per row
-and block of 32 to int8 (`dx = max |x| / 127`) and sum each block's integer products exactly (AVX-512 VNNI, AVX2 or
-scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight value instead of 32.
+and block of 32 to int8 (`dx = max |x| / 127`) and sum each block's integer products exactly (AMX int8 tiles,
+AVX-512 VNNI, AVX2 or scalar: the best this CPU has, the same bits on each); 4.5-5 bits per Q4 weight value
+instead of 32.
 
 In memory (the layout `csrc/block_quant.h` documents): output columns in groups of 4 (the last zero-padded), each
 group's blocks interleaved by block index, so a product reads 4 columns' blocks from one place and reuses them for
-up to 4 rows. From 6 rows a GEMM unpacks each panel of columns (16 on AVX-512 VNNI, every kind; 8 on AVX2, Q4_0
-and Q4_1) once per call into int8 and sweeps every row over it (`csrc/block_quant.cpp`), with the same bits per row
-as the 1-row kernel.
+up to 4 rows (on AVX-512 VNNI the 1-5 row GEMV takes 4 neighbouring groups, 16 columns, per pass). From 6 rows
+a GEMM unpacks each panel of columns (16 on AVX-512 VNNI, every kind; 8 on AVX2, Q4_0 and Q4_1) once per call into
+int8 and sweeps every row over it (`csrc/block_quant.cpp`), with the same bits per row as the 1-row kernel. On the
+"amx" path (a CPU with AMX-INT8 and Linux's permission for its tile data, asked at the first call;
+`block_quant_amx_status` says why not, logged) products of 16 rows or more take the panels as AMX tiles: one tile
+product per block of 32 (its exact int32 dots), then the same float32 steps per block.
 
 Quantizing float weights (`quantize_blocks`) follows llama.cpp's rules: Q8_0 `d = max |w| / 127`; Q4_0 `d = -w* / 8`
 for w* the block's value of largest magnitude (so it maps to q = 0); Q4_1 `m = min w`, `d = (max w - m) / 15`; the
@@ -45,6 +49,7 @@ BLOCK = 32  # values per block
 GROUP = 4  # output columns per interleaved group
 KIND_CODES: dict[str, int] = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 PATH_ENV = "ASYNCLLM_BLOCK_QUANT_PATH"
+SELF_CHECK_ROWS = (1, 3, 9, 35)  # the GEMV, the vnni GEMM (from 6 rows), the AMX GEMM (from 16)
 SLOW_FALLBACK = (
     "block-quantized products DEQUANTIZE EVERY WEIGHT AT EVERY CALL (much slower); install a C++ compiler "
     "(e.g. g++) and unset ASYNCLLM_FUSED_KERNELS=0"
@@ -302,8 +307,8 @@ def block_weight_for(weight: torch.Tensor, mode: str, lm_head: bool = False) -> 
 
 
 def block_linear(x: torch.Tensor, weight: BlockQuantWeight, path: str | None = None) -> torch.Tensor:
-    """`x @ W` for `[rows, in]` float32 `x` -> `[rows, out]` float32 on the C++ kernels (`path`: "vnni", "avx2",
-    "scalar" or None for the checked best; `ASYNCLLM_BLOCK_QUANT_PATH` forces one for the process), else by
+    """`x @ W` for `[rows, in]` float32 `x` -> `[rows, out]` float32 on the C++ kernels (`path`: "amx", "vnni",
+    "avx2", "scalar" or None for the checked best; `ASYNCLLM_BLOCK_QUANT_PATH` forces one for the process), else by
     dequantizing the weight (logged once).
 
     Raises:
@@ -320,6 +325,32 @@ def block_linear(x: torch.Tensor, weight: BlockQuantWeight, path: str | None = N
 
 
 _EMPTY_HALF = torch.empty(0, dtype=torch.float16)
+PROLOGUES: dict[str, int] = {"none": 0, "rms_norm": 1, "silu_mul": 2}
+
+
+def fused_block_linear(
+    kernels: RowKernels,
+    path: str,
+    x: torch.Tensor,
+    weight: BlockQuantWeight,
+    prologue: Literal["none", "rms_norm", "silu_mul"] = "none",
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One kernel call for `block_linear(p(x), weight) + residual` on a checked path (`block_kernels()`'s module
+    and path): p is nothing, `rms_norm(x, norm_weight, eps)` ([hidden] float32 weight) or `silu_mul(x)` ([rows,
+    2 * inter] gate/up), `residual` `[rows, out]` float32 or None. The same bits as the separate calls: the batch-1
+    block layer's 4 products in 4 calls instead of 9. `x` `[rows, in]` float32 contiguous; -> `[rows, out]` float32.
+
+    Raises:
+        RuntimeError: shapes or dtypes the kernels refuse.
+    """
+    m = weight.m if weight.m is not None else _EMPTY_HALF
+    return kernels.block_linear_fused(
+        x, PROLOGUES[prologue], norm_weight, eps, residual, weight.qs, weight.d, m, KIND_CODES[weight.kind],
+        weight.out_features, path,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -335,6 +366,10 @@ def block_kernels() -> tuple[RowKernels, str] | None:
         return None
     module = kernels
     paths = list(module.block_quant_paths())
+    if "amx" not in paths:
+        # the CPU flags AMX yet Linux refused its tile data: worth a warning; no AMX at all is the common case
+        level = logging.WARNING if "refused" in (why := module.block_quant_amx_status()) else logging.INFO
+        logger.log(level, "no AMX block-quantized path: %s", why)
     forced = os.environ.get(PATH_ENV)
     if forced:
         if forced not in paths:
@@ -352,15 +387,16 @@ def block_kernels() -> tuple[RowKernels, str] | None:
 
 
 def self_check(module: RowKernels, path: str) -> str:
-    """ "" when `path` gives `reference_block_linear`'s values bit for bit on every kind (1, 3 and 9 rows of a
+    """ "" when `path` gives `reference_block_linear`'s values bit for bit on every kind (1, 3, 9 and 35 rows of a
     random 96 x 37 weight with a zero block and an input block of zeros: on "vnni" 9 rows take the many-row GEMM,
-    a full tile and a part one, and 37 columns a tile of 2 panels and a part panel), else what differs."""
+    a full tile and a part one, on "amx" 35 rows the AMX GEMM, 2 full row tiles and a part one; 37 columns a tile
+    of 2 panels and a part panel), else what differs."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 37, generator=generator)
     weight[32:64, 3] = 0.0
     for kind in KIND_CODES:
         blocks = quantize_blocks(weight, kind)  # type: ignore[arg-type]
-        for rows in (1, 3, 9):
+        for rows in SELF_CHECK_ROWS:
             x = torch.randn(rows, 96, generator=generator) * 3
             x[0, :32] = 0.0
             m = blocks.m if blocks.m is not None else _EMPTY_HALF

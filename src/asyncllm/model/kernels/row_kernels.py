@@ -14,11 +14,13 @@ megabytes of weights evict from the caches what the next op needs; `benchmarks/o
   row_scale)` (`residual + out * row_scale` into `out`: the residual adds). An int8 layer runs 7 kernel calls
   around its four products instead of about 55 torch ops; an fp32 layer 4 instead of about 20.
 - K/V copies (both paths): `store_kv_cache_` (this step's keys and values into the paged cache at their slots:
-  `attention.write_kv_cache`'s permute, stack and indexed write) and `store_kv_rows_` (the new token into the
+  `attention.write_kv_cache`'s permute, stack and indexed write; into a bfloat16 cache rounded to nearest even,
+  as `.to(torch.bfloat16)`) and `store_kv_rows_` (the new token into the
   decode K/V mirror: two indexed writes), as plain copies instead of indexed writes.
 - `paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, window)`: decode attention read
-  straight from the paged KV cache through the block tables (`csrc/paged_attention.cpp`), instead of gathering
-  every cached token into a dense copy per layer and step. Not bit-exact with SDPA (another summation order):
+  straight from the paged KV cache through the block tables (`csrc/paged_attention.cpp`; a float32 or bfloat16
+  cache, widened to float32 in registers), instead of gathering every cached token into a dense copy per layer
+  and step. Not bit-exact with SDPA (another summation order):
   `self_check` compares it with SDPA within `ATTENTION_TOLERANCE`.
 - block-quantized products (`block_linear`, `csrc/block_quant.cpp`): Q8_0 / Q4_0 / Q4_1 weights times int8
   activation blocks, checked and used by `model/kernels/block_quant.py`.
@@ -133,8 +135,9 @@ class RowKernels(Protocol):
         blocks: torch.Tensor,
         offsets: torch.Tensor,
     ) -> None:
-        """`kv_cache[blocks[i], 0, offsets[i]] = key[i]` and `[..., 1, ...] = value[i]` for a contiguous
-        `[num_blocks, 2, block_size, heads, head_dim]` cache, `[rows, heads, head_dim]` key/value (rows may be
+        """`kv_cache[blocks[i], 0, offsets[i]] = key[i]` and `[..., 1, ...] = value[i]` for a contiguous float32 or
+        bfloat16 (rounded to nearest even, as `.to(torch.bfloat16)`) `[num_blocks, 2, block_size, heads, head_dim]`
+        cache, float32 `[rows, heads, head_dim]` key/value (rows may be
         strided) and `[rows]` int64 blocks/offsets. Raises IndexError for a slot outside the cache."""
         ...
 
@@ -161,11 +164,12 @@ class RowKernels(Protocol):
     ) -> torch.Tensor:
         """Attention of each sequence's one query token over its cached tokens, read through its block table.
 
-        `query` [num_seqs, num_heads, head_dim] contiguous; `kv_cache` [num_blocks, 2, block_size, num_kv_heads,
-        head_dim] contiguous (num_heads a multiple of num_kv_heads: GQA); `block_tables` [num_seqs, max_blocks]
-        int64; `seq_lens` [num_seqs] int64 tokens in the cache (the query's own included). `window` > 0: only the
-        last `window` tokens are seen. Returns [num_seqs, num_heads * head_dim] float32. Raises RuntimeError on a
-        wrong dtype/shape/layout, IndexError on a block outside the cache or a table too short."""
+        `query` [num_seqs, num_heads, head_dim] float32 contiguous; `kv_cache` [num_blocks, 2, block_size,
+        num_kv_heads, head_dim] float32 or bfloat16 contiguous (num_heads a multiple of num_kv_heads: GQA);
+        `block_tables` [num_seqs, max_blocks] int64; `seq_lens` [num_seqs] int64 tokens in the cache (the query's
+        own included). `window` > 0: only the last `window` tokens are seen. Returns [num_seqs, num_heads *
+        head_dim] float32. Raises RuntimeError on a wrong dtype/shape/layout, IndexError on a block outside the
+        cache or a table too short."""
         ...
 
     def has_packed_sgemm(self) -> bool:
@@ -178,7 +182,12 @@ class RowKernels(Protocol):
         ...
 
     def block_quant_paths(self) -> list[str]:
-        """The block-quantized product paths this build has, best first ("vnni", "avx2", "scalar")."""
+        """The block-quantized product paths this build and process have, best first ("amx", "vnni", "avx2",
+        "scalar"; "amx" where the CPU has AMX-INT8 and Linux granted the tile data permission)."""
+        ...
+
+    def block_quant_amx_status(self) -> str:
+        """ "" when the "amx" block path is offered, else why not (the build, the CPU or Linux's permission)."""
         ...
 
     def block_quantize_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -199,6 +208,25 @@ class RowKernels(Protocol):
         """`x @ W` for a block-quantized weight (`model/kernels/block_quant.py`, `csrc/block_quant.h`):
         `[rows, in]` float32 -> `[rows, out_features]` float32; the GIL is released meanwhile. Raises RuntimeError
         on wrong shapes or dtypes or a path this build does not have."""
+        ...
+
+    def block_linear_fused(
+        self,
+        x: torch.Tensor,
+        prologue: int,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        residual: torch.Tensor | None,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        kind: int,
+        out_features: int,
+        path: str,
+    ) -> torch.Tensor:
+        """`block_linear` of `x` as it is (prologue 0), of `rms_norm(x, norm_weight, eps)` (1) or of
+        `silu_mul(x)` (2), plus `residual` (`[rows, out_features]`, if given), in one call with the same bits as
+        the separate calls (`csrc/row_kernels.cpp`). Raises RuntimeError on what those calls refuse."""
         ...
 
     def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, num_threads: int) -> torch.Tensor:
@@ -321,8 +349,10 @@ KERNELS = (
     "sgemm_pack",
     "sgemm_packed",
     "block_quant_paths",
+    "block_quant_amx_status",
     "block_quantize_rows",
     "block_linear",
+    "block_linear_fused",
 )
 
 
@@ -384,11 +414,12 @@ def _compare_kv_stores(kernels: RowKernels, x: torch.Tensor) -> str:
         x[:, -heads * head_dim :].view(rows, heads, head_dim),
     )
     blocks, offsets = torch.arange(rows) * 2 % 5, torch.arange(rows) % 3
-    cache, want = torch.zeros(2, 5, 2, 3, heads, head_dim)
-    kernels.store_kv_cache_(cache, key, value, blocks, offsets)
-    want.permute(0, 2, 1, 3, 4)[blocks, offsets] = torch.stack((key, value), dim=1)  # attention.write_kv_cache
-    if not torch.equal(cache, want):
-        return "store_kv_cache_ differs from write_kv_cache"
+    for dtype in (torch.float32, torch.bfloat16):
+        cache, want = torch.zeros(2, 5, 2, 3, heads, head_dim, dtype=dtype)
+        kernels.store_kv_cache_(cache, key, value, blocks, offsets)
+        want.permute(0, 2, 1, 3, 4)[blocks, offsets] = torch.stack((key, value), dim=1).to(dtype)  # write_kv_cache
+        if not torch.equal(cache, want):
+            return f"store_kv_cache_ differs from write_kv_cache ({dtype})"
     got, want = torch.zeros(2, 2, rows, 4, heads, head_dim)
     kernels.store_kv_rows_(got[0], got[1], key, value, offsets)
     want[0][torch.arange(rows), offsets], want[1][torch.arange(rows), offsets] = key, value
@@ -399,8 +430,8 @@ def decode_attention_reference(
     query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int = 0
 ) -> torch.Tensor:
     """What `paged_decode_attention` computes, by torch ops one sequence at a time: the cached tokens gathered
-    through the block table, SDPA over the query heads (GQA by repeating K/V heads). `[num_seqs, num_heads *
-    head_dim]` float32."""
+    through the block table (a bfloat16 cache widened to float32, exactly), SDPA over the query heads (GQA by
+    repeating K/V heads). `[num_seqs, num_heads * head_dim]` float32."""
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     rows = []
@@ -408,7 +439,7 @@ def decode_attention_reference(
         length = int(seq_lens[s])
         first = max(0, length - window) if window > 0 else 0
         blocks = block_tables[s, : -(-length // block_size)]
-        key, value = (kv_cache[blocks, i].reshape(-1, num_kv_heads, head_dim)[first:length] for i in (0, 1))
+        key, value = (kv_cache[blocks, i].float().reshape(-1, num_kv_heads, head_dim)[first:length] for i in (0, 1))
         key, value = (t.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0) for t in (key, value))
         out = F.scaled_dot_product_attention(query[s].unsqueeze(1), key, value)  # [num_heads, 1, head_dim]
         rows.append(out.reshape(-1))
@@ -416,17 +447,18 @@ def decode_attention_reference(
 
 
 def _compare_decode_attention(kernels: RowKernels, gen: torch.Generator) -> str:
-    """Decode attention on a shuffled cache: GQA (8 query heads over 2 K/V heads), sequences of 1, 5 and 37
-    tokens (a partial last block), with and without a window."""
+    """Decode attention on a shuffled float32 and bfloat16 cache: GQA (8 query heads over 2 K/V heads), sequences
+    of 1, 5 and 37 tokens (a partial last block), with and without a window."""
     block_size, head_dim = 4, 16
-    kv_cache = torch.randn(32, 2, block_size, 2, head_dim, generator=gen)
+    float_cache = torch.randn(32, 2, block_size, 2, head_dim, generator=gen)
     seq_lens = torch.tensor([1, 5, 37])
     block_tables = torch.randperm(32, generator=gen)[:30].view(3, 10).contiguous()
     query = torch.randn(3, 8, head_dim, generator=gen)
-    bound = ATTENTION_TOLERANCE * float(kv_cache[:, 1].abs().max())
-    for window in (0, 6):
-        got = kernels.paged_decode_attention(query, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
-        want = decode_attention_reference(query, kv_cache, block_tables, seq_lens, window)
-        if got.shape != want.shape or float((got - want).abs().max()) > bound:
-            return f"paged_decode_attention differs from SDPA (window {window})"
+    for kv_cache in (float_cache, float_cache.to(torch.bfloat16)):
+        bound = ATTENTION_TOLERANCE * float(kv_cache[:, 1].abs().max())
+        for window in (0, 6):
+            got = kernels.paged_decode_attention(query, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
+            want = decode_attention_reference(query, kv_cache, block_tables, seq_lens, window)
+            if got.shape != want.shape or float((got - want).abs().max()) > bound:
+                return f"paged_decode_attention differs from SDPA (window {window}, {kv_cache.dtype} cache)"
     return ""

@@ -1,15 +1,20 @@
 """Paged attention in plain torch: write K/V into the block cache, gather per group, run SDPA, scatter back.
 
-The cache of one layer is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` float32 (index 0 = K,
-1 = V). A token's slot is `block_id * block_size + offset`. For each `AttentionGroup` (decodes, prefills),
-the keys/values of every sequence are gathered through its block table into
-`[num_seqs, max_seq_len, num_kv_heads, head_dim]` and one batched `scaled_dot_product_attention` call runs
-with the group's mask (causal with the cached-prefix offset, plus padding), passed in the float form SDPA would
-convert a boolean mask to, built once per step (`AttentionGroup.attn_bias`). No Python loop over sequences or
-tokens. A sliding-window layer (Gemma 3's local layers; Beltagy et al., 2020) uses the same gather with the keys
-before its window masked too (`AttentionGroup.bias(window)`, built once per step and window). Prefill chunks of
-full-attention layers, given this step's K/V, run one sequence at a time instead (`prefill_attention.py`: no
-padding, no mask, no gather of a fresh chunk's keys, the masked triangle skipped after a cached prefix).
+The cache of one layer is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (index 0 = K, 1 = V), float32
+or bfloat16 (`EngineArgs.kv_cache_dtype`). With a bfloat16 cache, K/V are rounded to bfloat16 (nearest even) as
+they are written; SDPA runs on bfloat16 query/key/value (a fresh chunk's own K/V rounded the same way, so a
+result does not depend on whether a prefix came from the cache) and its output goes back to float32; the decode
+kernel widens the cached rows to float32 and computes in float32. The rest of the model stays float32.
+
+A token's slot is `block_id * block_size + offset`. For each `AttentionGroup` (decodes, prefills), the keys/values
+of every sequence are gathered through its block table into `[num_seqs, max_seq_len, num_kv_heads, head_dim]` and
+one batched `scaled_dot_product_attention` call runs with the group's mask (causal with the cached-prefix offset,
+plus padding), passed in the float form SDPA would convert a boolean mask to, built once per step
+(`AttentionGroup.attn_bias`). No Python loop over sequences or tokens. A sliding-window layer (Gemma 3's local
+layers; Beltagy et al., 2020) uses the same gather with the keys before its window masked too
+(`AttentionGroup.bias(window)`, built once per step and window). Prefill chunks of full-attention layers, given this
+step's K/V, run one sequence at a time instead (`prefill_attention.py`: no padding, no mask, no gather of a fresh
+chunk's keys, the masked triangle skipped after a cached prefix).
 
 Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 grouped-query attention (Ainslie et al., 2023).
@@ -41,8 +46,9 @@ def write_kv_cache(
     `store_kv_cache_` kernel call: the same values).
 
     Args:
-        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] float32; modified in place.
-        key, value: [num_tokens, num_kv_heads, head_dim].
+        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] float32 or bfloat16; modified in place.
+        key, value: [num_tokens, num_kv_heads, head_dim] float32 (rounded to nearest even into a bfloat16 cache,
+            as `.to(torch.bfloat16)`).
         slot_mapping: [num_tokens] int64 slot (block_id * block_size + offset) of each token.
         slot_blocks: (block ids, offsets) of `slot_mapping`, [num_tokens] int64 each, if already computed
             (`AttentionMetadata.slot_blocks`, once per step instead of once per layer).
@@ -57,7 +63,7 @@ def write_kv_cache(
     if kernels is not None:
         kernels.store_kv_cache_(kv_cache, key, value, blocks, offsets)
         return
-    kv_cache.permute(0, 2, 1, 3, 4)[blocks, offsets] = torch.stack((key, value), dim=1)
+    kv_cache.permute(0, 2, 1, 3, 4)[blocks, offsets] = torch.stack((key, value), dim=1).to(kv_cache.dtype)
 
 
 def gather_kv(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +182,7 @@ def _decode_attention(
     num_kv_heads = key.shape[1]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     o = _sdpa(q, key, value, group.bias(window), scale, softcap)
-    return o.reshape(num_seqs, num_heads * head_dim)
+    return o.reshape(num_seqs, num_heads * head_dim).float()
 
 
 def _cache_decode_attention(
@@ -222,16 +228,17 @@ def _group_attention(
     if softcap is None:
         causal = group.causal_only and (window is None or window >= max_query_len)
         bias = None if causal else group.bias(window)  # [num_seqs, 1, max_query_len, max_seq_len]: 0 or -inf
+        mask = None if causal else group.attn_bias if bias is None else bias
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
+            q.transpose(1, 2).to(key.dtype),  # a bfloat16 cache: bfloat16 SDPA (the mask's 0 / -inf are exact)
             key,
             value,
-            attn_mask=None if causal else group.attn_bias if bias is None else bias,
+            attn_mask=None if mask is None else mask.to(key.dtype),
             is_causal=causal,
             scale=scale,
             enable_gqa=per_kv > 1,
         )
-        return o.transpose(1, 2).reshape(num_seqs, max_query_len, num_heads * head_dim)
+        return o.transpose(1, 2).reshape(num_seqs, max_query_len, num_heads * head_dim).float()
     q = q.view(num_seqs, max_query_len, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, per_kv * max_query_len, head_dim)
     mask = group.bias(window)  # [num_seqs, 1, max_query_len, max_seq_len] float: 0 or -inf
@@ -253,9 +260,14 @@ def _sdpa(
     softcap: float | None,
 ) -> torch.Tensor:
     """`scaled_dot_product_attention(q, key, value, mask, scale)`, or with the scores soft-capped (`softcap`), the
-    same steps written out: q k^T * scale, cap, + mask, softmax, @ value. Shapes as SDPA's."""
+    same steps written out: q k^T * scale, cap, + mask, softmax, @ value. Shapes as SDPA's. Float32 `q` and `mask`
+    with bfloat16 K/V (a bfloat16 cache): SDPA runs in bfloat16 (output bfloat16: the caller widens it); the
+    soft-capped steps widen K/V to float32 (exact) and stay in float32."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
+        if mask is not None:
+            mask = mask.to(key.dtype)
+        return F.scaled_dot_product_attention(q.to(key.dtype), key, value, attn_mask=mask, scale=scale)
+    key, value = key.float(), value.float()
     scores = q @ key.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:

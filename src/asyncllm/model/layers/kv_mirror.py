@@ -83,7 +83,9 @@ class MirrorStep:
             blocks, offsets = slot_blocks
             new = kv_cache[blocks, :, offsets]  # [num_seqs, 2, num_kv_heads, head_dim]
             new_kv = new[:, 0], new[:, 1]
-        if kernels is not None:
+        if key.dtype != new_kv[0].dtype:  # a bfloat16 cache: the token as the cache holds it (nearest even)
+            new_kv = new_kv[0].to(key.dtype), new_kv[1].to(key.dtype)
+        if kernels is not None and key.dtype == torch.float32:
             kernels.store_kv_rows_(key, value, new_kv[0], new_kv[1], self.positions)
         else:
             key[self.rows, self.positions] = new_kv[0]

@@ -73,7 +73,9 @@ def sequence_prefill_attention(
 
     Args:
         query: [num_tokens, num_heads, head_dim] float32, the step's flat queries (rotary applied).
-        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] float32, this step's K/V already written.
+        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] float32 or bfloat16, this step's K/V already
+            written. With bfloat16, SDPA runs on bfloat16 query/key/value, this step's K/V rounded to nearest even
+            as the cache holds them (a result does not depend on whether the prefix came from the cache).
         group: the prefill group (`AttentionGroup.spans` gives each sequence's rows and lengths).
         new_kv: this step's (key, value), [num_tokens, num_kv_heads, head_dim] each, as written to the cache.
         scale: softmax scale; None: 1 / sqrt(head_dim).
@@ -83,12 +85,11 @@ def sequence_prefill_attention(
             (`prefix_split_available()` is False).
     """
     key, value = new_kv
-    block_size = kv_cache.shape[2]
+    block_size, dtype = kv_cache.shape[2], kv_cache.dtype
     for i, (start, query_len, seq_len) in enumerate(group.spans):
         end = start + query_len
-        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_heads, Q, head_dim]
-        k = key[start:end].transpose(0, 1).unsqueeze(0)  # [1, num_kv_heads, Q, head_dim]: this step's keys
-        v = value[start:end].transpose(0, 1).unsqueeze(0)
+        # [1, heads, Q, head_dim]; with a bfloat16 cache all three rounded as the cache holds this step's K/V
+        q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0).to(dtype) for t in (query, key, value))
         prefix = seq_len - query_len
         if prefix == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -96,7 +97,7 @@ def sequence_prefill_attention(
             blocks = group.block_tables[i, : -(-prefix // block_size)]
             k_pre, v_pre = (_gather_prefix(kv_cache, index, blocks, prefix) for index in (0, 1))
             o = _merged(q, (k_pre, v_pre), (k, v), scale)
-        out[start:end] = o[0].transpose(0, 1).reshape(query_len, -1)
+        out[start:end] = o[0].transpose(0, 1).reshape(query_len, -1)  # back to float32 (a no-op for float32)
 
 
 def _merged(
@@ -107,7 +108,8 @@ def _merged(
 ) -> torch.Tensor:
     """[1, num_heads, Q, head_dim] attention of `Q` queries (`q`: [1, num_heads, Q, head_dim], the last `Q`
     positions) over the cached prefix's keys/values (`prefix_kv`: [1, num_kv_heads, P, head_dim] each), unmasked,
-    and over their own (`new_kv`: [1, num_kv_heads, Q, head_dim] each), causal, merged by log-sum-exp.
+    and over their own (`new_kv`: [1, num_kv_heads, Q, head_dim] each), causal, merged by log-sum-exp. All float32,
+    or all bfloat16 (a bfloat16 cache: the result is float32 then).
 
     Raises:
         RuntimeError: this torch has no CPU flash kernel with log-sum-exp.
@@ -116,9 +118,9 @@ def _merged(
         raise RuntimeError("the cached-prefix split needs aten::_scaled_dot_product_flash_attention_for_cpu")
     o_pre, lse_pre = _FLASH_CPU(q, *prefix_kv, 0.0, False, scale=scale)
     o_new, lse_new = _FLASH_CPU(q, *new_kv, 0.0, True, scale=scale)
-    lse = torch.logaddexp(lse_pre, lse_new)  # [1, num_heads, Q]
-    o = o_pre * (lse_pre - lse).exp_().unsqueeze(-1)
-    return o.addcmul_(o_new, (lse_new - lse).exp_().unsqueeze(-1))
+    lse = torch.logaddexp(lse_pre, lse_new)  # [1, num_heads, Q] float32
+    o = o_pre.float() * (lse_pre - lse).exp_().unsqueeze(-1)  # bfloat16 parts (a bfloat16 cache) merged in float32
+    return o.addcmul_(o_new.float(), (lse_new - lse).exp_().unsqueeze(-1))
 
 
 def _gather_prefix(kv_cache: torch.Tensor, index: int, blocks: torch.Tensor, prefix: int) -> torch.Tensor:

@@ -5,13 +5,15 @@
 // of llama.cpp's GGUF files (ggml's quants describe them; this is our own layout and code). Output columns come in
 // groups of 4 whose blocks are interleaved, so one pass over a block index reads 4 columns' blocks from one place
 // and reuses them across up to 4 rows (a GEMV streams each weight byte once; a tile of 4 rows x 4 columns reads a
-// weight block once per 4 rows). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
-// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1). Activations are quantized per row and
+// weight block once per 4 rows; on vnni and amx the 1-5 row GEMV takes 4 groups, 16 columns, per pass and sums
+// their block dots in registers). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
+// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1; from kAmxMinRows rows on the "amx" path,
+// the same panels as AMX int8 tiles, every kind). Activations are quantized per row and
 // block of 32 to int8 with a float32 scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's
 // offset and Q4_1's minimum term).
 //
 // The integer dot of a block is exact on every path (AVX-512 VNNI `vpdpbusd` on 256-bit vectors, 512-bit in the
-// GEMM; AVX2 `vpmaddubsw` + `vpmaddwd`; scalar C++); the float32 arithmetic after it is the same operation for
+// GEMM; AMX `tdpbssd` with K = 32, one block per tile product; AVX2 `vpmaddubsw` + `vpmaddwd`; scalar C++); the float32 arithmetic after it is the same operation for
 // operation (built with -ffp-contract=off), so every path gives the same bits and tests compare them exactly with a
 // numpy reference. Columns are shared out to threads in whole groups (panels in the GEMMs), each output summed by
 // one thread in block order: values do not depend on the thread count, nor a row's on the other rows of its batch.
@@ -21,6 +23,14 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -47,7 +57,14 @@ enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 #define ASYNCLLM_BLOCK_VNNI 1
 #endif
 
-enum class Path { kScalar, kAvx2, kVnni };
+// AMX tiles where the build has AVX-512 VNNI (every AMX CPU has it) on Linux (the tile permission is asked from its
+// kernel) with a compiler that has the AMX intrinsics; whether this CPU and kernel allow them is asked at run time.
+#if defined(ASYNCLLM_BLOCK_VNNI) && defined(__linux__) && defined(__x86_64__) && \
+    (defined(__clang__) && __clang_major__ >= 12 || !defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define ASYNCLLM_BLOCK_AMX 1
+#endif
+
+enum class Path { kScalar, kAvx2, kVnni, kAmx };
 
 struct Acts {  // a quantized activation matrix
   const int8_t* q;   // [rows, nb * 32]
@@ -65,7 +82,33 @@ struct Weights {  // one block weight in the grouped layout (block_quant.h)
 };
 
 void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, int32_t* s) {
-  for (int64_t b = 0; b < nb; ++b) {
+  int64_t b = 0;
+#ifdef __AVX512F__
+  // The same steps 16 values at a time: max|x| is exact in any order, vdivps is IEEE division and vcvtps2dq rounds
+  // half to even under the default rounding mode, as std::nearbyint does; |q| <= 127, so vpmovdb keeps every value.
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a0 = _mm512_andnot_ps(sign, x0), a1 = _mm512_andnot_ps(sign, x1);
+    // vmaxps returns its second operand where either is NaN: with 0 second, a NaN is skipped as std::max skips it
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, _mm512_max_ps(a1, _mm512_setzero_ps())));
+    const float scale = amax / 127.0f;
+    d[b] = scale;
+    int8_t* qb = q + b * kBlock;
+    if (scale == 0.0f) {
+      std::memset(qb, 0, kBlock);
+      s[b] = 0;
+      continue;
+    }
+    const __m512 sv = _mm512_set1_ps(scale);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, sv)), q1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, sv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtepi32_epi8(q1));
+    s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+#endif
+  for (; b < nb; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.0f;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
@@ -197,6 +240,120 @@ void group_simd(const Acts& a, const Weights& w, int64_t g, int64_t r0, int64_t 
 }
 #endif
 
+#ifdef ASYNCLLM_BLOCK_VNNI
+// --- the few-row GEMV (AVX-512 VNNI, 512-bit vectors) ----------------------------------------------------------------
+// 1 to kGemmMinRows - 1 rows against a chunk of 16 columns (4 groups, whose blocks lie next to each other in memory)
+// per pass over the blocks. Per block, group j's 64 bytes (Q4: 4 columns x 16 bytes; Q8_0: 128 bytes, halves
+// regrouped) give two vectors whose 128-bit lane c holds column c's values 0-15 and 16-31, met by the row's values
+// 0-15 and 16-31 broadcast to every lane in two `vpdpbusd`; the 4 partial sums per column are added in registers
+// (unpack + add, exact) into one int32 per column, so no horizontal sum per group and block as in group_simd. Then
+// the float32 steps of group_scalar for 16 columns at once, in block order. Q8_0 weights are taken + 128 (unsigned)
+// and the row's sum starts at -128 s; Q4_0 at -8 s: exact integers, the same bits as every other path.
+// The next chunk's lines are prefetched one chunk ahead (the weight streams from memory at batch 1).
+constexpr int64_t kChunk = 16;  // columns per GEMV chunk
+constexpr int kGemvMaxRows = 4;  // rows per GEMV pass (a 5th row takes a second pass)
+
+// Column (j, c) of 4 vectors whose lane 4c + k holds partial k of group j's column c -> lane 4c + j, exact.
+inline __m512i sum_partials(__m512i d0, __m512i d1, __m512i d2, __m512i d3) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d0, d1), _mm512_unpackhi_epi32(d0, d1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d2, d3), _mm512_unpackhi_epi32(d2, d3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+// The 16 float16 values at p[j] + offset (4 each, j = 0..3) as float32, lane 4j + c.
+inline __m512 load_half16(const c10::Half* const* p, int64_t offset) {
+  const __m128i a = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[0] + offset)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[1] + offset)));
+  const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[2] + offset)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[3] + offset)));
+  return _mm512_cvtph_ps(_mm256_set_m128i(b, a));
+}
+
+template <int64_t KIND, int R>
+void gemv_chunk(const Acts& a, const Weights& w, int64_t g0, int64_t groups, int64_t r0, float* out, int64_t ldo,
+                int64_t columns) {
+  const int64_t nb = w.nb, group_bytes = nb * kGroup * w.block_bytes;
+  const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i to_columns = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  // a chunk past the last real group reads the last one again (its outputs are not stored)
+  const uint8_t* src[kGroup];
+  const c10::Half* dp[kGroup];
+  const c10::Half* mp[kGroup];
+  for (int64_t j = 0; j < kGroup; ++j) {
+    const int64_t g = g0 + std::min(j, groups - 1);
+    src[j] = w.qs + g * group_bytes;
+    dp[j] = w.d + g * nb * kGroup;
+    mp[j] = KIND == kQ4_1 ? w.m + g * nb * kGroup : nullptr;
+  }
+  const uint8_t* next = w.qs + (g0 + kGroup) * group_bytes;  // the next chunk (may be past the end: prefetch only)
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[kGroup], hi[kGroup];
+    for (int64_t j = 0; j < kGroup; ++j) {
+      const uint8_t* p = src[j] + b * kGroup * w.block_bytes;
+      if (KIND == kQ8_0) {
+        const __m512i z0 = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
+        const __m512i z1 = _mm512_xor_si512(_mm512_loadu_si512(p + 64), flip);
+        lo[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(2, 0, 2, 0));
+        hi[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(3, 1, 3, 1));
+        _mm_prefetch(reinterpret_cast<const char*>(next + (j * nb + b) * kGroup * w.block_bytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + (j * nb + b) * kGroup * w.block_bytes + 64), _MM_HINT_T0);
+      } else {
+        const __m512i z = _mm512_loadu_si512(p);
+        lo[j] = _mm512_and_si512(z, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+        _mm_prefetch(reinterpret_cast<const char*>(next + (j * nb + b) * kGroup * w.block_bytes), _MM_HINT_T0);
+      }
+    }
+    const __m512 dw = load_half16(dp, b * kGroup);
+    __m512 mw = _mm512_setzero_ps();
+    if (KIND == kQ4_1) mw = load_half16(mp, b * kGroup);
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      const int8_t* xq = a.q + (r * a.nb + b) * kBlock;
+      const __m512i xl = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+      const __m512i xh = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+      __m512i parts[kGroup];
+      for (int64_t j = 0; j < kGroup; ++j) {
+        parts[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xl), hi[j], xh);
+      }
+      __m512i dot = _mm512_permutexvar_epi32(to_columns, sum_partials(parts[0], parts[1], parts[2], parts[3]));
+      const int32_t sx = a.s[r * a.nb + b];
+      if (KIND != kQ4_1) dot = _mm512_add_epi32(dot, _mm512_set1_epi32((KIND == kQ8_0 ? -128 : -8) * sx));
+      const __m512 dx = _mm512_set1_ps(a.d[r * a.nb + b]);
+      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx));
+      if (KIND == kQ4_1) term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(mw, dx), _mm512_set1_ps(float(sx))));
+      acc[i] = _mm512_add_ps(acc[i], term);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1u);
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (r0 + i) * ldo + g0 * kGroup, mask, acc[i]);
+}
+
+template <int64_t KIND>
+void gemv(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  const int64_t chunks = (out_features + kChunk - 1) / kChunk;
+  // about 4 K block products per task: at 1 row a SmolLM2 product of 576 inputs splits from 2 chunks of 16 columns
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, rows * w.nb * kChunk));
+  at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t g0 = c * (kChunk / kGroup), n = std::min(kGroup, groups - g0);
+      const int64_t columns = std::min(kChunk, out_features - c * kChunk);
+      for (int64_t r = 0; r < rows; r += kGemvMaxRows) {
+        switch (std::min<int64_t>(kGemvMaxRows, rows - r)) {
+          case 1: gemv_chunk<KIND, 1>(a, w, g0, n, r, out, out_features, columns); break;
+          case 2: gemv_chunk<KIND, 2>(a, w, g0, n, r, out, out_features, columns); break;
+          case 3: gemv_chunk<KIND, 3>(a, w, g0, n, r, out, out_features, columns); break;
+          default: gemv_chunk<KIND, 4>(a, w, g0, n, r, out, out_features, columns); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 #ifdef ASYNCLLM_BLOCK_AVX2
 // --- activations for the many-row GEMMs -----------------------------------------------------------------------------
 inline int32_t load_quad(const int8_t* p) {
@@ -273,39 +430,44 @@ inline void transpose4(const __m512i r[4], __m512i* t) {
   t[3] = _mm512_unpackhi_epi64(b, e);
 }
 
-template <int64_t KIND>
+// SIGNED (the AMX GEMM's signed x signed products): Q8_0 values as stored (not + 128), Q4_0 values - 8 (so the
+// integer sum is dot - 8 s itself), Q4_1 values 0..15 as they are.
+template <int64_t KIND, bool SIGNED = false>
 void unpack_panel(const Weights& w, int64_t g0, int64_t groups, Panel& p) {
   const __m512i low = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i offset = _mm512_set1_epi8(KIND == kQ4_0 && SIGNED ? 8 : 0);
   for (int64_t b = 0; b < w.nb; ++b) {
     __m512i lo[kGroup], hi[kGroup];
-    float d[kPanel], m[kPanel];
+    int64_t d4[kGroup] = {0, 0, 0, 0}, m4[kGroup] = {0, 0, 0, 0};  // each group's 4 float16 scales (minimums)
     for (int64_t j = 0; j < kGroup; ++j) {
       if (j >= groups) {
         lo[j] = hi[j] = _mm512_setzero_si512();
-        for (int64_t c = 0; c < kGroup; ++c) d[4 * c + j] = m[4 * c + j] = 0.0f;
         continue;
       }
       const int64_t block = (g0 + j) * w.nb + b;
       const uint8_t* src = w.qs + block * kGroup * w.block_bytes;
       if (KIND == kQ8_0) {  // [c0 q0-3 | c0 q4-7 | c1 q0-3 | c1 q4-7], [c2 ... | c3 ...], + 128
-        const __m512i z0 = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
-        const __m512i z1 = _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
+        const __m512i z0 = SIGNED ? _mm512_loadu_si512(src) : _mm512_xor_si512(_mm512_loadu_si512(src), flip);
+        const __m512i z1 =
+            SIGNED ? _mm512_loadu_si512(src + 64) : _mm512_xor_si512(_mm512_loadu_si512(src + 64), flip);
         lo[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(2, 0, 2, 0));
         hi[j] = _mm512_shuffle_i64x2(z0, z1, _MM_SHUFFLE(3, 1, 3, 1));
       } else {  // [c0 | c1 | c2 | c3] bytes: low nibbles values 0-15, high ones 16-31
         const __m512i z = _mm512_loadu_si512(src);
-        lo[j] = _mm512_and_si512(z, low);
-        hi[j] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+        lo[j] = _mm512_sub_epi8(_mm512_and_si512(z, low), offset);
+        hi[j] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(z, 4), low), offset);
       }
-      for (int64_t c = 0; c < kGroup; ++c) {
-        d[4 * c + j] = static_cast<float>(w.d[block * kGroup + c]);
-        m[4 * c + j] = KIND == kQ4_1 ? static_cast<float>(w.m[block * kGroup + c]) : 0.0f;
-      }
+      std::memcpy(&d4[j], w.d + block * kGroup, sizeof(int64_t));
+      if (KIND == kQ4_1) std::memcpy(&m4[j], w.m + block * kGroup, sizeof(int64_t));
     }
     transpose4(lo, &p.q[b * 8]);
     transpose4(hi, &p.q[b * 8 + 4]);
-    p.d[b] = _mm512_loadu_ps(d);
-    p.m[b] = _mm512_loadu_ps(m);
+    // float16 -> float32 is exact (vcvtph2ps as c10::Half's conversion); lane 4j + c -> lane 4c + j
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    p.d[b] = _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_setr_epi64x(d4[0], d4[1], d4[2], d4[3])));
+    if (KIND == kQ4_1) {
+      p.m[b] = _mm512_permutexvar_ps(order, _mm512_cvtph_ps(_mm256_setr_epi64x(m4[0], m4[1], m4[2], m4[3])));
+    }
   }
 }
 
@@ -411,6 +573,170 @@ void gemm_t(const Acts& a, const Weights& w, int64_t rows, int64_t out_features,
 template <int64_t KIND>
 void gemm(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
   gemm_t<KIND, kGemmRows, kGemmPanels>(a, w, rows, out_features, out);
+}
+#endif
+
+#ifdef ASYNCLLM_BLOCK_AMX
+// --- the many-row GEMM on AMX (Advanced Matrix Extensions: int8 tile products) --------------------------------------
+// The vnni GEMM's panels of 16 columns, unpacked once per call, are already AMX's B operand: block b's 8 quad
+// vectors of 64 bytes are a tile of K / 4 = 8 rows x 16 columns x 4 bytes. Weights are unpacked signed (Q8_0 as
+// stored, Q4_0 - 8, Q4_1 0..15) and every kind takes `tdpbssd` (signed x signed): the product of 16 rows' block b
+// (an A tile of 16 x 32 bytes) with a panel's block b is each (row, column)'s exact block dot (dot - 8 s for Q4_0),
+// K = 32, one block per product so blocks never mix. Per block the int32 tile is stored and the float32 steps of
+// group_scalar applied in AVX-512, in block order, to 16 accumulator registers (one per row): the same bits as
+// every other path. Blocks alternate between two sets of tiles (C 0/1, A 4/5, B 6/7) and the tile products of
+// block b + 1 are issued before block b's float32 steps, so the tile unit and the vector unit overlap.
+// Activations are packed per 16 rows and block into contiguous records (the A tile, then dx and float(s) per row),
+// rows past the batch's end zero (multiplied, never stored). The tile registers are configured per thread and task
+// (`ldtilecfg`) and released after it; they need the process's permission from Linux (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once by amx_unavailable_reason(): without it the path is not offered.
+// The functions that touch tiles are built with target("amx-tile,amx-int8"), whatever -march says.
+constexpr int kAmxRows = 16;                     // rows per A tile
+constexpr int64_t kAmxQBytes = kAmxRows * kBlock;  // an A tile: 512 bytes
+constexpr int64_t kAmxRecord = kAmxQBytes + 2 * kAmxRows * 4;  // + dx [16] float32, float(s) [16] float32
+// From this many rows the "amx" path takes the AMX GEMM (below it the vnni GEMM and GEMV).
+constexpr int64_t kAmxMinRows = 16;
+
+struct alignas(64) TileConfig {  // the `ldtilecfg` operand, palette 1
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-int8"))) inline void amx_configure() {
+  TileConfig config;
+  for (int t = 0; t < 2; ++t) config.rows[t] = kAmxRows, config.colsb[t] = 64;       // C: 16 rows x 16 int32
+  for (int t = 4; t < 6; ++t) config.rows[t] = kAmxRows, config.colsb[t] = kBlock;   // A: 16 rows x 32 bytes
+  for (int t = 6; t < 8; ++t) config.rows[t] = kBlock / 4, config.colsb[t] = 64;     // B: 8 quads x 16 columns
+  asm volatile("" ::: "memory");  // ldtilecfg's operand is declared as 8 bytes: keep every store before it
+  _tile_loadconfig(&config);
+}
+
+// Activations as records [tiles][nb] of kAmxRecord bytes: the A tile [16 rows][32] int8, dx [16] float32,
+// float(s) [16] float32; rows past `rows` zero.
+std::vector<int8_t> pack_amx_rows(const Acts& a, int64_t rows) {
+  const int64_t tiles = (rows + kAmxRows - 1) / kAmxRows;
+  std::vector<int8_t> packed(tiles * a.nb * kAmxRecord, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / kAmxRows, i = r % kAmxRows;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      int8_t* rec = packed.data() + (t * a.nb + b) * kAmxRecord;
+      std::memcpy(rec + i * kBlock, a.q + (r * a.nb + b) * kBlock, kBlock);
+      const float dx = a.d[r * a.nb + b], sx = static_cast<float>(a.s[r * a.nb + b]);
+      std::memcpy(rec + kAmxQBytes + 4 * i, &dx, sizeof(float));
+      std::memcpy(rec + kAmxQBytes + 4 * (kAmxRows + i), &sx, sizeof(float));
+    }
+  }
+  return packed;
+}
+
+// One block's exact dots of an A tile (16 rows x 32 bytes) with a B tile (8 quads x 16 columns) into tile C as
+// [16][16] int32 (literal tile numbers: the intrinsics name them in their assembly); stored later.
+#define ASYNCLLM_AMX_BLOCK_DOTS(C, A, B, a_tile, b_tile) \
+  do {                                                   \
+    _tile_loadd(A, (a_tile), kBlock);                    \
+    _tile_loadd(B, (b_tile), 64);                        \
+    _tile_zero(C);                                       \
+    _tile_dpbssd(C, A, B);                               \
+  } while (0)
+
+// 16 packed rows (the first R real) against one unpacked panel: out[r0 + i, col0 + c] for the columns in mask. The
+// tile products always take 16 rows; the float32 steps only the R real ones.
+// A pipeline of three blocks: while block b's int32 dots (stored one step earlier) take their float32 steps, block
+// b + 1's tile is stored and block b + 2's tile product runs (tile sets by parity: C 0/1, A 4/5, B 6/7), so neither
+// the product's latency nor the store's stalls the vector steps (a tile stored right after its product, and read
+// right after its store, took half the time: measured with perf).
+template <int64_t KIND, int R>
+__attribute__((target("amx-tile,amx-int8"))) void amx_tile(const int8_t* records, int64_t nb, const Panel& p,
+                                                            int64_t r0, float* out, int64_t ldo, int64_t col0,
+                                                            __mmask16 mask) {
+  alignas(64) int32_t dots[2][kAmxRows * 16];
+  // unrolled, so the accumulators are 16 registers: as an array they were kept on the stack (a load and a store
+  // per row and block: 28.4 -> 23.7 ns per 16 x 16 block product in a stand-alone loop)
+  __m512 acc[kAmxRows];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  ASYNCLLM_AMX_BLOCK_DOTS(0, 4, 6, records, &p.q[0]);
+  if (nb > 1) ASYNCLLM_AMX_BLOCK_DOTS(1, 5, 7, records + kAmxRecord, &p.q[8]);
+  _tile_stored(0, dots[0], 64);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % 2 == 0) {  // block b's tile is C 0 (stored), b + 1's is C 1, b + 2 goes to C 0
+      if (b + 1 < nb) _tile_stored(1, dots[1], 64);
+      if (b + 2 < nb) ASYNCLLM_AMX_BLOCK_DOTS(0, 4, 6, records + (b + 2) * kAmxRecord, &p.q[(b + 2) * 8]);
+    } else {
+      if (b + 1 < nb) _tile_stored(0, dots[0], 64);
+      if (b + 2 < nb) ASYNCLLM_AMX_BLOCK_DOTS(1, 5, 7, records + (b + 2) * kAmxRecord, &p.q[(b + 2) * 8]);
+    }
+    const int32_t* block_dots = dots[b % 2];
+    const float* dxs = reinterpret_cast<const float*>(records + b * kAmxRecord + kAmxQBytes);
+    const float* sxs = dxs + kAmxRows;
+    const __m512 dw = p.d[b];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const __m512 dx = _mm512_set1_ps(dxs[i]);
+      __m512 term = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(block_dots + i * 16)), _mm512_mul_ps(dw, dx));
+      if (KIND == kQ4_1) term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_mul_ps(p.m[b], dx), _mm512_set1_ps(sxs[i])));
+      acc[i] = _mm512_add_ps(acc[i], term);
+    }
+  }
+  // lane 4c + j -> column 4j + c, as in panel_tile
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(out + (r0 + i) * ldo + col0, mask, _mm512_permutexvar_ps(order, acc[i]));
+  }
+}
+
+// amx_tile for the last tile's `rows` (< R) real rows.
+template <int64_t KIND, int R>
+void amx_rest(const int8_t* records, int64_t nb, const Panel& p, int64_t r0, int64_t rows, float* out, int64_t ldo,
+              int64_t col0, __mmask16 mask) {
+  if constexpr (R > 0) {
+    if (rows == R) return amx_tile<KIND, R>(records, nb, p, r0, out, ldo, col0, mask);
+    amx_rest<KIND, R - 1>(records, nb, p, r0, rows, out, ldo, col0, mask);
+  }
+}
+
+// Panels [p0, p1) of a GEMM on this thread: tiles configured, each panel unpacked and swept by every row tile,
+// tiles released.
+template <int64_t KIND>
+__attribute__((target("amx-tile,amx-int8"))) void amx_panels(const int8_t* packed, const Weights& w, int64_t rows,
+                                                              int64_t out_features, float* out, int64_t p0,
+                                                              int64_t p1) {
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  const int64_t row_tiles = (rows + kAmxRows - 1) / kAmxRows;
+  amx_configure();
+  Panel panel(w.nb);
+  for (int64_t pi = p0; pi < p1; ++pi) {
+    const int64_t g0 = pi * (kPanel / kGroup), col0 = pi * kPanel;
+    unpack_panel<KIND, true>(w, g0, std::min(kPanel / kGroup, groups - g0), panel);
+    const auto mask = static_cast<__mmask16>((1u << std::min(kPanel, out_features - col0)) - 1u);
+    asm volatile("" ::: "memory");  // the tile loads are assembly reading memory: the panel is stored before them
+    for (int64_t t = 0; t < row_tiles; ++t) {
+      const int8_t* records = packed + t * w.nb * kAmxRecord;
+      if (rows - t * kAmxRows >= kAmxRows) {
+        amx_tile<KIND, kAmxRows>(records, w.nb, panel, t * kAmxRows, out, out_features, col0, mask);
+      } else {
+        amx_rest<KIND, kAmxRows - 1>(records, w.nb, panel, t * kAmxRows, rows - t * kAmxRows, out, out_features,
+                                     col0, mask);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// The product of every row with every column on AMX: activations packed once, panels of 16 columns handed out to
+// threads (whole columns: each output summed by one thread, in block order).
+template <int64_t KIND>
+void gemm_amx(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  const std::vector<int8_t> packed = pack_amx_rows(a, rows);
+  const int64_t panels = (out_features + kPanel - 1) / kPanel;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * w.nb * kPanel));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    amx_panels<KIND>(packed.data(), w, rows, out_features, out, p0, p1);
+  });
 }
 #endif
 
@@ -553,7 +879,7 @@ using GroupFn = void (*)(const Acts&, const Weights&, int64_t, int64_t, int64_t,
 template <int64_t KIND>
 GroupFn group_fn(Path path) {
 #ifdef ASYNCLLM_BLOCK_VNNI
-  if (path == Path::kVnni) return &group_simd<KIND, true>;
+  if (path == Path::kVnni || path == Path::kAmx) return &group_simd<KIND, true>;
 #endif
 #ifdef ASYNCLLM_BLOCK_AVX2
   if (path == Path::kAvx2) return &group_simd<KIND, false>;
@@ -566,13 +892,67 @@ Path parse_path(const std::string& name) {
   const auto available = block_quant_paths();
   TORCH_CHECK(std::find(available.begin(), available.end(), chosen) != available.end(), "block_linear: path '",
               chosen, "' is not in this build (", block_quant_best_path(), " is its best)");
-  return chosen == "vnni" ? Path::kVnni : chosen == "avx2" ? Path::kAvx2 : Path::kScalar;
+  return chosen == "amx"    ? Path::kAmx
+         : chosen == "vnni" ? Path::kVnni
+         : chosen == "avx2" ? Path::kAvx2
+                            : Path::kScalar;
+}
+
+// "" when this process may use AMX int8 tiles (the CPU has AMX-TILE and AMX-INT8, and Linux granted the tile data
+// permission, asked once here), else why not.
+const std::string& amx_unavailable_reason() {
+  static const std::string reason = []() -> std::string {
+#ifndef ASYNCLLM_BLOCK_AMX
+    return "this build has no AMX path (it needs AVX-512 VNNI, Linux on x86-64 and GCC >= 11 or clang >= 12)";
+#else
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return "the CPU has no CPUID leaf 7";
+    if (!(edx & (1u << 24)) || !(edx & (1u << 25))) return "the CPU has no AMX-TILE and AMX-INT8";
+    constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023, kXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXtiledata) != 0) {
+      return std::string("Linux refused the AMX tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM: ") +
+             std::strerror(errno) + ")";
+    }
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0 || !(granted & (1ul << kXtiledata))) {
+      return "Linux refused the AMX tile data permission (ARCH_GET_XCOMP_PERM shows no XTILEDATA)";
+    }
+    return "";
+#endif
+  }();
+  return reason;
+}
+
+// Inputs of up to this many values have their activation blocks in a per-thread scratch (decode steps); larger ones
+// (prefill chunks) in tensors of their own, so a long prompt does not leave megabytes held per thread.
+constexpr int64_t kScratchValues = int64_t(1) << 18;
+
+// The rows' activation blocks in this thread's scratch (grown as needed up to kScratchValues, never freed: no
+// allocation per call at a steady shape); valid until this thread's next call.
+Acts quantize_to_scratch(const float* x, int64_t rows, int64_t nb) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> s;
+  if (static_cast<int64_t>(d.size()) < rows * nb) {
+    q.resize(rows * nb * kBlock);
+    d.resize(rows * nb);
+    s.resize(rows * nb);
+  }
+  int8_t* qp = q.data();
+  float* dp = d.data();
+  int32_t* sp = s.data();
+  const int64_t in = nb * kBlock;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / in), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * in, nb, qp + r * in, dp + r * nb, sp + r * nb);
+  });
+  return Acts{qp, dp, sp, nb};
 }
 
 }  // namespace
 
 std::vector<std::string> block_quant_paths() {
   std::vector<std::string> paths;
+  if (amx_unavailable_reason().empty()) paths.push_back("amx");
 #ifdef ASYNCLLM_BLOCK_VNNI
   paths.push_back("vnni");
 #endif
@@ -584,6 +964,8 @@ std::vector<std::string> block_quant_paths() {
 }
 
 std::string block_quant_best_path() { return block_quant_paths().front(); }
+
+std::string block_quant_amx_status() { return amx_unavailable_reason(); }
 
 std::vector<at::Tensor> block_quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -627,16 +1009,35 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   if (rows == 0) return out;
   {
     pybind11::gil_scoped_release no_gil;
-    const auto quantized = block_quantize_rows(x);
-    const Acts acts{quantized[0].data_ptr<int8_t>(), quantized[1].data_ptr<float>(),
-                    quantized[2].data_ptr<int32_t>(), nb};
+    std::vector<at::Tensor> owned;  // the activation blocks of a large input
+    Acts acts{};
+    if (rows * nb * kBlock <= kScratchValues) {
+      acts = quantize_to_scratch(x.data_ptr<float>(), rows, nb);
+    } else {
+      owned = block_quantize_rows(x);
+      acts = Acts{owned[0].data_ptr<int8_t>(), owned[1].data_ptr<float>(), owned[2].data_ptr<int32_t>(), nb};
+    }
     const Weights weights{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(),
                           kind == kQ4_1 ? m.data_ptr<c10::Half>() : nullptr, nb, block_bytes};
     const GroupFn fn = kind == kQ8_0 ? group_fn<kQ8_0>(path) : kind == kQ4_0 ? group_fn<kQ4_0>(path)
                                                                                 : group_fn<kQ4_1>(path);
     float* op = out.data_ptr<float>();
+#ifdef ASYNCLLM_BLOCK_AMX
+    if (path == Path::kAmx && rows >= kAmxMinRows) {
+      if (kind == kQ8_0) gemm_amx<kQ8_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_0) gemm_amx<kQ4_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_1) gemm_amx<kQ4_1>(acts, weights, rows, out_features, op);
+      return out;
+    }
+#endif
 #ifdef ASYNCLLM_BLOCK_VNNI
-    if (path == Path::kVnni && rows >= kGemmMinRows) {
+    if ((path == Path::kVnni || path == Path::kAmx) && rows < kGemmMinRows) {
+      if (kind == kQ8_0) gemv<kQ8_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_0) gemv<kQ4_0>(acts, weights, rows, out_features, op);
+      if (kind == kQ4_1) gemv<kQ4_1>(acts, weights, rows, out_features, op);
+      return out;
+    }
+    if (path == Path::kVnni || path == Path::kAmx) {
       if (kind == kQ8_0) gemm<kQ8_0>(acts, weights, rows, out_features, op);
       if (kind == kQ4_0) gemm<kQ4_0>(acts, weights, rows, out_features, op);
       if (kind == kQ4_1) gemm<kQ4_1>(acts, weights, rows, out_features, op);

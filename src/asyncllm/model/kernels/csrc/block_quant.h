@@ -4,12 +4,18 @@
 #pragma once
 #include <torch/extension.h>
 
-// The fastest path this build has for block products: "vnni" (AVX-512 VNNI on 256-bit vectors), "avx2" or
-// "scalar". Chosen when the module is compiled for this CPU (-march=native).
+// The fastest path this build and process have for block products: "amx" (AMX int8 tiles from 16 rows, else as
+// "vnni"), "vnni" (AVX-512 VNNI), "avx2" or "scalar". The vector paths are chosen when the module is compiled for
+// this CPU (-march=native); "amx" also needs the CPU's AMX-TILE / AMX-INT8 flags and Linux's permission for the tile
+// data, asked at the first call (block_quant_amx_status).
 std::string block_quant_best_path();
 
-// The paths this build has, best first (a subset of "vnni", "avx2", "scalar"; "scalar" always).
+// The paths this build and process have, best first (a subset of "amx", "vnni", "avx2", "scalar"; "scalar" always).
 std::vector<std::string> block_quant_paths();
+
+// "" when the "amx" path is offered, else why not (no AMX in this build, on this CPU, or Linux refused the tile data
+// permission). The permission is asked once per process (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+std::string block_quant_amx_status();
 
 // x [rows, in] float32 contiguous, in a multiple of 32 -> (q [rows, in] int8, d [rows, in / 32] float32,
 // s [rows, in / 32] int32): per block of 32, d = max|x| / 127, q = round_half_even(x / d) (0 where d == 0),
@@ -24,8 +30,10 @@ std::vector<at::Tensor> block_quantize_rows(const at::Tensor& x);
 //   Q8_0: acc += float(dot) * (dw * dx);  Q4_0: acc += float(dot - 8 * s) * (dw * dx);
 //   Q4_1: acc += float(dot) * (dw * dx) + (mw * dx) * float(s)
 // with dot the exact integer sum over the block, so every path gives the same bits, and a column's value does not
-// depend on the thread count or on the other rows (nor on whether the GEMV or, from 6 rows, the GEMM serves them:
-// "vnni" every kind, "avx2" Q4_0 / Q4_1). path: "" (the best) or one of block_quant_paths().
+// depend on the thread count or on the other rows (nor on whether a GEMV (1-5 rows; on "vnni" and "amx" over
+// chunks of 16 columns) or, from 6 rows, the GEMM serves them: "vnni" every kind, "avx2" Q4_0 / Q4_1; from 16 rows
+// the AMX GEMM on "amx"). path: "" (the best) or one of block_quant_paths(). The activation blocks of inputs up to
+// 256 K values live in a per-thread scratch (no allocation but the output).
 // Releases the GIL. Raises (c10::Error) on wrong shapes or dtypes or a path this build does not have.
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                         int64_t kind, int64_t out_features, const std::string& path);

@@ -7,7 +7,11 @@
 // the values. Nothing is gathered into a dense copy first, which is what the torch path does per layer and step.
 // With `window` > 0 a query sees only the last `window` tokens (itself included), as sliding-window layers do.
 //
-// Float32 throughout, in a fixed order per (sequence, head): a sequence's output does not depend on its batch or on
+// The cache holds float32 or bfloat16 (`EngineArgs.kv_cache_dtype`): bfloat16 rows are widened to float32 in registers
+// as they are loaded (exact: a bfloat16 is the top half of a float32), so the arithmetic is the same either way and a
+// bfloat16 cache reads half the bytes.
+//
+// Float32 arithmetic throughout, in a fixed order per (sequence, head): a sequence's output does not depend on its batch or on
 // the thread count. Not bit-exact with torch's SDPA (another summation order): row_kernels.py checks it against
 // SDPA at start-up with a tolerance.
 //
@@ -31,6 +35,24 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+using BF16 = c10::BFloat16;
+
+// Vec::size() cache elements from p, as float32.
+inline Vec load(const float* p) { return Vec::loadu(p); }
+
+inline Vec load(const BF16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  float lanes[Vec::size()];
+  for (int64_t j = 0; j < Vec::size(); ++j) lanes[j] = static_cast<float>(p[j]);
+  return Vec::loadu(lanes);
+#endif
+}
 
 // The sum of a vector's lanes.
 inline float hsum(const Vec& v) {
@@ -66,18 +88,18 @@ struct Layout {
   int64_t block_size, num_kv_heads, head_dim, per_kv, max_blocks;
   int64_t token_stride() const { return num_kv_heads * head_dim; }
   int64_t block_stride() const { return 2 * block_size * token_stride(); }  // [2, block_size, kv_heads, head_dim]
-  // Floats from a block's start to token t's row (of the K/V head the caller's base pointer is at).
+  // Elements from a block's start to token t's row (of the K/V head the caller's base pointer is at).
   int64_t offset(const int64_t* table, int64_t t) const {
     return table[t / block_size] * block_stride() + (t % block_size) * token_stride();
   }
 };
 
 // The score pass and the value pass for one (sequence, K/V head), with NV vectors per head row held in registers
-// (head_dim == NV * Vec::size()).
-template <int NV>
+// (head_dim == NV * Vec::size()); T is the cache's element type (float or BF16).
+template <int NV, typename T>
 struct HeadKernel {
   // scores[h * n + (t - first)] = q_h . k_t * scale for t in [first, last).
-  static void scores(const float* q, const float* keys, const int64_t* table, int64_t first, int64_t last,
+  static void scores(const float* q, const T* keys, const int64_t* table, int64_t first, int64_t last,
                      const Layout& l, float scale, float* scores) {
     const int64_t n = last - first;
     for (int64_t h = 0; h < l.per_kv; ++h) {
@@ -94,9 +116,9 @@ struct HeadKernel {
             partial[j] = _mm512_setzero_ps();
             continue;
           }
-          const float* k = keys + l.offset(table, t + j);
-          Vec acc = qv[0] * Vec::loadu(k);
-          for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], Vec::loadu(k + i * Vec::size()), acc);
+          const T* k = keys + l.offset(table, t + j);
+          Vec acc = qv[0] * load(k);
+          for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], load(k + i * Vec::size()), acc);
           partial[j] = acc;
         }
         const __m512 sums = _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale));
@@ -104,9 +126,9 @@ struct HeadKernel {
       }
 #else
       for (int64_t t = first; t < last; ++t) {
-        const float* k = keys + l.offset(table, t);
-        Vec acc = qv[0] * Vec::loadu(k);
-        for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], Vec::loadu(k + i * Vec::size()), acc);
+        const T* k = keys + l.offset(table, t);
+        Vec acc = qv[0] * load(k);
+        for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], load(k + i * Vec::size()), acc);
         out[t] = hsum(acc) * scale;
       }
 #endif
@@ -114,7 +136,7 @@ struct HeadKernel {
   }
 
   // out[h] = sum_t p[h][t] * v_t * inv[h].
-  static void values(const float* p, const float* values, const int64_t* table, int64_t first, int64_t last,
+  static void values(const float* p, const T* values, const int64_t* table, int64_t first, int64_t last,
                      const Layout& l, const float* inv, float* out) {
     const int64_t n = last - first;
     for (int64_t h = 0; h < l.per_kv; ++h) {
@@ -122,9 +144,9 @@ struct HeadKernel {
       for (int i = 0; i < NV; ++i) acc[i] = Vec(0.f);
       const float* ph = p + h * n - first;
       for (int64_t t = first; t < last; ++t) {
-        const float* v = values + l.offset(table, t);
+        const T* v = values + l.offset(table, t);
         const Vec pv(ph[t]);
-        for (int i = 0; i < NV; ++i) acc[i] = at::vec::fmadd(Vec::loadu(v + i * Vec::size()), pv, acc[i]);
+        for (int i = 0; i < NV; ++i) acc[i] = at::vec::fmadd(load(v + i * Vec::size()), pv, acc[i]);
       }
       const Vec vinv(inv[h]);
       for (int i = 0; i < NV; ++i) (acc[i] * vinv).store(out + h * l.head_dim + i * Vec::size());
@@ -150,42 +172,64 @@ float exp_shifted(float* s, int64_t n, float max) {
   return sum;
 }
 
-template <int NV>
-void attend(const float* q, const float* cache, const int64_t* table, int64_t first, int64_t last, const Layout& l,
+template <int NV, typename T>
+void attend(const float* q, const T* cache, const int64_t* table, int64_t first, int64_t last, const Layout& l,
             int64_t kv_head, float scale, std::vector<float>& scores, float* out) {
   const int64_t n = last - first;
   scores.resize(l.per_kv * n);
-  const float* keys = cache + kv_head * l.head_dim;
-  HeadKernel<NV>::scores(q, keys, table, first, last, l, scale, scores.data());
+  const T* keys = cache + kv_head * l.head_dim;
+  HeadKernel<NV, T>::scores(q, keys, table, first, last, l, scale, scores.data());
   std::vector<float> inv(l.per_kv);
   for (int64_t h = 0; h < l.per_kv; ++h) {
     float* s = scores.data() + h * n;
     inv[h] = 1.f / exp_shifted(s, n, *std::max_element(s, s + n));
   }
-  const float* values = keys + l.block_size * l.token_stride();  // index 1 of each block: the values
-  HeadKernel<NV>::values(scores.data(), values, table, first, last, l, inv.data(), out);
+  const T* values = keys + l.block_size * l.token_stride();  // index 1 of each block: the values
+  HeadKernel<NV, T>::values(scores.data(), values, table, first, last, l, inv.data(), out);
 }
 
-using AttendFn = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, const Layout&, int64_t, float,
+template <typename T>
+using AttendFn = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, const Layout&, int64_t, float,
                           std::vector<float>&, float*);
 
 // The instance for head_dim, or nullptr if head_dim is not 1, 2, 4, 8 or 16 vectors wide.
-AttendFn attend_for(int64_t head_dim) {
+template <typename T>
+AttendFn<T> attend_for(int64_t head_dim) {
   if (head_dim % Vec::size() != 0) return nullptr;
   switch (head_dim / Vec::size()) {
-    case 1: return attend<1>;
-    case 2: return attend<2>;
-    case 4: return attend<4>;
-    case 8: return attend<8>;
-    case 16: return attend<16>;
+    case 1: return attend<1, T>;
+    case 2: return attend<2, T>;
+    case 4: return attend<4, T>;
+    case 8: return attend<8, T>;
+    case 16: return attend<16, T>;
     default: return nullptr;
   }
+}
+
+// All (sequence, K/V head) tasks of one call, on a cache of element type T.
+template <typename T>
+void attend_all(const float* qp, const T* cache, const int64_t* tables, const int64_t* lens, const Layout& l,
+                int64_t num_seqs, int64_t num_heads, int64_t window, float scale, float* op) {
+  const AttendFn<T> attend_one = attend_for<T>(l.head_dim);
+  TORCH_CHECK(attend_one != nullptr, "head_dim ", l.head_dim, " is not 1, 2, 4, 8 or 16 vectors of ", Vec::size(),
+              " floats");
+  const int64_t num_kv_heads = l.num_kv_heads;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t last = lens[s], first = window > 0 ? std::max<int64_t>(0, last - window) : 0;
+      const int64_t head0 = kv_head * l.per_kv;
+      attend_one(qp + (s * num_heads + head0) * l.head_dim, cache, tables + s * l.max_blocks, first, last, l, kv_head,
+                 scale, scores, op + (s * num_heads + head0) * l.head_dim);
+    }
+  });
 }
 
 }  // namespace
 
 // query [num_seqs, num_heads, head_dim] float32 contiguous; kv_cache [num_blocks, 2, block_size, num_kv_heads,
-// head_dim] float32 contiguous; block_tables [num_seqs, max_blocks] int64 contiguous; seq_lens [num_seqs] int64
+// head_dim] float32 or bfloat16 contiguous; block_tables [num_seqs, max_blocks] int64 contiguous; seq_lens [num_seqs] int64
 // (tokens in the cache, the query's own included; >= 1). Returns [num_seqs, num_heads * head_dim] float32.
 // Raises RuntimeError on a wrong dtype, shape or layout, IndexError on a block id outside the cache or a sequence
 // longer than its table.
@@ -193,9 +237,11 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
                                   const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
               "query must be a contiguous float32 [num_seqs, num_heads, head_dim] tensor");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.scalar_type() == at::kFloat &&
+  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && (kv_cache.scalar_type() == at::kFloat || bf16) &&
                   kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous float32 [num_blocks, 2, block_size, num_kv_heads, head_dim] tensor");
+              "kv_cache must be a contiguous float32 or bfloat16 [num_blocks, 2, block_size, num_kv_heads, head_dim] "
+              "tensor");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(0), num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
@@ -217,22 +263,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
       TORCH_CHECK_INDEX(tables[s * l.max_blocks + b] >= 0 && tables[s * l.max_blocks + b] < num_blocks, "block ",
                         tables[s * l.max_blocks + b], " of sequence ", s, " is outside the KV cache");
   }
-  const AttendFn attend_one = attend_for(head_dim);
-  TORCH_CHECK(attend_one != nullptr, "head_dim ", head_dim, " is not 1, 2, 4, 8 or 16 vectors of ", Vec::size(),
-              " floats");
   at::Tensor out = at::empty({num_seqs, num_heads * head_dim}, query.options());
-  const float* qp = query.data_ptr<float>();
-  const float* cache = kv_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const int64_t last = lens[s], first = window > 0 ? std::max<int64_t>(0, last - window) : 0;
-      const int64_t head0 = kv_head * l.per_kv;
-      attend_one(qp + (s * num_heads + head0) * head_dim, cache, tables + s * l.max_blocks, first, last, l, kv_head,
-                 static_cast<float>(scale), scores, op + (s * num_heads + head0) * head_dim);
-    }
-  });
+  const float scale_f = static_cast<float>(scale);
+  if (bf16)
+    attend_all(query.data_ptr<float>(), kv_cache.data_ptr<BF16>(), tables, lens, l, num_seqs, num_heads, window,
+               scale_f, out.data_ptr<float>());
+  else
+    attend_all(query.data_ptr<float>(), kv_cache.data_ptr<float>(), tables, lens, l, num_seqs, num_heads, window,
+               scale_f, out.data_ptr<float>());
   return out;
 }

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "block_quant.h"
@@ -300,6 +301,58 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// block_linear (block_quant.h) with its input made in the same call and a residual added after: prologue 0 takes x
+// as it is, 1 its RMSNorm (x [rows, hidden], norm_weight [hidden]: rms_norm's bits), 2 silu(gate) * up (x [rows,
+// 2 * inter]: silu_mul's bits), into a per-thread scratch instead of a new tensor; residual ([rows, out_features]
+// float32, if given) is added to the product (out + residual: `add_`'s bits). One call instead of two or three at
+// batch 1. Raises (c10::Error) on what block_linear, rms_norm or silu_mul refuse, an unknown prologue or a residual
+// of another shape.
+at::Tensor block_linear_fused(const at::Tensor& x, int64_t prologue, const std::optional<at::Tensor>& norm_weight,
+                              double eps, const std::optional<at::Tensor>& residual, const at::Tensor& qs,
+                              const at::Tensor& d, const at::Tensor& m, int64_t kind, int64_t out_features,
+                              const std::string& path) {
+  check_rows(x, "x");
+  TORCH_CHECK(prologue >= 0 && prologue <= 2, "block_linear_fused: unknown prologue ", prologue);
+  const int64_t rows = x.size(0);
+  at::Tensor input = x;
+  if (prologue != 0) {
+    TORCH_CHECK(prologue == 1 || x.size(1) % 2 == 0, "gate_up must have an even number of columns");
+    const int64_t cols = prologue == 1 ? x.size(1) : x.size(1) / 2;
+    TORCH_CHECK(prologue == 2 || norm_weight.has_value(), "block_linear_fused: RMSNorm needs its weight");
+    if (prologue == 1) check_weight(*norm_weight, cols);
+    // a decode step's rows in a per-thread scratch; a prefill chunk's (over 256 K values) in a tensor of its own
+    const bool own = rows * cols > (int64_t(1) << 18);
+    thread_local std::vector<float> scratch;
+    if (!own && static_cast<int64_t>(scratch.size()) < rows * cols) scratch.resize(rows * cols);
+    if (own) input = at::empty({rows, cols}, x.options());
+    const float* xp = x.data_ptr<float>();
+    float* yp = own ? input.data_ptr<float>() : scratch.data();
+    if (prologue == 1) {
+      const float* wp = norm_weight->data_ptr<float>();
+      at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * cols, wp, cols, static_cast<float>(eps), yp + r * cols);
+      });
+    } else {
+      at::parallel_for(0, rows, grain_rows(2 * cols), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) silu_mul_row(xp + r * 2 * cols, cols, 1.f, yp + r * cols);
+      });
+    }
+    if (!own) input = at::from_blob(yp, {rows, cols}, x.options());
+  }
+  at::Tensor out = block_linear(input, qs, d, m, kind, out_features, path);
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->is_contiguous() && residual->dim() == 2 &&
+                    residual->size(0) == rows && residual->size(1) == out_features,
+                "block_linear_fused: residual must be a contiguous float32 [", rows, ", ", out_features, "]");
+    float* op = out.data_ptr<float>();
+    const float* rp = residual->data_ptr<float>();
+    at::parallel_for(0, rows, grain_rows(out_features), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) add_row(op + r * out_features, rp + r * out_features, out_features);
+    });
+  }
+  return out;
+}
+
 // In place on qkv [rows, cols] float32: y = qkv * row_scale (if given) + bias (if given), then the first `rotated`
 // columns, one head of `head_dim` at a time, become y * cos + roll(y, head_dim / 2) * sin (model/llama.py
 // `apply_rotary` on the sign-folded tables). cos, sin: rows * head_dim float32, contiguous ([rows, 1, head_dim]).
@@ -351,27 +404,37 @@ void check_index(const at::Tensor& index, int64_t n, const char* name) {
 }
 
 // Copies row i of `key` and `value` ([rows, heads, head_dim]) to key_dst[i0(i)][i1(i)] and value_dst[...], whose
-// rows are `row_numel` floats apart within dimension 1 and `stride0` floats apart within dimension 0.
-void copy_kv_rows(const at::Tensor& key, const at::Tensor& value, float* key_dst, float* value_dst,
-                  const int64_t* i0, int64_t stride0, const int64_t* i1, int64_t row_numel) {
+// rows are `row_numel` elements apart within dimension 1 and `stride0` elements apart within dimension 0. A bfloat16
+// destination gets each float rounded to nearest even (c10::BFloat16's conversion, as `.to(torch.bfloat16)`).
+template <typename T>
+void copy_kv_rows(const at::Tensor& key, const at::Tensor& value, T* key_dst, T* value_dst, const int64_t* i0,
+                  int64_t stride0, const int64_t* i1, int64_t row_numel) {
   const int64_t rows = key.size(0);
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t at = i0[r] * stride0 + i1[r] * row_numel;
-    std::copy_n(kp + r * key.stride(0), row_numel, key_dst + at);
-    std::copy_n(vp + r * value.stride(0), row_numel, value_dst + at);
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy_n(kp + r * key.stride(0), row_numel, key_dst + at);
+      std::copy_n(vp + r * value.stride(0), row_numel, value_dst + at);
+    } else {
+      const float* k = kp + r * key.stride(0);
+      const float* v = vp + r * value.stride(0);
+      for (int64_t j = 0; j < row_numel; ++j) key_dst[at + j] = static_cast<T>(k[j]);
+      for (int64_t j = 0; j < row_numel; ++j) value_dst[at + j] = static_cast<T>(v[j]);
+    }
   }
 }
 
 // The paged KV cache write (model/attention.py `write_kv_cache`): kv_cache [num_blocks, 2, block_size, heads,
-// head_dim] float32 contiguous gets key[i] at [blocks[i], 0, offsets[i]] and value[i] at [blocks[i], 1, offsets[i]].
+// head_dim] float32 or bfloat16 (rounded to nearest even) contiguous gets key[i] at [blocks[i], 0, offsets[i]] and value[i] at [blocks[i], 1, offsets[i]].
 // Raises IndexError for a block or offset outside the cache (nothing is written then).
 void store_kv_cache_(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& blocks,
                      const at::Tensor& offsets) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.scalar_type() == at::kFloat &&
+  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && (kv_cache.scalar_type() == at::kFloat || bf16) &&
                   kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous float32 [num_blocks, 2, block_size, heads, head_dim] tensor");
+              "kv_cache must be a contiguous float32 or bfloat16 [num_blocks, 2, block_size, heads, head_dim] tensor");
   const int64_t rows = key.size(0), num_blocks = kv_cache.size(0), block_size = kv_cache.size(2);
   const int64_t row_numel = kv_cache.size(3) * kv_cache.size(4);
   check_heads(key, rows, row_numel, "key");
@@ -383,9 +446,14 @@ void store_kv_cache_(at::Tensor& kv_cache, const at::Tensor& key, const at::Tens
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK_INDEX(bp[r] >= 0 && bp[r] < num_blocks && op[r] >= 0 && op[r] < block_size, "slot of row ", r,
                       " (block ", bp[r], ", offset ", op[r], ") is outside the KV cache");
-  float* base = kv_cache.data_ptr<float>();
   const int64_t stride0 = 2 * block_size * row_numel;
-  copy_kv_rows(key, value, base, base + block_size * row_numel, bp, stride0, op, row_numel);
+  if (bf16) {
+    c10::BFloat16* base = kv_cache.data_ptr<c10::BFloat16>();
+    copy_kv_rows(key, value, base, base + block_size * row_numel, bp, stride0, op, row_numel);
+  } else {
+    float* base = kv_cache.data_ptr<float>();
+    copy_kv_rows(key, value, base, base + block_size * row_numel, bp, stride0, op, row_numel);
+  }
 }
 
 // The decode K/V mirror write (model/kv_mirror.py): key_dst and value_dst [rows, capacity, heads, head_dim] float32
@@ -423,6 +491,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgemm_packed", &sgemm_packed);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("block_quant_paths", &block_quant_paths);
+  m.def("block_quant_amx_status", &block_quant_amx_status);
   m.def("block_quantize_rows", &block_quantize_rows);
+  m.def("block_linear_fused", &block_linear_fused);
   m.def("block_linear", &block_linear);
 }
