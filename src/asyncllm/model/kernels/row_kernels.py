@@ -84,6 +84,35 @@ MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to
 ATTENTION_TOLERANCE = 1e-5
 
 
+class BlockDecodeStack(Protocol):
+    """The compiled `BlockDecodeStack` (`csrc/row_kernels.cpp`): a decode-only step over every layer of a
+    block-quantized model at TP=1 in one call, making the calls `LlamaDecoderLayer._forward_blocks` makes per layer
+    in the same order (the same bits), then the final RMSNorm."""
+
+    def num_layers(self) -> int:
+        """Layers in the stack."""
+        ...
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """`[rows, hidden]` float32 (row i: sequence i's one token), `[rows]` int64 positions, the model's
+        `[max_positions, head_dim]` rotary tables, one KV cache per layer (written in place), `[rows]` int64 block
+        ids and offsets of the tokens' slots, `[rows, max_blocks]` int64 block tables, `[rows]` int64 sequence
+        lengths (this token included) -> `[rows, hidden]` float32 final-normed hidden states. Raises RuntimeError
+        (IndexError for a slot or block outside the cache) on what the separate calls refuse."""
+        ...
+
+
 class RowKernels(Protocol):
     """The compiled module's functions (shapes: `[rows, cols]` float32 contiguous inputs, `[rows, 1]` scales).
 
@@ -229,6 +258,24 @@ class RowKernels(Protocol):
         the separate calls (`csrc/row_kernels.cpp`). Raises RuntimeError on what those calls refuse."""
         ...
 
+    def BlockDecodeStack(  # the C++ class's name
+        self,
+        tensors: list[torch.Tensor],
+        ints: list[int],
+        final_norm: torch.Tensor,
+        eps: float,
+        head_dim: int,
+        q_size: int,
+        kv_size: int,
+        scale: float,
+        path: str,
+    ) -> BlockDecodeStack:
+        """A stack of block layers for decode-only steps in one call (`BlockDecodeStack`; `model/llama.py` builds
+        it): per layer 15 tensors (input and post-attention norm weights, the qkv bias or an empty tensor, then
+        `qs`, `d`, `m` of qkv, o, gate_up and down) and 9 ints (the four kinds, the four out_features, the sliding
+        window or 0). Raises RuntimeError on lists of other lengths."""
+        ...
+
     def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, num_threads: int) -> torch.Tensor:
         """`x @ W`: `[rows, in]` float32 contiguous times a packed `[in, out_features]` weight -> `[rows, out_features]`
         (MKL's kernel, float32 arithmetic in its own summation order), its column chunks handed out on demand to
@@ -353,6 +400,7 @@ KERNELS = (
     "block_quantize_rows",
     "block_linear",
     "block_linear_fused",
+    "BlockDecodeStack",
 )
 
 
