@@ -13,7 +13,10 @@ kernel calls and with the decode stack (every layer of a decode-only step in one
 Then, unless `--no-wall`, the step's wall time at 2 threads (fastest and median of 40) beside the load average: on
 a shared machine only a quiet run's wall figures mean much. About a minute per mode.
 
-    .venv/bin/python benchmarks/step_breakdown.py [--rounds 3] [--no-wall] [gguf int8 ...]
+`--shared-weights`: every layer runs layer 0's weights (`share_first_layer`), to compare ways of running a step
+outside the weight stream with little noise from memory traffic.
+
+    .venv/bin/python benchmarks/step_breakdown.py [--rounds 3] [--no-wall] [--shared-weights] [gguf int8 ...]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 import asyncllm.model.llama as llama
 from asyncllm.config import ModelConfig
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.llama_weights import LINEAR_WEIGHTS
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.resolve import resolve_model_path
 from asyncllm.worker.sampler import argmax_rows
@@ -118,7 +122,17 @@ def counts(model: Any, step: Callable[[], torch.Tensor]) -> str:
     )
 
 
-def measure(mode: str, path: str, rounds: int, wall: bool) -> str:
+def share_first_layer(model: Any) -> None:
+    """Every layer's linear weights become layer 0's (the same tensors): a step streams one layer's ~2.2 MB 30 times,
+    from the caches, so what differs between two ways of running it is their cost outside the weight stream, and
+    memory traffic from other processes moves it far less. The model's values are no longer the checkpoint's."""
+    first = model.layers[0]
+    for layer in model.layers[1:]:
+        for name in LINEAR_WEIGHTS:
+            setattr(layer, name, getattr(first, name))
+
+
+def measure(mode: str, path: str, rounds: int, wall: bool, shared: bool) -> str:
     """One mode's lines: per variant (block modes: the per-layer calls, then the one-call decode stack), the step's
     1-thread CPU time (best of 40 per round, `rounds` alternating rounds), its op and call counts, and with `wall`
     the wall time at 2 threads (fastest and median of 40, beside the load average)."""
@@ -126,6 +140,8 @@ def measure(mode: str, path: str, rounds: int, wall: bool) -> str:
     start = time.process_time()
     config = ModelConfig(model=path, model_path=path, quantization=None if mode == "fp32" else mode)
     model = load_model(config, pack_weights=True)
+    if shared:
+        share_first_layer(model)
     load_s = time.process_time() - start
     step = decode_step(model)
     variants = {"per-layer calls": False, "decode stack": True} if mode not in ("fp32", "int8") else {"": True}
@@ -140,7 +156,7 @@ def measure(mode: str, path: str, rounds: int, wall: bool) -> str:
             _, products = best_step(step)
             set_timing(False)
             cpu[name].append((total, products))
-    lines = [f"{mode}: load {load_s:.2f} s CPU"]
+    lines = [f"{mode}{' (every layer with layer 0 weights)' if shared else ''}: load {load_s:.2f} s CPU"]
     for name, fused in variants.items():
         model.fuse_decode_layers = fused
         rounds = " / ".join(f"{b / 1e6:.2f} (products {p / 1e6:.2f})" for b, p in cpu[name])
@@ -174,10 +190,11 @@ def main() -> None:
     parser.add_argument("modes", nargs="*", default=["fp32", "int8", "gguf"])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of best-of-40 per variant")
     parser.add_argument("--no-wall", action="store_true", help="skip the 2-thread wall times")
+    parser.add_argument("--shared-weights", action="store_true", help="every layer uses layer 0's weights (in cache)")
     args = parser.parse_args()
     path = str(resolve_model_path("smollm2-135m-instruct"))
     for mode in args.modes:
-        print(measure(mode, path, args.rounds, not args.no_wall), flush=True)
+        print(measure(mode, path, args.rounds, not args.no_wall, args.shared_weights), flush=True)
 
 
 if __name__ == "__main__":
