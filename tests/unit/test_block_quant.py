@@ -237,6 +237,29 @@ def test_dequantize_columns_equals_the_dense_columns() -> None:
     assert torch.equal(weight.dequantize_columns(columns), weight.dequantize().t()[columns])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_column_dequantizing_kernel_gives_the_torch_ops_bits(kernels: RowKernels, kind: str) -> None:
+    """`block_dequantize_columns` (a tied model's embedding lookup) equals the torch ops bit for bit, on columns in
+    any order, repeated, in the last (part) group, at 1 and 2 threads; refuses a column past the padded ones."""
+    weight = quantize_blocks(_weight(576, 963, 7), kind)  # type: ignore[arg-type]
+    m = weight.m if weight.m is not None else torch.empty(0, dtype=torch.float16)
+    columns = torch.tensor([962, 0, 481, 17, 17, 960, 3] * 20)  # 140 columns: split at 2 threads
+    want = weight.reference_dequantize_columns(columns)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            got = kernels.block_dequantize_columns(weight.qs, weight.d, m, KIND_CODE[kind], 576, columns)
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(weight.dequantize_columns(columns[:3]), want[:3])  # the method takes the kernel
+    assert torch.equal(want[:, :32].abs().amax(1)[1:2], torch.zeros(1))  # column 0's block of zeros...
+    assert want[0].abs().amax() > 0  # ...and real values elsewhere
+    with pytest.raises(IndexError, match="outside"):
+        kernels.block_dequantize_columns(weight.qs, weight.d, m, KIND_CODE[kind], 576, torch.tensor([964]))
+
+
 def test_bad_shapes_and_paths_are_refused(kernels: RowKernels) -> None:
     with pytest.raises(BlockShapeError, match="blocks of 32"):
         quantize_blocks(torch.zeros(48, 4), "q8_0")

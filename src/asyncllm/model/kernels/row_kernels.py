@@ -239,6 +239,14 @@ class RowKernels(Protocol):
         on wrong shapes or dtypes or a path this build does not have."""
         ...
 
+    def block_dequantize_columns(
+        self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int, in_features: int, columns: torch.Tensor
+    ) -> torch.Tensor:
+        """A block weight's `[n]` int64 columns dequantized as `[n, in_features]` float32 rows
+        (`BlockQuantWeight.dequantize_columns`' values bit for bit; `csrc/block_quant.h`). Raises RuntimeError on
+        wrong shapes or dtypes, IndexError for a column outside the weight."""
+        ...
+
     def block_linear_fused(
         self,
         x: torch.Tensor,
@@ -400,6 +408,7 @@ KERNELS = (
     "block_quantize_rows",
     "block_linear",
     "block_linear_fused",
+    "block_dequantize_columns",
     "BlockDecodeStack",
 )
 

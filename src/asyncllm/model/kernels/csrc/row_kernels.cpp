@@ -557,6 +557,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quantize_rows", &block_quantize_rows);
   m.def("block_linear_fused", &block_linear_fused);
   m.def("block_linear", &block_linear);
+  m.def("block_dequantize_columns", &block_dequantize_columns);
   pybind11::class_<BlockDecodeStack>(m, "BlockDecodeStack")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, int64_t, int64_t, int64_t,
                           double, std::string>())
