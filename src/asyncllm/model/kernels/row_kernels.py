@@ -239,6 +239,11 @@ class RowKernels(Protocol):
         on wrong shapes or dtypes or a path this build does not have."""
         ...
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`[rows, n]` float32 contiguous (n >= 1) -> `[rows]` int64: `x.max(dim=-1).indices`, bit for bit (the first
+        index of each row's maximum; a NaN is the maximum, the first NaN wins)."""
+        ...
+
     def block_dequantize_columns(
         self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int, in_features: int, columns: torch.Tensor
     ) -> torch.Tensor:
@@ -409,6 +414,7 @@ KERNELS = (
     "block_linear",
     "block_linear_fused",
     "block_dequantize_columns",
+    "argmax_rows",
     "BlockDecodeStack",
 )
 
@@ -424,7 +430,31 @@ def self_check(kernels: RowKernels) -> str:
         problem = _compare(kernels, x, torch.rand(cols, generator=gen) + 0.5, torch.randn(3, cols, generator=gen))
         if problem:
             return f"{problem} ({cols} columns)"
-    return _compare_decode_attention(kernels, gen)
+    return _compare_argmax(kernels, gen) or _compare_decode_attention(kernels, gen)
+
+
+def argmax_check_rows(gen: torch.Generator) -> torch.Tensor:
+    """`[8, 1000]` float32 rows for checking `argmax_rows` against `torch.max`: random, a tie of the maximum (the
+    first index must win), a NaN after the maximum and two NaNs (the first NaN wins), all -inf, +0 and -0 only, a
+    maximum in the last value (past the vector loop), and an integer-valued row with many ties."""
+    x = torch.randn(8, 1000, generator=gen)
+    x[1, [17, 400]] = 9.0
+    x[2, 5], x[2, 700] = 50.0, float("nan")
+    x[3, [300, 20]] = float("nan")
+    x[4] = float("-inf")
+    x[5] = 0.0
+    x[5, ::3] = -0.0
+    x[6, 999] = 99.0
+    x[7] = torch.randint(-3, 4, (1000,), generator=gen).float()
+    return x
+
+
+def _compare_argmax(kernels: RowKernels, gen: torch.Generator) -> str:
+    x = argmax_check_rows(gen)
+    for rows in (x, x[:, :7].contiguous(), x[:, :33].contiguous()):  # also shorter than, and just past, a vector
+        if not torch.equal(kernels.argmax_rows(rows), rows.max(dim=-1).indices):
+            return f"argmax_rows differs from torch.max ({rows.shape[1]} columns)"
+    return ""
 
 
 def _compare(kernels: RowKernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> str:

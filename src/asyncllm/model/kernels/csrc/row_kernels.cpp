@@ -476,6 +476,47 @@ void store_kv_rows_(at::Tensor& key_dst, at::Tensor& value_dst, const at::Tensor
                capacity * row_numel, pp, row_numel);
 }
 
+// The index of each row's maximum as torch.max(dim=-1) gives it (ATen's loop: the first index of the largest value;
+// a NaN is the largest, the first NaN wins), in two passes over the row instead of its one dependent compare per
+// value: the row's maximum by vector max (any NaN seen: the first NaN's index by a scan), then the first index
+// holding a value equal to it (+0 and -0 compare equal, as in ATen's `<=`). x [rows, n] float32 contiguous, n >= 1
+// -> [rows] int64. The greedy sampler's and the exponential race's token choice over a vocabulary of logits.
+static int64_t argmax_row(const float* x, int64_t n) {
+  constexpr int64_t W = Vec::size();
+  float top = x[0];
+  if (n >= W) {
+    Vec m = Vec::loadu(x);
+    int64_t i = W;
+    for (; i + W <= n; i += W) m = at::vec::maximum(m, Vec::loadu(x + i));  // NaN propagates
+    float lanes[W];
+    m.store(lanes);
+    for (int64_t j = 0; j < W; ++j) top = std::isnan(lanes[j]) || std::isnan(top) ? NAN : std::max(top, lanes[j]);
+    for (; i < n; ++i) top = std::isnan(x[i]) || std::isnan(top) ? NAN : std::max(top, x[i]);
+  } else {
+    for (int64_t i = 1; i < n; ++i) top = std::isnan(x[i]) || std::isnan(top) ? NAN : std::max(top, x[i]);
+  }
+  if (std::isnan(top)) {
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(x[i])) return i;
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == top) return i;
+  return 0;  // not reached: top is one of the row's values
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n >= 1, "argmax_rows: rows must have at least one value");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 // A decode-only step over a stack of block layers at TP=1 in one call (model/llama.py `BlockDecodeStack`): per
 // layer the calls `LlamaDecoderLayer._forward_blocks` makes, in the same order on the same inputs, so the same bits:
 //   qkv = block_linear_fused(rms_norm(x)); scale_bias_rotate_(qkv, bias, cos, sin); store_kv_cache_(k, v);
@@ -557,6 +598,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quantize_rows", &block_quantize_rows);
   m.def("block_linear_fused", &block_linear_fused);
   m.def("block_linear", &block_linear);
+  m.def("argmax_rows", &argmax_rows);
   m.def("block_dequantize_columns", &block_dequantize_columns);
   pybind11::class_<BlockDecodeStack>(m, "BlockDecodeStack")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, int64_t, int64_t, int64_t,
