@@ -6,6 +6,7 @@ quantizers' error within half a step; the real GGUF file's Q4_1 and Q8_0 blocks 
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 
@@ -412,3 +413,44 @@ def test_a_files_bytes_give_the_blocks_the_values_route_finds(kind: str, qtype: 
     assert _same_blocks(rejoined.to_weight(), want)
     other = "q8_0" if kind != "q8_0" else "q4_0"
     assert FileBlocks.concat([blocks, FileBlocks(other, blocks.raw)]) is None
+
+
+def test_the_decode_stack_adds_qkv_biases_as_the_layer_calls_do(tmp_path: pathlib.Path, kernels: RowKernels) -> None:
+    """A tiny Qwen2 (q/k/v biases, random, with random weights) in blocks: a decode step of 2 sequences through the
+    decode stack equals the per-layer calls bit for bit (the SmolLM2 tests have no biases)."""
+    from asyncllm.config import ModelConfig
+    from asyncllm.model.layers.attention_metadata import build_attention_metadata
+    from asyncllm.model.llama import LlamaForCausalLM
+    from asyncllm.model.loading.loader import load_model
+    from tests.model_weights import randomize_matrices
+    from tests.unit.test_quant import TINY_LLAMA
+
+    config = {**TINY_LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(ModelConfig("tiny", str(tmp_path), load_format="dummy"))
+    assert isinstance(model, LlamaForCausalLM)
+    randomize_matrices(model)
+    gen = torch.Generator().manual_seed(2)
+    for layer in model.layers:
+        assert layer.qkv_bias is not None
+        layer.qkv_bias.copy_(torch.randn(layer.qkv_bias.shape, generator=gen))
+    model.quantize_blocks("q8_0")
+    arch = model.arch
+    shape = (8, 2, 8, arch.num_key_value_heads, arch.head_dim)
+    base = [torch.randn(shape, generator=gen) for _ in range(arch.num_hidden_layers)]
+    meta = build_attention_metadata([1, 1], [13, 29], [[0, 1], [4, 5, 6, 7]], 8)
+    results = []
+    for fused in (False, True):
+        model.fuse_decode_layers = fused
+        caches = [c.clone() for c in base]
+        with torch.inference_mode():
+            results.append((model(torch.tensor([5, 300]), torch.tensor([12, 28]), caches, meta), caches))
+    assert model._decode_stack_slot.stack is not None
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+    model.fuse_decode_layers = False
+    for layer in model.layers:
+        layer.qkv_bias.zero_()  # the biases matter: without them the step differs
+    with torch.inference_mode():
+        unbiased = model(torch.tensor([5, 300]), torch.tensor([12, 28]), [c.clone() for c in base], meta)
+    assert not torch.equal(unbiased, results[1][0])
