@@ -114,6 +114,7 @@ def test_the_block_layer_path_equals_the_generic_one_bit_for_bit(
     from asyncllm.model import llama
 
     _, model = block_model
+    monkeypatch.setattr(model, "fuse_decode_layers", False)  # the decode step through the layers too
     token_ids = [1, 504, 3458, 282, 4649, 314, 17, 4000, 49151, 28, 9, 260, 2114, 30, 1001, 77, 5]
     fused = _prefill_then_decode(model, token_ids)
 
@@ -125,6 +126,60 @@ def test_the_block_layer_path_equals_the_generic_one_bit_for_bit(
     monkeypatch.setattr(llama.LlamaDecoderLayer, "_forward_blocks", lambda *a: calls.append(1) or generic(*a))
     assert torch.equal(_prefill_then_decode(model, token_ids), fused)
     assert len(calls) == 2 * model.arch.num_hidden_layers  # the fused path ran in both steps, on every layer
+
+
+def _decode_rows(model: Any, kv_caches: list[torch.Tensor], seq_lens: list[int], block_size: int = 16) -> torch.Tensor:
+    """Final hidden states of one decode step of `len(seq_lens)` sequences (sequence i: `seq_lens[i]` tokens with
+    this one, its blocks after sequence i - 1's), writing into `kv_caches`."""
+    per_seq = -(-max(seq_lens) // block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(seq_lens))]
+    meta = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
+    ids = torch.tensor([17, 4000, 49151, 260][: len(seq_lens)])
+    with torch.inference_mode():
+        return model(ids, torch.tensor(seq_lens) - 1, kv_caches, meta)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_in_one_stack_call_equals_the_per_layer_calls_bit_for_bit(
+    block_model: tuple[str, Any], kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode stack (every layer of a decode-only step in one kernel call) gives the per-layer calls'
+    (`_forward_blocks`) hidden states and KV caches bit for bit: 1 and 3 sequences of different lengths over random
+    cache contents, full attention and a sliding window, at 1 and 2 threads; and the per-layer calls do not run."""
+    from asyncllm.model import llama
+
+    _, model = block_model
+    arch, block_size = model.arch, 16
+    gen = torch.Generator().manual_seed(3)
+    shape = (4 * 5, 2, block_size, arch.num_key_value_heads, arch.head_dim)  # 4 sequences x 5 blocks of room
+    base = [torch.randn(shape, generator=gen).to(kv_dtype) for _ in range(arch.num_hidden_layers)]
+    calls: list[int] = []
+    per_layer = llama.LlamaDecoderLayer._forward_blocks
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_forward_blocks", lambda *a: calls.append(1) or per_layer(*a))
+    threads = torch.get_num_threads()
+    try:
+        for window in (None, 24):
+            for layer in model.layers:
+                monkeypatch.setattr(layer, "window", window)
+            monkeypatch.setattr(model, "_decode_stack_slot", llama._StackSlot())  # built again with the windows
+            for seq_lens in ([70], [41, 70, 57]):
+                monkeypatch.setattr(model, "fuse_decode_layers", False)
+                want_caches = [c.clone() for c in base]
+                want = _decode_rows(model, want_caches, seq_lens, block_size)
+                assert len(calls) == arch.num_hidden_layers
+                calls.clear()
+                monkeypatch.setattr(model, "fuse_decode_layers", True)
+                for num_threads in (1, 2):
+                    torch.set_num_threads(num_threads)
+                    caches = [c.clone() for c in base]
+                    got = _decode_rows(model, caches, seq_lens, block_size)
+                    assert model._decode_stack_slot.stack is not None  # the stack ran...
+                    assert not calls  # ...alone
+                    assert torch.equal(got, want), (window, seq_lens, num_threads)
+                    assert all(torch.equal(c, w) for c, w in zip(caches, want_caches, strict=True))
+                    assert not all(torch.equal(c, b) for c, b in zip(caches, base, strict=True))  # K/V written
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.timeout(900)

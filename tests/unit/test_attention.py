@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.model.layers.attention import paged_attention, per_sequence_prefill, write_kv_cache
-from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.layers.attention_metadata import build_attention_metadata, decode_metadata, general_metadata
 
 BLOCK_SIZE = 4
 HEAD_DIM = 8
@@ -249,3 +249,41 @@ def test_the_prefix_split_is_checked_once_and_a_wrong_kernel_falls_back(
         assert not per_sequence_prefill(meta.groups[0], new_kv, None, None)
     finally:
         prefill_attention.prefix_split_available.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "tables"),
+    [
+        ([1], [[3]]),
+        ([9], [[0, 1, 2]]),
+        ([4, 5, 2], [[4], [0, 2], [7, 1, 9]]),  # a table longer than its sequence needs
+        ([6, 6], [[0, 1], [2, 3]]),
+        ([64, 192, 130], [[*range(16)], [*range(16, 64)], [*range(64, 97)]]),
+    ],
+)
+def test_decode_only_metadata_equals_the_general_builders(seq_lens: list[int], tables: list[list[int]]) -> None:
+    """The decode-only builder (every query length 1) gives the general builder's fields, values and dtypes."""
+    fast, general = (
+        decode_metadata(seq_lens, tables, BLOCK_SIZE),
+        general_metadata([1] * len(seq_lens), seq_lens, tables, BLOCK_SIZE),
+    )
+    assert (fast.num_tokens, fast.block_size, fast.mirror) == (general.num_tokens, general.block_size, None)
+    assert fast.slot_blocks is not None
+    assert general.slot_blocks is not None
+    pairs = [(fast.slot_mapping, general.slot_mapping), *zip(fast.slot_blocks, general.slot_blocks, strict=True)]
+    assert len(fast.groups) == len(general.groups) == 1
+    a, b = fast.groups[0], general.groups[0]
+    for name in ("block_tables", "seq_lens", "query_index", "attn_mask", "query_positions"):
+        pairs.append((getattr(a, name), getattr(b, name)))
+    for got, want in pairs:
+        assert (got.dtype, got.shape) == (want.dtype, want.shape)
+        assert torch.equal(got, want)
+        assert got.is_contiguous() == want.is_contiguous()
+    assert (a.masks_keys, a.causal_only) == (b.masks_keys, b.causal_only)
+    routed = build_attention_metadata([1] * len(seq_lens), seq_lens, tables, BLOCK_SIZE).groups[0]
+    assert torch.equal(routed.attn_mask, a.attn_mask)  # decode-only steps take the decode builder
+
+
+def test_decode_only_metadata_refuses_a_table_too_short() -> None:
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_metadata([1], [5], [[0]], BLOCK_SIZE)

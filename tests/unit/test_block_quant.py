@@ -6,6 +6,7 @@ quantizers' error within half a step; the real GGUF file's Q4_1 and Q8_0 blocks 
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 
@@ -237,6 +238,29 @@ def test_dequantize_columns_equals_the_dense_columns() -> None:
     assert torch.equal(weight.dequantize_columns(columns), weight.dequantize().t()[columns])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_column_dequantizing_kernel_gives_the_torch_ops_bits(kernels: RowKernels, kind: str) -> None:
+    """`block_dequantize_columns` (a tied model's embedding lookup) equals the torch ops bit for bit, on columns in
+    any order, repeated, in the last (part) group, at 1 and 2 threads; refuses a column past the padded ones."""
+    weight = quantize_blocks(_weight(576, 963, 7), kind)  # type: ignore[arg-type]
+    m = weight.m if weight.m is not None else torch.empty(0, dtype=torch.float16)
+    columns = torch.tensor([962, 0, 481, 17, 17, 960, 3] * 20)  # 140 columns: split at 2 threads
+    want = weight.reference_dequantize_columns(columns)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            got = kernels.block_dequantize_columns(weight.qs, weight.d, m, KIND_CODE[kind], 576, columns)
+            assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(weight.dequantize_columns(columns[:3]), want[:3])  # the method takes the kernel
+    assert torch.equal(want[:, :32].abs().amax(1)[1:2], torch.zeros(1))  # column 0's block of zeros...
+    assert want[0].abs().amax() > 0  # ...and real values elsewhere
+    with pytest.raises(IndexError, match="outside"):
+        kernels.block_dequantize_columns(weight.qs, weight.d, m, KIND_CODE[kind], 576, torch.tensor([964]))
+
+
 def test_bad_shapes_and_paths_are_refused(kernels: RowKernels) -> None:
     with pytest.raises(BlockShapeError, match="blocks of 32"):
         quantize_blocks(torch.zeros(48, 4), "q8_0")
@@ -389,3 +413,44 @@ def test_a_files_bytes_give_the_blocks_the_values_route_finds(kind: str, qtype: 
     assert _same_blocks(rejoined.to_weight(), want)
     other = "q8_0" if kind != "q8_0" else "q4_0"
     assert FileBlocks.concat([blocks, FileBlocks(other, blocks.raw)]) is None
+
+
+def test_the_decode_stack_adds_qkv_biases_as_the_layer_calls_do(tmp_path: pathlib.Path, kernels: RowKernels) -> None:
+    """A tiny Qwen2 (q/k/v biases, random, with random weights) in blocks: a decode step of 2 sequences through the
+    decode stack equals the per-layer calls bit for bit (the SmolLM2 tests have no biases)."""
+    from asyncllm.config import ModelConfig
+    from asyncllm.model.layers.attention_metadata import build_attention_metadata
+    from asyncllm.model.llama import LlamaForCausalLM
+    from asyncllm.model.loading.loader import load_model
+    from tests.model_weights import randomize_matrices
+    from tests.unit.test_quant import TINY_LLAMA
+
+    config = {**TINY_LLAMA, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(ModelConfig("tiny", str(tmp_path), load_format="dummy"))
+    assert isinstance(model, LlamaForCausalLM)
+    randomize_matrices(model)
+    gen = torch.Generator().manual_seed(2)
+    for layer in model.layers:
+        assert layer.qkv_bias is not None
+        layer.qkv_bias.copy_(torch.randn(layer.qkv_bias.shape, generator=gen))
+    model.quantize_blocks("q8_0")
+    arch = model.arch
+    shape = (8, 2, 8, arch.num_key_value_heads, arch.head_dim)
+    base = [torch.randn(shape, generator=gen) for _ in range(arch.num_hidden_layers)]
+    meta = build_attention_metadata([1, 1], [13, 29], [[0, 1], [4, 5, 6, 7]], 8)
+    results = []
+    for fused in (False, True):
+        model.fuse_decode_layers = fused
+        caches = [c.clone() for c in base]
+        with torch.inference_mode():
+            results.append((model(torch.tensor([5, 300]), torch.tensor([12, 28]), caches, meta), caches))
+    assert model._decode_stack_slot.stack is not None
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+    model.fuse_decode_layers = False
+    for layer in model.layers:
+        layer.qkv_bias.zero_()  # the biases matter: without them the step differs
+    with torch.inference_mode():
+        unbiased = model(torch.tensor([5, 300]), torch.tensor([12, 28]), [c.clone() for c in base], meta)
+    assert not torch.equal(unbiased, results[1][0])

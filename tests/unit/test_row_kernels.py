@@ -380,3 +380,30 @@ def test_decode_attention_refuses_bad_tables_and_shapes(kernels: RowKernels) -> 
         kernels.paged_decode_attention(
             torch.zeros(1, 2, 24), torch.zeros(4, 2, 16, 1, 24), torch.tensor([[0]]), torch.tensor([3]), 0.125, 0
         )
+
+
+def test_argmax_rows_gives_torch_max_indices_on_ties_nans_and_signed_zeros(kernels: RowKernels) -> None:
+    """The argmax kernel (the sampler's token choice) gives `torch.max(dim=-1).indices` on the start-up check's rows
+    and on a real vocabulary's width, at every row length around the vector width, at 1 and 2 threads; and the
+    sampler's `argmax_rows` takes it."""
+    from asyncllm.worker.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(5)
+    x = row_kernels.argmax_check_rows(gen)
+    assert x.max(dim=-1).indices[1] == 17  # the tie's first index, the first NaN: what the checks rely on
+    assert x.max(dim=-1).indices[3] == 20
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for cols in (1, 2, 15, 16, 17, 31, 32, 33, 999, 1000):
+                rows = x[:, :cols].contiguous()
+                assert torch.equal(kernels.argmax_rows(rows), rows.max(dim=-1).indices), cols
+            vocab = torch.randn(64, 49152, generator=gen)
+            vocab[3, [7, 40000]] = 30.0
+            assert torch.equal(kernels.argmax_rows(vocab), vocab.max(dim=-1).indices)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(argmax_rows(x), x.max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="at least one value"):
+        kernels.argmax_rows(torch.zeros(2, 0))

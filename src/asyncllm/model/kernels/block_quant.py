@@ -106,7 +106,19 @@ class BlockQuantWeight:
 
     def dequantize_columns(self, columns: torch.Tensor) -> torch.Tensor:
         """The dequantized weight's `columns` ([n] int64) as rows: `[n, in_features]` float32 (an embedding lookup
-        in a tied LM head), the values `gguf.quants.dequantize` gives for the same blocks."""
+        in a tied LM head), the values `gguf.quants.dequantize` gives for the same blocks: in one kernel call where
+        the block kernels passed their check (`block_dequantize_columns`, the same bits), else in torch ops."""
+        checked = block_kernels()
+        if checked is not None:
+            m = self.m if self.m is not None else _EMPTY_HALF
+            kernels = checked[0]
+            return kernels.block_dequantize_columns(
+                self.qs, self.d, m, KIND_CODES[self.kind], self.in_features, columns.contiguous()
+            )
+        return self.reference_dequantize_columns(columns)
+
+    def reference_dequantize_columns(self, columns: torch.Tensor) -> torch.Tensor:
+        """`dequantize_columns` in torch ops (what the kernel is checked against)."""
         q, d, m = self.values(columns)
         if self.kind == "q8_0":
             w = q.float() * d[..., None]
@@ -390,7 +402,8 @@ def self_check(module: RowKernels, path: str) -> str:
     """ "" when `path` gives `reference_block_linear`'s values bit for bit on every kind (1, 3, 9 and 35 rows of a
     random 96 x 37 weight with a zero block and an input block of zeros: on "vnni" 9 rows take the many-row GEMM,
     a full tile and a part one, on "amx" 35 rows the AMX GEMM, 2 full row tiles and a part one; 37 columns a tile
-    of 2 panels and a part panel), else what differs."""
+    of 2 panels and a part panel) and `block_dequantize_columns` gives the torch ops' values
+    (`reference_dequantize_columns`, 5 columns), else what differs."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(96, 37, generator=generator)
     weight[32:64, 3] = 0.0
@@ -403,6 +416,10 @@ def self_check(module: RowKernels, path: str) -> str:
             got = module.block_linear(x, blocks.qs, blocks.d, m, KIND_CODES[kind], 37, path)
             if not torch.equal(got, reference_block_linear(x, blocks)):
                 return f"{kind}, {rows} rows"
+        columns = torch.tensor([36, 0, 3, 5, 3])
+        got = module.block_dequantize_columns(blocks.qs, blocks.d, m, KIND_CODES[kind], 96, columns)
+        if not torch.equal(got, blocks.reference_dequantize_columns(columns)):
+            return f"{kind}, dequantized columns"
     return ""
 
 

@@ -84,6 +84,35 @@ MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to
 ATTENTION_TOLERANCE = 1e-5
 
 
+class BlockDecodeStack(Protocol):
+    """The compiled `BlockDecodeStack` (`csrc/row_kernels.cpp`): a decode-only step over every layer of a
+    block-quantized model at TP=1 in one call, making the calls `LlamaDecoderLayer._forward_blocks` makes per layer
+    in the same order (the same bits), then the final RMSNorm."""
+
+    def num_layers(self) -> int:
+        """Layers in the stack."""
+        ...
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """`[rows, hidden]` float32 (row i: sequence i's one token), `[rows]` int64 positions, the model's
+        `[max_positions, head_dim]` rotary tables, one KV cache per layer (written in place), `[rows]` int64 block
+        ids and offsets of the tokens' slots, `[rows, max_blocks]` int64 block tables, `[rows]` int64 sequence
+        lengths (this token included) -> `[rows, hidden]` float32 final-normed hidden states. Raises RuntimeError
+        (IndexError for a slot or block outside the cache) on what the separate calls refuse."""
+        ...
+
+
 class RowKernels(Protocol):
     """The compiled module's functions (shapes: `[rows, cols]` float32 contiguous inputs, `[rows, 1]` scales).
 
@@ -210,6 +239,19 @@ class RowKernels(Protocol):
         on wrong shapes or dtypes or a path this build does not have."""
         ...
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`[rows, n]` float32 contiguous (n >= 1) -> `[rows]` int64: `x.max(dim=-1).indices`, bit for bit (the first
+        index of each row's maximum; a NaN is the maximum, the first NaN wins)."""
+        ...
+
+    def block_dequantize_columns(
+        self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int, in_features: int, columns: torch.Tensor
+    ) -> torch.Tensor:
+        """A block weight's `[n]` int64 columns dequantized as `[n, in_features]` float32 rows
+        (`BlockQuantWeight.dequantize_columns`' values bit for bit; `csrc/block_quant.h`). Raises RuntimeError on
+        wrong shapes or dtypes, IndexError for a column outside the weight."""
+        ...
+
     def block_linear_fused(
         self,
         x: torch.Tensor,
@@ -227,6 +269,24 @@ class RowKernels(Protocol):
         """`block_linear` of `x` as it is (prologue 0), of `rms_norm(x, norm_weight, eps)` (1) or of
         `silu_mul(x)` (2), plus `residual` (`[rows, out_features]`, if given), in one call with the same bits as
         the separate calls (`csrc/row_kernels.cpp`). Raises RuntimeError on what those calls refuse."""
+        ...
+
+    def BlockDecodeStack(  # the C++ class's name
+        self,
+        tensors: list[torch.Tensor],
+        ints: list[int],
+        final_norm: torch.Tensor,
+        eps: float,
+        head_dim: int,
+        q_size: int,
+        kv_size: int,
+        scale: float,
+        path: str,
+    ) -> BlockDecodeStack:
+        """A stack of block layers for decode-only steps in one call (`BlockDecodeStack`; `model/llama.py` builds
+        it): per layer 15 tensors (input and post-attention norm weights, the qkv bias or an empty tensor, then
+        `qs`, `d`, `m` of qkv, o, gate_up and down) and 9 ints (the four kinds, the four out_features, the sliding
+        window or 0). Raises RuntimeError on lists of other lengths."""
         ...
 
     def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, num_threads: int) -> torch.Tensor:
@@ -353,6 +413,9 @@ KERNELS = (
     "block_quantize_rows",
     "block_linear",
     "block_linear_fused",
+    "block_dequantize_columns",
+    "argmax_rows",
+    "BlockDecodeStack",
 )
 
 
@@ -367,7 +430,31 @@ def self_check(kernels: RowKernels) -> str:
         problem = _compare(kernels, x, torch.rand(cols, generator=gen) + 0.5, torch.randn(3, cols, generator=gen))
         if problem:
             return f"{problem} ({cols} columns)"
-    return _compare_decode_attention(kernels, gen)
+    return _compare_argmax(kernels, gen) or _compare_decode_attention(kernels, gen)
+
+
+def argmax_check_rows(gen: torch.Generator) -> torch.Tensor:
+    """`[8, 1000]` float32 rows for checking `argmax_rows` against `torch.max`: random, a tie of the maximum (the
+    first index must win), a NaN after the maximum and two NaNs (the first NaN wins), all -inf, +0 and -0 only, a
+    maximum in the last value (past the vector loop), and an integer-valued row with many ties."""
+    x = torch.randn(8, 1000, generator=gen)
+    x[1, [17, 400]] = 9.0
+    x[2, 5], x[2, 700] = 50.0, float("nan")
+    x[3, [300, 20]] = float("nan")
+    x[4] = float("-inf")
+    x[5] = 0.0
+    x[5, ::3] = -0.0
+    x[6, 999] = 99.0
+    x[7] = torch.randint(-3, 4, (1000,), generator=gen).float()
+    return x
+
+
+def _compare_argmax(kernels: RowKernels, gen: torch.Generator) -> str:
+    x = argmax_check_rows(gen)
+    for rows in (x, x[:, :7].contiguous(), x[:, :33].contiguous()):  # also shorter than, and just past, a vector
+        if not torch.equal(kernels.argmax_rows(rows), rows.max(dim=-1).indices):
+            return f"argmax_rows differs from torch.max ({rows.shape[1]} columns)"
+    return ""
 
 
 def _compare(kernels: RowKernels, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> str:

@@ -1061,3 +1061,58 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   }
   return out;
 }
+
+at::Tensor block_dequantize_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, int64_t kind,
+                                    int64_t in_features, const at::Tensor& columns) {
+  TORCH_CHECK(kind == kQ8_0 || kind == kQ4_0 || kind == kQ4_1, "block_dequantize_columns: unknown kind ", kind);
+  TORCH_CHECK(in_features >= kBlock && in_features % kBlock == 0, "block_dequantize_columns: ", in_features,
+              " input features is not a positive multiple of 32");
+  TORCH_CHECK(columns.dim() == 1 && columns.scalar_type() == at::kLong && columns.is_contiguous(),
+              "block_dequantize_columns: columns must be a contiguous int64 [n] tensor");
+  const int64_t nb = in_features / kBlock, block_bytes = kind == kQ8_0 ? kBlock : kBlock / 2;
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() % (nb * kGroup) == 0,
+              "block_dequantize_columns: d must be contiguous float16 [groups, ", nb, ", 4]");
+  const int64_t groups = d.numel() / (nb * kGroup);
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.numel() == groups * nb * kGroup * block_bytes,
+              "block_dequantize_columns: qs must be contiguous uint8 with ", groups * nb * kGroup * block_bytes, " bytes");
+  if (kind == kQ4_1) {
+    TORCH_CHECK(m.scalar_type() == at::kHalf && m.is_contiguous() && m.numel() == d.numel(),
+                "block_dequantize_columns: m must be contiguous float16 like d");
+  }
+  const int64_t n = columns.numel();
+  const int64_t* cp = columns.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_INDEX(cp[i] >= 0 && cp[i] < groups * kGroup, "column ", cp[i], " is outside the weight's ",
+                      groups * kGroup, " (padded) columns");
+  auto out = at::empty({n, in_features}, d.options().dtype(at::kFloat));
+  const uint8_t* qp = qs.data_ptr<uint8_t>();
+  const c10::Half* dp = d.data_ptr<c10::Half>();
+  const c10::Half* mp = kind == kQ4_1 ? m.data_ptr<c10::Half>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 65536 / in_features), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = cp[i] / kGroup, slot = cp[i] % kGroup;
+      float* y = op + i * in_features;
+      for (int64_t b = 0; b < nb; ++b, y += kBlock) {
+        const int64_t k = (g * nb + b) * kGroup + slot;  // this column's block b: [g, b, slot]
+        const uint8_t* p = qp + k * block_bytes;
+        const float dw = static_cast<float>(dp[k]);
+        if (kind == kQ8_0) {
+          for (int64_t j = 0; j < kBlock; ++j) y[j] = static_cast<float>(static_cast<int8_t>(p[j])) * dw;
+        } else if (kind == kQ4_0) {
+          for (int64_t j = 0; j < kBlock / 2; ++j) {
+            y[j] = static_cast<float>((p[j] & 15) - 8) * dw;
+            y[j + kBlock / 2] = static_cast<float>((p[j] >> 4) - 8) * dw;
+          }
+        } else {
+          const float mw = static_cast<float>(mp[k]);
+          for (int64_t j = 0; j < kBlock / 2; ++j) {
+            y[j] = dw * static_cast<float>(p[j] & 15) + mw;
+            y[j + kBlock / 2] = dw * static_cast<float>(p[j] >> 4) + mw;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}

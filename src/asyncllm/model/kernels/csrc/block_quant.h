@@ -37,3 +37,11 @@ std::vector<at::Tensor> block_quantize_rows(const at::Tensor& x);
 // Releases the GIL. Raises (c10::Error) on wrong shapes or dtypes or a path this build does not have.
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                         int64_t kind, int64_t out_features, const std::string& path);
+
+// Columns of a block weight (layout as block_linear's; groups = d.numel() / (in_features / 32 * 4)) dequantized, as
+// rows: columns [n] int64 -> [n, in_features] float32 with, per block, Q8_0 float(q) * d, Q4_0 float(q - 8) * d,
+// Q4_1 d * float(q) + m (float32, no fused multiply-add: the values BlockQuantWeight.dequantize_columns gives in torch
+// ops, bit for bit). A tied model's embedding lookup in its block LM head. Raises (c10::Error) on wrong shapes or
+// dtypes, IndexError for a column outside the weight's padded columns.
+at::Tensor block_dequantize_columns(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, int64_t kind,
+                                    int64_t in_features, const at::Tensor& columns);

@@ -476,6 +476,109 @@ void store_kv_rows_(at::Tensor& key_dst, at::Tensor& value_dst, const at::Tensor
                capacity * row_numel, pp, row_numel);
 }
 
+// The index of each row's maximum as torch.max(dim=-1) gives it (ATen's loop: the first index of the largest value;
+// a NaN is the largest, the first NaN wins), in two passes over the row instead of its one dependent compare per
+// value: the row's maximum by vector max (any NaN seen: the first NaN's index by a scan), then the first index
+// holding a value equal to it (+0 and -0 compare equal, as in ATen's `<=`). x [rows, n] float32 contiguous, n >= 1
+// -> [rows] int64. The greedy sampler's and the exponential race's token choice over a vocabulary of logits.
+static int64_t argmax_row(const float* x, int64_t n) {
+  constexpr int64_t W = Vec::size();
+  float top = x[0];
+  if (n >= W) {
+    Vec m = Vec::loadu(x);
+    int64_t i = W;
+    for (; i + W <= n; i += W) m = at::vec::maximum(m, Vec::loadu(x + i));  // NaN propagates
+    float lanes[W];
+    m.store(lanes);
+    for (int64_t j = 0; j < W; ++j) top = std::isnan(lanes[j]) || std::isnan(top) ? NAN : std::max(top, lanes[j]);
+    for (; i < n; ++i) top = std::isnan(x[i]) || std::isnan(top) ? NAN : std::max(top, x[i]);
+  } else {
+    for (int64_t i = 1; i < n; ++i) top = std::isnan(x[i]) || std::isnan(top) ? NAN : std::max(top, x[i]);
+  }
+  if (std::isnan(top)) {
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(x[i])) return i;
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (x[i] == top) return i;
+  return 0;  // not reached: top is one of the row's values
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n >= 1, "argmax_rows: rows must have at least one value");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
+// A decode-only step over a stack of block layers at TP=1 in one call (model/llama.py `BlockDecodeStack`): per
+// layer the calls `LlamaDecoderLayer._forward_blocks` makes, in the same order on the same inputs, so the same bits:
+//   qkv = block_linear_fused(rms_norm(x)); scale_bias_rotate_(qkv, bias, cos, sin); store_kv_cache_(k, v);
+//   attn = paged_decode_attention(q); x = o(attn) + x; x = down(silu_mul(gate_up(rms_norm(x)))) + x
+// then the final RMSNorm. What it saves is the Python around ~7 calls per layer (about 210 per step), not work.
+class BlockDecodeStack {
+ public:
+  // Per layer, 15 tensors: input_norm, post_attention_norm, qkv bias (an empty tensor for none), then qs, d, m of
+  // qkv, o, gate_up, down (m empty but for Q4_1); 9 ints: the four kinds, the four out_features, the window (0: none).
+  BlockDecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, at::Tensor final_norm, double eps,
+                   int64_t head_dim, int64_t q_size, int64_t kv_size, double scale, std::string path)
+      : tensors_(std::move(tensors)), ints_(std::move(ints)), final_norm_(std::move(final_norm)), eps_(eps),
+        head_dim_(head_dim), q_size_(q_size), kv_size_(kv_size), scale_(scale), path_(std::move(path)) {
+    TORCH_CHECK(!ints_.empty() && tensors_.size() % kTensors == 0 && ints_.size() % kInts == 0 &&
+                    tensors_.size() / kTensors == ints_.size() / kInts,
+                "BlockDecodeStack: ", kTensors, " tensors and ", kInts, " ints per layer");
+    TORCH_CHECK(head_dim > 0 && q_size % head_dim == 0 && kv_size % head_dim == 0, "BlockDecodeStack: head sizes");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(ints_.size() / kInts); }
+
+  // hidden [rows, hidden] float32 (row i: sequence i's one token), positions [rows] int64, rope_cos / rope_sin
+  // [max_positions, head_dim] float32 (the model's sign-folded tables), one KV cache per layer, blocks / offsets
+  // [rows] int64 (each token's slot), block_tables [rows, max_blocks] int64, seq_lens [rows] int64 -> [rows, hidden]
+  // final-normed hidden states. Raises (c10::Error) on what the separate calls refuse.
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& rope_cos,
+                     const at::Tensor& rope_sin, std::vector<at::Tensor> kv_caches, const at::Tensor& blocks,
+                     const at::Tensor& offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "BlockDecodeStack: ", num_layers(),
+                " KV caches needed, got ", kv_caches.size());
+    const int64_t rows = hidden.size(0);
+    const at::Tensor cos = rope_cos.index_select(0, positions), sin = rope_sin.index_select(0, positions);
+    const std::vector<int64_t> heads{q_size_ / head_dim_, kv_size_ / head_dim_, kv_size_ / head_dim_};
+    at::Tensor x = hidden.contiguous();
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const at::Tensor* t = tensors_.data() + l * kTensors;
+      const int64_t* n = ints_.data() + l * kInts;
+      const std::optional<at::Tensor> bias = t[2].numel() ? std::optional<at::Tensor>(t[2]) : std::nullopt;
+      at::Tensor qkv = block_linear_fused(x, 1, t[0], eps_, std::nullopt, t[3], t[4], t[5], n[0], n[4], path_);
+      scale_bias_rotate_(qkv, std::nullopt, bias, cos, sin, q_size_ + kv_size_);
+      const auto qkv_heads = qkv.view({rows, -1, head_dim_}).split_with_sizes(heads, 1);
+      store_kv_cache_(kv_caches[l], qkv_heads[1], qkv_heads[2], blocks, offsets);
+      const at::Tensor attn =
+          paged_decode_attention(qkv_heads[0].contiguous(), kv_caches[l], block_tables, seq_lens, scale_, n[8]);
+      x = block_linear_fused(attn, 0, std::nullopt, 0.0, x, t[6], t[7], t[8], n[1], n[5], path_);
+      const at::Tensor gate_up = block_linear_fused(x, 1, t[1], eps_, std::nullopt, t[9], t[10], t[11], n[2], n[6], path_);
+      x = block_linear_fused(gate_up, 2, std::nullopt, 0.0, x, t[12], t[13], t[14], n[3], n[7], path_);
+    }
+    return rms_norm(x, final_norm_, eps_);
+  }
+
+ private:
+  static constexpr size_t kTensors = 15, kInts = 9;
+  std::vector<at::Tensor> tensors_;
+  std::vector<int64_t> ints_;
+  at::Tensor final_norm_;
+  double eps_;
+  int64_t head_dim_, q_size_, kv_size_;
+  double scale_;
+  std::string path_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_quantize", &rms_norm_quantize);
   m.def("silu_mul_quantize", &silu_mul_quantize);
@@ -495,4 +598,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quantize_rows", &block_quantize_rows);
   m.def("block_linear_fused", &block_linear_fused);
   m.def("block_linear", &block_linear);
+  m.def("argmax_rows", &argmax_rows);
+  m.def("block_dequantize_columns", &block_dequantize_columns);
+  pybind11::class_<BlockDecodeStack>(m, "BlockDecodeStack")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, int64_t, int64_t, int64_t,
+                          double, std::string>())
+      .def("num_layers", &BlockDecodeStack::num_layers)
+      .def("forward", &BlockDecodeStack::forward);
 }
