@@ -172,7 +172,8 @@ class EngineArgs:
             {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}.
             See docs/speculative.md.
         enable_lora: accept `generate(..., lora_request=LoRARequest(...))`: PEFT LoRA adapters applied per request
-            over the shared base model (docs/lora.md). Not with `quantization="int8"`.
+            over the shared base model (docs/lora.md). Not with `quantization="int8"` or a block mode ("auto" gives
+            float32 weights with it).
         max_loras: distinct adapters running at once, and adapters kept loaded (LRU); vLLM's default 1.
         max_lora_rank: the largest adapter rank accepted, 1..64; vLLM's default 16.
         chat_template: a Jinja2 chat template for `chat()` and `/v1/chat/completions`, replacing the model's own
