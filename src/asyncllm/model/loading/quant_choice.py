@@ -56,8 +56,8 @@ class QuantizationChoice:
 
     Fields:
         quantization: "gguf" (the file's blocks kept) or None (float32 weights).
-        reason: one log line naming the choice and why, e.g. "quantization='auto' -> 'gguf': every layer linear
-            weight of the file is already block-quantized (120 Q4_1) ...".
+        reason: one log line naming the choice and why, e.g. "quantization='auto' -> 'gguf':
+            SmolLM2-135M-Instruct.Q4_1.gguf's 210 layer linear weights are already block-quantized (210 Q4_1): ...".
     """
 
     quantization: Quantization | None
