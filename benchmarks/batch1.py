@@ -120,15 +120,16 @@ def weight_bytes_per_token(gguf_path: Path) -> tuple[int, dict[str, int]]:
 
 
 def asyncllm_quantizations() -> list[str]:
-    """The `--quantization` choices of the installed `asyncllm serve` (from its `--help`). Raises RuntimeError if
-    the help cannot be read or has no such flag."""
+    """The `--quantization` choices of the installed `asyncllm serve` (from its `--help`) but "auto" (one of the
+    others, by the model) and "none" (the fp32 row). Raises RuntimeError if the help cannot be read or has no such
+    flag."""
     help_text = subprocess.run(
         [str(ASYNCLLM), "serve", "--help"], capture_output=True, text=True, check=True, timeout=300
     ).stdout
     match = re.search(r"--quantization \{([^}]*)\}", help_text)
     if match is None:
         raise RuntimeError("`asyncllm serve --help` shows no `--quantization {...}` choices")
-    return match.group(1).split(",")
+    return [q for q in match.group(1).split(",") if q not in ("auto", "none")]  # fp32 is its own row; auto = a mode
 
 
 def llama_server_version() -> str:
@@ -146,9 +147,8 @@ def server_cmd(server: str, model_path: Path, port: int) -> tuple[list[str], dic
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--alias", SERVED_NAME]
         return cmd, dict(os.environ)
     quantization = server.removeprefix("asyncllm-")
-    cmd, env = server_command("asyncllm-fp32", str(model_path), None, port)
-    if quantization != "fp32":
-        cmd += ["--quantization", quantization]
+    cmd, env = server_command("asyncllm", str(model_path), None, port)  # no --quantization flag of its own
+    cmd += ["--quantization", "none" if quantization == "fp32" else quantization]
     return cmd, env
 
 

@@ -1,10 +1,11 @@
-"""Resident memory of the engine process (default `AsyncLLM`, engine in its own process), fp32 and int8: after
-start, and after 64 requests (64 prompts of the throughput benchmark, 64 greedy tokens each, 16 at a time).
+"""Resident memory of the engine process (default `AsyncLLM`, engine in its own process), fp32, int8 and the
+default weights (`quantization="auto"`: the default model's own Q4_1 blocks): after start, and after 64 requests (64
+prompts of the throughput benchmark, 64 greedy tokens each, 16 at a time).
 
 RSS is read from `/proc/<pid>/status` (`VmRSS`) of the engine process, the child this script started; the KV cache
 is reserved at start but becomes resident only as requests write into it (README "Memory").
 
-    .venv/bin/python benchmarks/memory.py [--json PATH]
+    .venv/bin/python benchmarks/memory.py [--modes fp32,int8,default] [--json PATH]
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
+MODES: dict[str, str | None] = {"fp32": None, "int8": "int8", "default": "auto"}  # name -> EngineArgs.quantization
+
+
 async def measure(quantization: str | None) -> dict[str, Any]:
-    async with AsyncLLM.create(EngineArgs(quantization=quantization)) as llm:
+    async with AsyncLLM.create(EngineArgs(quantization=quantization)) as llm:  # type: ignore[arg-type]
         (pid,) = child_pids()
         after_start = rss_mb(pid)
         stats = await llm.get_scheduler_stats()
@@ -63,12 +67,14 @@ async def measure(quantization: str | None) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default="benchmarks/results/memory.json")
+    parser.add_argument("--modes", default=",".join(MODES), help="which of fp32, int8, default to measure")
     args = parser.parse_args()
+    names = args.modes.split(",")
     result: dict[str, Any] = {"benchmark": "memory", "machine": machine_info()}
-    for name, quantization in (("fp32", None), ("int8", "int8")):
-        result[name] = asyncio.run(measure(quantization))
+    for name in names:
+        result[name] = asyncio.run(measure(MODES[name]))
     print(f"{'engine':8} {'after start MB':>15} {'after 64 requests MB':>21} {'KV cache reserved MB':>21}")
-    for name in ("fp32", "int8"):
+    for name in names:
         r = result[name]
         print(
             f"{name:8} {r['after_start_mb']:15.0f} {r['after_64_requests_mb']:21.0f} {r['kv_cache_reserved_mb']:21.0f}"

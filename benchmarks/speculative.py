@@ -80,6 +80,8 @@ def acceptance(before: SpecDecodeMetrics | None, after: SpecDecodeMetrics | None
 async def main(args: argparse.Namespace) -> None:
     model = str(resolve_model_path("smollm2-135m-instruct"))
     common = {"model": model, "num_kv_blocks": 256, "max_model_len": 1024, "num_threads": args.num_threads}
+    common["quantization"] = args.quantization  # the default "auto": the file's blocks, where "greedy equal" can be
+    # False at near-ties (a verify step's attention rounds differently; docs/speculative.md); "none": float32
     spec = {
         "method": "ngram",
         "num_speculative_tokens": args.k,
@@ -94,7 +96,10 @@ async def main(args: argparse.Namespace) -> None:
     ):
         for llm in (reference, speculative):  # warm-up
             await run_workload(llm, FREE_FORM[:2], 2, 8)
-        print(f"speculative_config={spec}, max_tokens={args.max_tokens}, best of {args.rounds} rounds")
+        print(
+            f"speculative_config={spec}, quantization={args.quantization!r}, max_tokens={args.max_tokens}, best of "
+            f"{args.rounds} rounds"
+        )
         print(
             f"{'workload':<11} {'streams':>7} {'reference tok/s':>16} {'speculative tok/s':>18} {'ratio':>6}  "
             f"{'acceptance':>14}  greedy equal"
@@ -122,6 +127,7 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantization", default="auto", help="EngineArgs.quantization of both engines")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=3, help="prompt_lookup_max")

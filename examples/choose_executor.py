@@ -29,8 +29,11 @@ async def run_layout(layout: str, args: argparse.Namespace) -> tuple[list[str], 
     extra = dict(LAYOUTS[layout])
     if layout == "mp":
         extra["tensor_parallel_size"] = args.tensor_parallel_size
+    # The default `quantization="auto"` keeps a 4-bit GGUF's blocks at TP=1 but runs float32 at TP > 1 (block
+    # weights are not sharded), so with --tensor-parallel-size > 1 every layout runs float32 to compare the same math.
+    quantization = "auto" if args.tensor_parallel_size == 1 else "none"
     start = time.perf_counter()
-    llm = await AsyncLLM.create(EngineArgs(model=args.model, **extra))
+    llm = await AsyncLLM.create(EngineArgs(model=args.model, quantization=quantization, **extra))
     startup = time.perf_counter() - start
     async with llm:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

@@ -3,7 +3,10 @@
     python examples/stream_chat.py                      # asks the default model about the capital of France
     python examples/stream_chat.py --prompt "Write a haiku about autumn." --max-tokens 64 --temperature 0.7
 
-The first run fetches the default model (SmolLM2-135M-Instruct, 98 MB) into ~/.cache/asyncllm/models.
+The first run fetches the default model (SmolLM2-135M-Instruct, 98 MB) into ~/.cache/asyncllm/models. The
+default weights are the file's own 4-bit blocks (`quantization="auto"`, README "Speed"); the France question is a
+near-tie for this small model (float32 prefers "The" over "L" by 0.08 logits), so they answer "L'Étoile, ..." where
+`--quantization none` (float32) answers "The capital of France is Paris.".
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "gguf", "int8", "q8_0", "q4_0"],
+        help="weights: 'auto' (default: the 4-bit GGUF's own blocks), 'none' (float32), ...; README 'Speed'",
+    )
     return parser.parse_args()
 
 
@@ -30,7 +39,7 @@ async def main(args: argparse.Namespace) -> None:
     )
     messages = [{"role": "user", "content": args.prompt}]
     # The engine core runs in its own process; create() starts it without blocking this event loop.
-    async with AsyncLLM.create(EngineArgs(model=args.model)) as llm:
+    async with AsyncLLM.create(EngineArgs(model=args.model, quantization=args.quantization)) as llm:
         print(f"user: {args.prompt}\nassistant: ", end="", flush=True)
         start = time.perf_counter()
         num_tokens = 0

@@ -27,7 +27,7 @@ async def stream_one(llm: AsyncLLM, question: str, max_tokens: int, answers: dic
 
 
 async def main(args: argparse.Namespace) -> None:
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=args.model))
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=args.model, quantization=args.quantization))
     answers: dict[str, str] = {}
     async with llm:
         async with trio.open_nursery() as nursery:
@@ -45,6 +45,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf path or HF directory")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--story-seconds", type=float, default=1.0, help="how long the story may stream")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "gguf", "int8", "q8_0", "q4_0"],
+        help="weights: 'auto' (default: the 4-bit GGUF's own blocks), 'none' (float32), ...; README 'Speed'",
+    )
     return parser.parse_args()
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from asyncllm.engine_config import (
     BLOCK_QUANTIZATIONS,
@@ -31,6 +31,7 @@ from asyncllm.engine_config import (
     ObservabilityConfig,
     ParallelConfig,
     Quantization,
+    QuantizationArg,
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
@@ -38,6 +39,9 @@ from asyncllm.engine_config import (
     parse_linear_kernels,
 )
 from asyncllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -52,6 +56,7 @@ __all__ = [
     "ObservabilityConfig",
     "ParallelConfig",
     "Quantization",
+    "QuantizationArg",
     "SchedulerConfig",
     "SchedulingPolicy",
     "SpeculativeConfig",
@@ -116,15 +121,20 @@ class EngineArgs:
         engine_process: engine core in its own process (True, default: model work never competes with the
             caller's event loop, and a crash there cannot take the caller down) or in a background thread (False).
         load_format: "auto" or "dummy" (random weights).
-        quantization: None (float32, default), "int8", "q8_0", "q4_0" or "gguf". "int8": every linear layer and
+        quantization: "auto" (default), None or "none" (float32 weights), "int8", "q8_0", "q4_0" or "gguf". "auto":
+            "gguf" for a GGUF file whose layer linear weights are all block-quantized already (the default model's
+            Q4_1 file: batch-1 decoding ~5x fp32's speed in ~1/4 of its memory; accuracy against fp32 in README
+            "Speed"), float32 for anything else (float weights, HF directories, load_format="dummy") and where the
+            block modes cannot run (tensor_parallel_size > 1, enable_lora); the start-up log names the choice and
+            why (`model/loading/quant_choice.py`). "int8": every linear layer and
             the LM head run with int8 weights (per output channel) and int8 per-row dynamic activations, after
             SmoothQuant; from float or GGUF checkpoints (GGUF is dequantized, then requantized). "q8_0" / "q4_0":
             every linear layer and the LM head stored in blocks of 32 input values (8 or 4 bits and a float16 scale
             per block), products with int8 activation blocks on asyncllm's own kernels
             (`model/kernels/block_quant.py`). "gguf": a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks kept as they are
             (SmolLM2's Q4_1 file: Q4_1 layers, Q8_0 LM head); other GGUF block types (Q4_K, Q5_0, Q6_K, ...) and
-            float checkpoints requantized to Q8_0. The block modes need tensor_parallel_size=1 and no LoRA. See
-            README "Speed" and docs/benchmarks.md.
+            float checkpoints requantized to Q8_0. The block modes need tensor_parallel_size=1 and no LoRA (asked
+            for explicitly, anything else is a ConfigError). See README "Speed" and docs/benchmarks.md.
         linear_kernels: force the kernel of a kind of linear product, e.g. {"int8": "int_mm"} or "int8=int_mm"
             (int8: "onednn", "int_mm"; fp32: "matmul", "mkl_packed", "onednn"). None (default): each
             is chosen by timing the candidates on the host at first start (cached; docs/kernels.md). The
@@ -162,7 +172,8 @@ class EngineArgs:
             {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}.
             See docs/speculative.md.
         enable_lora: accept `generate(..., lora_request=LoRARequest(...))`: PEFT LoRA adapters applied per request
-            over the shared base model (docs/lora.md). Not with `quantization="int8"`.
+            over the shared base model (docs/lora.md). Not with `quantization="int8"` or a block mode ("auto" gives
+            float32 weights with it).
         max_loras: distinct adapters running at once, and adapters kept loaded (LRU); vLLM's default 1.
         max_lora_rank: the largest adapter rank accepted, 1..64; vLLM's default 16.
         chat_template: a Jinja2 chat template for `chat()` and `/v1/chat/completions`, replacing the model's own
@@ -207,7 +218,7 @@ class EngineArgs:
     seed: int = 0
     engine_process: bool = True
     load_format: LoadFormat = "auto"
-    quantization: Quantization | None = None
+    quantization: QuantizationArg | None = "auto"
     linear_kernels: dict[str, str] | str | None = None
     distributed_executor_backend: str | type = "uni"
     tensor_parallel_size: int = 1
@@ -281,9 +292,10 @@ class EngineArgs:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"EngineArgs.load_format={self.load_format!r}: must be 'auto' or 'dummy'")
-        if self.quantization not in (None, "int8", *BLOCK_QUANTIZATIONS):
+        if self.quantization not in (None, "auto", "none", "int8", *BLOCK_QUANTIZATIONS):
             raise ConfigError(
-                f"EngineArgs.quantization={self.quantization!r}: must be None, 'int8', 'q8_0', 'q4_0' or 'gguf'"
+                f"EngineArgs.quantization={self.quantization!r}: must be 'auto', None or 'none' (float32), 'int8', "
+                "'q8_0', 'q4_0' or 'gguf'"
             )
         if self.quantization in BLOCK_QUANTIZATIONS and self.tensor_parallel_size > 1:
             raise ConfigError(
@@ -357,11 +369,29 @@ class EngineArgs:
                 "EngineArgs.enable_lora does not work with quantization='int8': SmoothQuant rescales the linear "
                 "layers' inputs, which an adapter's A does not expect"
             )
-        if self.enable_lora and self.quantization is not None:
+        if self.enable_lora and self.quantization in BLOCK_QUANTIZATIONS:
             raise ConfigError(
                 f"EngineArgs.enable_lora does not work with quantization={self.quantization!r} yet: adapters over "
-                "block-quantized base weights are not tested in this version; use quantization=None"
+                "block-quantized base weights are not tested in this version; use quantization=None or 'auto'"
             )
+
+    def _resolve_quantization(
+        self, model_path: pathlib.Path, header: tuple[dict[str, Any], list[GGUFTensorInfo]] | None
+    ) -> tuple[Quantization | None, str]:
+        """`self.quantization` as the engine runs it, and why when it was "auto" ("" otherwise): "none" is None,
+        "auto" goes by `model/loading/quant_choice.choose_quantization`."""
+        from asyncllm.model.loading.quant_choice import choose_quantization
+
+        if self.quantization != "auto":
+            return (None if self.quantization == "none" else self.quantization), ""
+        choice = choose_quantization(
+            model_path,
+            None if header is None else header[1],
+            load_format=self.load_format,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_lora=self.enable_lora,
+        )
+        return choice.quantization, choice.reason  # the loader logs the reason at start-up
 
     def _validate_data_parallel(self) -> None:
         if self.data_parallel_backend not in ("mp", "ray"):
@@ -388,11 +418,14 @@ class EngineArgs:
         """
         from asyncllm.distributed.tp_sizes import check_tp_divides
         from asyncllm.model.loading.arch_config import check_max_model_len, max_prompt_len, read_arch_config
+        from asyncllm.model.loading.gguf_config import read_checked_gguf_header
         from asyncllm.model.loading.resolve import resolve_model_path
 
         self.validate()
         model_path = resolve_model_path(self.model)
-        arch = read_arch_config(model_path)
+        gguf = model_path.suffix.lower() == ".gguf" and model_path.is_file()
+        header = read_checked_gguf_header(model_path) if gguf else None
+        arch = read_arch_config(model_path, header)
         check_max_model_len(arch, self.max_model_len)
         tp = self.tensor_parallel_size
         check_tp_divides(arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size, tp)
@@ -400,6 +433,7 @@ class EngineArgs:
             raise ConfigError(
                 f"EngineArgs.enable_lora is not supported for {arch.architecture} models (model/gemma3.py)"
             )
+        quantization, quantization_reason = self._resolve_quantization(model_path, header)
         model = ModelConfig(
             max_logprobs=self.max_logprobs,
             logprobs_mode=self.logprobs_mode,
@@ -409,7 +443,8 @@ class EngineArgs:
             load_format=self.load_format,
             max_model_len=self.max_model_len,
             seed=self.seed,
-            quantization=self.quantization,
+            quantization=quantization,
+            quantization_reason=quantization_reason,
             linear_kernels=parse_linear_kernels(self.linear_kernels) or None,
             max_prompt_len=max_prompt_len(arch),
         )

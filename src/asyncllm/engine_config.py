@@ -16,6 +16,9 @@ from asyncllm.errors import ConfigError
 
 LoadFormat = Literal["auto", "dummy"]
 Quantization = Literal["int8", "q8_0", "q4_0", "gguf"]
+# What `EngineArgs.quantization` accepts: a `Quantization`, "auto" (the default: blocks for a GGUF that is already
+# block-quantized, else float32; `model/loading/quant_choice.py`), or "none" / None (float32 weights).
+QuantizationArg = Literal["auto", "none", "int8", "q8_0", "q4_0", "gguf"]
 KVCacheDtype = Literal["auto", "bfloat16"]  # "auto": the model's dtype (float32)
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
 KV_CACHE_ITEMSIZE = {"auto": 4, "bfloat16": 2}  # bytes per cached K or V element
@@ -75,7 +78,10 @@ class ModelConfig:
         max_model_len: tokens per sequence (prompt + output) at most; None = the model's context length.
         seed: global seed (dummy weights, unseeded sampling).
         quantization: None (float32 weights), "int8" (int8 linear weights and LM head, see `model/kernels/int8.py`), or
-            "q8_0" / "q4_0" / "gguf" (weights in blocks of 32, `model/kernels/block_quant.py`).
+            "q8_0" / "q4_0" / "gguf" (weights in blocks of 32, `model/kernels/block_quant.py`). Always resolved:
+            `EngineArgs(quantization="auto")` becomes one of these in `create_engine_config`.
+        quantization_reason: why `quantization` was chosen when `EngineArgs.quantization` was "auto" (the loader logs
+            it at start-up); "" when the user spelled it.
         linear_kernels: a forced kernel per kind of linear product ({"int8": "int_mm"}); kinds left out are chosen
             by measurement on the host (`model/kernels/choice.py`), or forced by `ASYNCLLM_LINEAR_KERNELS`.
         max_logprobs: `logprobs` / `prompt_logprobs` a request may ask for at most; -1 = the whole vocabulary.
@@ -92,6 +98,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     quantization: Quantization | None = None
+    quantization_reason: str = ""
     linear_kernels: dict[str, str] | None = None
     max_logprobs: int = 20
     logprobs_mode: LogprobsMode = "raw_logprobs"

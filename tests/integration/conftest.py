@@ -33,7 +33,9 @@ MODES = ["thread", pytest.param("process", marks=pytest.mark.mp)]  # a process e
 BACKENDS = ["asyncio", "trio"]
 FAKE_CONFIG = EngineConfig(ModelConfig("fake", "fake"), CacheConfig(), SchedulerConfig(), ParallelConfig())
 HELPERS = "tests.integration.engine_helpers"
-ENGINE_DEFAULTS: dict[str, Any] = {"num_kv_blocks": 128}  # what `make_llm` and `llm` build unless overridden
+# What `make_llm` and `llm` build unless overridden. float32 weights (`quantization=None`), not the default "auto"
+# (the file's own Q4_1 blocks for the default model): the tests compare with float32 references (HF, `reference_model`).
+ENGINE_DEFAULTS: dict[str, Any] = {"num_kv_blocks": 128, "quantization": None}
 
 
 def greedy(max_tokens: int, kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, **kw: Any) -> SamplingParams:

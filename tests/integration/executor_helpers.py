@@ -20,7 +20,9 @@ EXECUTOR_OVERRIDES = {"num_kv_blocks": 64, "max_model_len": 256}  # the executor
 
 
 def engine_args(model_path: str, **kw) -> EngineArgs:
-    return EngineArgs(model=model_path, **EXECUTOR_OVERRIDES, **kw)
+    """`EngineArgs` of the executor tests: `EXECUTOR_OVERRIDES` and float32 weights (`quantization=None`: the
+    references are float32, and TP > 1 runs float32) unless `kw` says otherwise."""
+    return EngineArgs(**{"model": model_path, "quantization": None, **EXECUTOR_OVERRIDES, **kw})
 
 
 async def greedy_ids(llm: AsyncLLM, prompts: list[str]) -> list[list[int]]:

@@ -111,7 +111,7 @@ async def test_create_keeps_the_event_loop_running(model_path: str) -> None:
     await asyncio.sleep(0.05)
     started = time.monotonic()
     try:
-        llm = await AsyncLLM.create(EngineArgs(model=model_path))
+        llm = await AsyncLLM.create(EngineArgs(model=model_path, quantization=None))
     finally:
         elapsed = time.monotonic() - started
         await heartbeat.stop()
@@ -134,7 +134,7 @@ async def test_create_keeps_the_event_loop_running(model_path: str) -> None:
 
 
 async def test_async_with_create_shuts_down_on_exit(model_path: str) -> None:
-    async with AsyncLLM.create(EngineArgs(model=model_path)) as llm:
+    async with AsyncLLM.create(EngineArgs(model=model_path, quantization=None)) as llm:
         assert llm.is_running
         out = await llm.generate("Hello", SamplingParams(max_tokens=1, temperature=0.0)).collect()
         assert out.finished
@@ -162,7 +162,7 @@ def _children() -> set[int]:
 
 
 async def _start(model_path: str) -> AsyncLLM:
-    return await AsyncLLM.create(EngineArgs(model=model_path))
+    return await AsyncLLM.create(EngineArgs(model=model_path, quantization=None))
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ ones token for token (the block products of a row never depend on its batch).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -183,10 +184,18 @@ def test_a_decode_step_in_one_stack_call_equals_the_per_layer_calls_bit_for_bit(
 
 
 @pytest.mark.timeout(900)
-async def test_gguf_engine_answers_and_batched_equals_alone(model_path: str) -> None:
+async def test_the_default_engine_runs_the_files_blocks_answers_and_batched_equals_alone(
+    model_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`EngineArgs`' default `quantization="auto"` on the default model: the engine loads the file's Q4_1 blocks
+    ("gguf") and its start-up log says so and why; greedy text, and batched runs equal alone ones."""
     require_kernels()
-    args = engine_args(model_path, quantization="gguf", engine_process=False)
+    caplog.set_level(logging.INFO, logger="asyncllm.model.loading.loader")
+    args = engine_args(model_path, quantization="auto", engine_process=False)
     async with AsyncLLM.create(args) as llm:
+        logged = [r.getMessage() for r in caplog.records if r.name == "asyncllm.model.loading.loader"]
+        assert any(m.startswith("quantization='auto' -> 'gguf': ") and "(210 Q4_1)" in m for m in logged), logged
+        assert any(m.startswith("block-quantized weights (gguf; ") and "layers 120 kept q4_1" in m for m in logged)
         final = await llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0)).collect()
         assert final.outputs[0].text.startswith(" Paris"), final.outputs[0].text
         batched = await greedy_ids(llm, PROMPTS)

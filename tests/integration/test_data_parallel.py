@@ -26,7 +26,7 @@ PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Answer:" for i in range(32)
 
 
 def dp_args(model_path: str, size: int = 2, **kw) -> EngineArgs:
-    return EngineArgs(model=model_path, data_parallel_size=size, num_kv_blocks=128, **kw)
+    return EngineArgs(model=model_path, data_parallel_size=size, num_kv_blocks=128, quantization=None, **kw)
 
 
 def client(llm: AsyncLLM) -> DPEngineCoreClient:

@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.mp]
 
 
 def ray_args(model_path: str, **kw) -> EngineArgs:
-    return EngineArgs(model=model_path, data_parallel_size=2, data_parallel_backend="ray", num_kv_blocks=128, **kw)
+    return EngineArgs(
+        model=model_path, data_parallel_size=2, data_parallel_backend="ray", num_kv_blocks=128, quantization=None, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def reference(model_path: str) -> dict[str, list[int]]:
     """Greedy token ids of every prompt on one engine (an engine process; before Ray takes the CPUs)."""
 
     async def body() -> dict[str, list[int]]:
-        async with AsyncLLM.create(EngineArgs(model=model_path, num_kv_blocks=128)) as llm:
+        async with AsyncLLM.create(EngineArgs(model=model_path, num_kv_blocks=128, quantization=None)) as llm:
             outputs = await _run_all(llm, PROMPTS, greedy(16))
         return {p: o.outputs[0].token_ids for p, o in zip(PROMPTS, outputs, strict=True)}
 

@@ -192,7 +192,9 @@ def test_step_with_nothing_scheduled_returns_no_outputs(dummy_core: EngineCore) 
 
 @pytest.mark.slow
 def test_real_model_batched_matches_alone_where_greedy_choice_is_clear(model_path: str) -> None:
-    core = EngineCore(EngineArgs(model=model_path, num_kv_blocks=64, max_model_len=512).create_engine_config())
+    core = EngineCore(
+        EngineArgs(model=model_path, num_kv_blocks=64, max_model_len=512, quantization=None).create_engine_config()
+    )
     try:
         requests = _requests(core.ready_info.vocab_size, seed=1)
         alone: dict[str, list[int]] = {}

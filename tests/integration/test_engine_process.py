@@ -170,7 +170,7 @@ def test_frontend_process_does_not_load_torch(tmp_path: Path, model_path: str) -
         from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 
         async def main():
-            llm = AsyncLLM.from_engine_args(EngineArgs(model={model_path!r}, num_kv_blocks=64))
+            llm = AsyncLLM.from_engine_args(EngineArgs(model={model_path!r}, num_kv_blocks=64, quantization=None))
             async with llm:
                 outs = [o async for o in llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0))]
             print("torch" in sys.modules, len(outs[-1].outputs[0].token_ids))
@@ -337,7 +337,7 @@ import asyncio, json, sys, threading
 from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 
 def start(box):
-    box.append(AsyncLLM.from_engine_args(EngineArgs(model=sys.argv[1], num_kv_blocks=64)))
+    box.append(AsyncLLM.from_engine_args(EngineArgs(model=sys.argv[1], num_kv_blocks=64, quantization=None)))
 
 async def main():
     box = []

@@ -87,7 +87,7 @@ async def longrope_engine(path: pathlib.Path, prompt: list[int], steps: int) -> 
     from asyncllm.errors import InvalidRequestError
 
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    async with AsyncLLM.from_engine_args(EngineArgs(model=str(path), engine_process=False)) as llm:
+    async with AsyncLLM.from_engine_args(EngineArgs(model=str(path), engine_process=False, quantization=None)) as llm:
         with pytest.raises(InvalidRequestError, match="at most 64"):
             await llm.generate({"prompt_token_ids": [5] * 65}, params).collect()
         final = await llm.generate({"prompt_token_ids": prompt}, params).collect()

@@ -42,6 +42,7 @@ async def llm() -> AsyncIterator[AsyncLLM]:
         num_kv_blocks=70,  # small enough for the preemption test, enough for every other test's batch
         max_num_batched_tokens=64,  # a 700-token prompt is prefilled in 11 chunks
         chat_template=TEMPLATE,
+        quantization=None,  # float32 weights: compared with transformers' float32 below
     )
     async with AsyncLLM.from_engine_args(args) as engine:
         yield engine

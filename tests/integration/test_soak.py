@@ -231,7 +231,13 @@ async def assert_nothing_left(llm: AsyncLLM) -> None:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("mode", MODES)
 def test_soak_with_random_cancellations(model_path: str, mode: str) -> None:
-    args = EngineArgs(model=model_path, engine_process=mode == "process", num_kv_blocks=NUM_KV_BLOCKS, max_num_seqs=32)
+    args = EngineArgs(
+        model=model_path,
+        engine_process=mode == "process",
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_num_seqs=32,
+        quantization=None,
+    )
     specs = prompt_specs()
 
     async def body() -> None:

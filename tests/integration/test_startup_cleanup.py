@@ -73,7 +73,8 @@ NO_MAIN_GUARD = """
     import asyncio, sys
     from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 
-    llm = AsyncLLM.from_engine_args(EngineArgs(model=sys.argv[1], num_kv_blocks=64))  # no __main__ guard
+    args = EngineArgs(model=sys.argv[1], num_kv_blocks=64, quantization=None)  # float32: fp32's answer below
+    llm = AsyncLLM.from_engine_args(args)  # no __main__ guard
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_tokens=32, temperature=0.0)
     print(asyncio.run(llm.generate(messages, params).collect()).outputs[0].text)

@@ -75,7 +75,7 @@ def test_shutdown_with_a_task_still_reading_a_closed_stream(mode: str, model_pat
     """The server's case: a leftover task reads a stream closed under it, then the engine is shut down."""
 
     async def body() -> None:
-        llm = await AsyncLLM.create(EngineArgs(model=model_path, engine_process=mode == "process"))
+        llm = await AsyncLLM.create(EngineArgs(model=model_path, engine_process=mode == "process", quantization=None))
         errors: list[BaseException] = []
         stream = llm.generate("Tell me a long story about the sea.", LONG)
         ticks = 0
@@ -108,7 +108,7 @@ def test_reader_ends_on_trio_too(model_path: str) -> None:
     """The same on trio (thread mode: the backend, not the engine's place, is what differs)."""
 
     async def body() -> None:
-        async with AsyncLLM.create(EngineArgs(model=model_path, engine_process=False)) as llm:
+        async with AsyncLLM.create(EngineArgs(model=model_path, engine_process=False, quantization=None)) as llm:
             errors = await close_while_read(llm, "close")
             assert [type(e) for e in errors] == [StreamClosedError]
 

@@ -23,7 +23,9 @@ def rss_mb() -> int:
 
 def test_start_stop_cycles_do_not_keep_an_engine_each(model_path: str) -> None:
     async def cycle() -> None:
-        llm = await AsyncLLM.create(EngineArgs(model=model_path, engine_process=False, num_kv_blocks=64))
+        llm = await AsyncLLM.create(
+            EngineArgs(model=model_path, engine_process=False, num_kv_blocks=64, quantization=None)
+        )
         out = await llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)).collect()
         assert len(out.outputs[0].token_ids) == 4
         await llm.shutdown()

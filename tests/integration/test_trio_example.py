@@ -15,7 +15,16 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 @pytest.mark.mp  # the example starts its engine in a process of its own
 def test_trio_stream_example_answers_and_aborts_the_cut_short_request(model_path: str) -> None:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "trio_stream.py"), "--model", model_path, "--max-tokens", "16"],
+        [
+            sys.executable,
+            str(EXAMPLES / "trio_stream.py"),
+            "--model",
+            model_path,
+            "--max-tokens",
+            "16",
+            "--quantization",
+            "none",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

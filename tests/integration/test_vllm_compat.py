@@ -55,7 +55,7 @@ from asyncllm import AsyncLLM, EngineArgs, SamplingParams, StructuredOutputsPara
 
 
 async def main():
-    llm = await AsyncLLM.create(EngineArgs(num_kv_blocks=64, max_model_len=512))
+    llm = await AsyncLLM.create(EngineArgs(num_kv_blocks=64, max_model_len=512, quantization=None))
     choice = StructuredOutputsParams(choice=["yes", "no"])
     params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=choice)
     output = await llm.generate("Is the sky blue? Answer yes or no.", params).collect()

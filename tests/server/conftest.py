@@ -13,7 +13,7 @@ from tests.server.server_helpers import ServerProcess, descendants, is_alive, st
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     """The shared server; stopped with SIGTERM at the end, which must leave no process behind."""
-    proc = start_server("--max-num-seqs", "64")
+    proc = start_server("--max-num-seqs", "64", "--quantization", "none")  # float32, as the tests expect
     children = descendants(proc.pid)
     yield proc
     code = stop_server(proc)

@@ -63,7 +63,7 @@ def test_models_lists_the_default_model_as_cached(model_path: str) -> None:
 
 
 def test_generate_streams_a_greedy_answer() -> None:
-    result = run("generate", "What is the capital of France?", "--max-tokens", "12")
+    result = run("generate", "What is the capital of France?", "--max-tokens", "12", "--quantization", "none")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "tokens in" in result.stderr

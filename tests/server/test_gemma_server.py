@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.mp, pytest.mark.slow]
 
 
 def test_base_model_completions_and_chat_refusal() -> None:
-    server = start_server("gemma-3-270m", "--max-model-len", "1024", "--num-kv-blocks", "64")
+    server = start_server("gemma-3-270m", "--max-model-len", "1024", "--num-kv-blocks", "64", "--quantization", "none")
     try:
         with httpx.Client(base_url=server.base_url, timeout=120) as http:
             assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["gemma-3-270m"]
@@ -42,7 +42,17 @@ def test_cli_generate_on_the_base_model() -> None:
     the CLI's exit code for any `AsyncLLMError` is checked in `test_cli.py`.)"""
 
     def generate(*args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [console_script(), "generate", "--model", "gemma-3-270m", "--max-tokens", "9", "--no-engine-process"]
+        cmd = [
+            console_script(),
+            "generate",
+            "--model",
+            "gemma-3-270m",
+            "--max-tokens",
+            "9",
+            "--no-engine-process",
+            "--quantization",
+            "none",
+        ]
         return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
 
     raw = generate("--raw", "The capital of France is")

@@ -60,6 +60,8 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
             ValueError: unsupported architecture or file layout, or a tensor the model needs is not in the checkpoint.
             KeyError: a checkpoint tensor the model does not know.
     """
+    if model_config.quantization_reason:  # `EngineArgs(quantization="auto")`: what was chosen and why
+        logger.info("%s", model_config.quantization_reason)
     path = pathlib.Path(model_config.model_path)
     gguf = path.suffix.lower() == ".gguf"
     header = read_checked_gguf_header(path) if gguf and path.is_file() else None  # read once for config and tensors
