@@ -1,11 +1,12 @@
 """Stream a chat answer from a real model on the CPU.
 
-    python examples/stream_chat.py                      # asks the default model about the capital of France
+    python examples/stream_chat.py                      # asks the default model about the capital of Germany
     python examples/stream_chat.py --prompt "Write a haiku about autumn." --max-tokens 64 --temperature 0.7
 
 The first run fetches the default model (SmolLM2-135M-Instruct, 98 MB) into ~/.cache/asyncllm/models. The
-default weights are the file's own 4-bit blocks (`quantization="auto"`, README "Speed"); the France question is a
-near-tie for this small model (float32 prefers "The" over "L" by 0.08 logits), so they answer "L'Étoile, ..." where
+default weights are the file's own 4-bit blocks (`quantization="auto"`, README "Speed"). The question was the
+capital of France until 2026-12-04; that one is a near-tie for this small model (float32 prefers "The" over "L" by
+0.08 logits): the 4-bit blocks answer "L'Étoile, ...", as llama.cpp's `llama-server` does on the same file, while
 `--quantization none` (float32) answers "The capital of France is Paris.".
 """
 
@@ -21,7 +22,7 @@ from asyncllm import AsyncLLM, EngineArgs, RequestOutputKind, SamplingParams
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model name, .gguf path or HF directory")
-    parser.add_argument("--prompt", default="What is the capital of France?")
+    parser.add_argument("--prompt", default="What is the capital of Germany?")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
