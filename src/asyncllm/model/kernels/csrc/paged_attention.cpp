@@ -315,7 +315,7 @@ TaskFn<T> task_for_heads(int64_t per_kv) {
   return attend_task<NV, 1, T>;
 }
 
-// The instance for head_dim and the group size, or nullptr if head_dim is not 1, 2, 4, 8 or 16 vectors wide.
+// The instance for head_dim and the group size, or nullptr if head_dim is not 1, 2, 4, 8, 16 or 32 vectors wide.
 template <typename T>
 TaskFn<T> task_for(int64_t head_dim, int64_t per_kv) {
   if (head_dim % Vec::size() != 0) return nullptr;
@@ -325,6 +325,7 @@ TaskFn<T> task_for(int64_t head_dim, int64_t per_kv) {
     case 4: return task_for_heads<4, T>(per_kv);
     case 8: return task_for_heads<8, T>(per_kv);
     case 16: return task_for_heads<16, T>(per_kv);
+    case 32: return task_for_heads<32, T>(per_kv);  // 256 floats on AVX2 (Gemma 3), as decode_reads_cache offers
     default: return nullptr;
   }
 }
@@ -335,7 +336,7 @@ template <typename T>
 void attend_all(const float* qp, const T* cache, const int64_t* tables, const int64_t* lens, const Layout& l,
                 int64_t num_seqs, int64_t num_heads, int64_t window, float scale, float* op) {
   const TaskFn<T> task = task_for<T>(l.head_dim, l.per_kv);
-  TORCH_CHECK(task != nullptr, "head_dim ", l.head_dim, " is not 1, 2, 4, 8 or 16 vectors of ", Vec::size(),
+  TORCH_CHECK(task != nullptr, "head_dim ", l.head_dim, " is not 1, 2, 4, 8, 16 or 32 vectors of ", Vec::size(),
               " floats");
   const int64_t kv_heads = l.num_kv_heads;
   // K/V heads per task: all while each thread gets at least 4 sequences, else one
