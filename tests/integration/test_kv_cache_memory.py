@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import pathlib
 
 import pytest
@@ -120,3 +121,28 @@ async def test_real_engine_reports_block_size_and_cache_bytes(model_path: str) -
         out = await llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0)).collect()
         assert out.usage is not None
         assert out.usage.num_generated_tokens == 4
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The `VmFlags` of the mapping of this process that holds `address` (`proc(5)`, /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="madvise(MADV_HUGEPAGE) is Linux only")
+def test_the_cache_mapping_is_advised_for_huge_pages() -> None:
+    """The decode kernel reads blocks placed anywhere in the cache; with 4 KiB pages it misses the TLB at almost
+    every block. The kernel marks an advised mapping "hg" in its VmFlags, whatever the host's THP setting."""
+    cache = allocate_zeroed((64, 16, 1024))  # 4 MiB
+    assert "hg" in _vm_flags(cache.data_ptr())
+    plain = mmap.mmap(-1, 4 << 20)  # the control: a mapping nobody advised
+    control = torch.frombuffer(plain, dtype=torch.uint8)
+    assert "hg" not in _vm_flags(control.data_ptr())

@@ -363,6 +363,41 @@ def test_decode_attention_reads_the_cache_like_gathered_sdpa(
         assert torch.equal(got, widened)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_tiles_straddle_blocks_and_tasks_do_not_change_values(
+    kernels: RowKernels, dtype: torch.dtype
+) -> None:
+    """The kernel walks 16-token tiles that need not start or end on a block (blocks of 5 tokens, windows starting
+    mid-block) and gives a task a whole sequence when each thread gets >= 4 sequences, else one (sequence, K/V head):
+    12 sequences at 1 and at 2 threads and each sequence alone take both ways; all give the same bits, within 1e-5
+    of gathered SDPA."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_seqs, max_blocks = 5, 12, 80
+    kv_cache = torch.randn(400, 2, block_size, 3, 64, generator=gen).to(dtype)
+    seq_lens = torch.tensor([1, 4, 5, 6, 15, 16, 17, 31, 33, 99, 250, 397])
+    tables = torch.randint(0, 400, (num_seqs, max_blocks), generator=gen)  # shared blocks are fine to read
+    query = torch.randn(num_seqs, 9, 64, generator=gen) * 3
+    threads = torch.get_num_threads()
+    try:
+        for window in (0, 23):
+            results = []
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                results.append(kernels.paged_decode_attention(query, kv_cache, tables, seq_lens, 0.125, window))
+                solo = [
+                    kernels.paged_decode_attention(
+                        query[s : s + 1], kv_cache, tables[s : s + 1], seq_lens[s : s + 1], 0.125, window
+                    )
+                    for s in range(num_seqs)
+                ]
+                assert torch.equal(torch.cat(solo), results[-1])
+            assert torch.equal(results[0], results[1])
+            want = decode_attention_reference(query, kv_cache, tables, seq_lens, window)
+            torch.testing.assert_close(results[0], want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_decode_attention_refuses_bad_tables_and_shapes(kernels: RowKernels) -> None:
     cache = torch.zeros(4, 2, 16, 1, 64)
     query = torch.zeros(1, 2, 64)

@@ -1,19 +1,23 @@
 // Decode attention straight from the paged KV cache (asyncllm/model/layers/attention.py `_decode_attention`).
 //
-// Each sequence has one query token (its newest, already written to the cache). For every (sequence, K/V head) the
-// kernel walks the sequence's block table once for the keys and once for the values: scores q.k * scale for the
-// query heads that share the K/V head (grouped-query attention, HF's `repeat_kv` order: query head h reads K/V head
-// h / (num_heads / num_kv_heads)), an exact softmax (max subtracted, ATen's vectorized exp), then the weighted sum of
-// the values. Nothing is gathered into a dense copy first, which is what the torch path does per layer and step.
-// With `window` > 0 a query sees only the last `window` tokens (itself included), as sliding-window layers do.
+// Each sequence has one query token (its newest, already written to the cache). For each sequence (or each
+// (sequence, K/V head) when there are too few sequences to share among the threads) the kernel walks the block
+// table once for the keys and once for the values, in tiles of 16 tokens in the cache's own order (a token's row of
+// every K/V head, then the next token), asking for the next tile's cache lines while computing this one. Each K or V
+// row is loaded once for all the query heads that share it (grouped-query attention, HF's `repeat_kv` order: query
+// head h reads K/V head h / (num_heads / num_kv_heads)): scores q.k * scale, an exact softmax (max subtracted,
+// ATen's vectorized exp), then the weighted sum of the values. Nothing is gathered into a dense copy first, which is
+// what the torch path does per layer and step. With `window` > 0 a query sees only the last `window` tokens (itself
+// included), as sliding-window layers do.
 //
 // The cache holds float32 or bfloat16 (`EngineArgs.kv_cache_dtype`): bfloat16 rows are widened to float32 in registers
 // as they are loaded (exact: a bfloat16 is the top half of a float32), so the arithmetic is the same either way and a
 // bfloat16 cache reads half the bytes.
 //
-// Float32 arithmetic throughout, in a fixed order per (sequence, head): a sequence's output does not depend on its batch or on
-// the thread count. Not bit-exact with torch's SDPA (another summation order): row_kernels.py checks it against
-// SDPA at start-up with a tolerance.
+// Float32 arithmetic throughout, in a fixed order per (sequence, head): a sequence's output does not depend on its
+// batch, on how its heads are split into tasks, or on the thread count (and equals, bit for bit, the kernel before
+// the tiles, which loaded each row once per query head). Not bit-exact with torch's SDPA (another summation order):
+// row_kernels.py checks it against SDPA at start-up with a tolerance.
 //
 // Sources: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 // grouped-query attention (Ainslie et al., 2023).
@@ -88,71 +92,72 @@ struct Layout {
   int64_t block_size, num_kv_heads, head_dim, per_kv, max_blocks;
   int64_t token_stride() const { return num_kv_heads * head_dim; }
   int64_t block_stride() const { return 2 * block_size * token_stride(); }  // [2, block_size, kv_heads, head_dim]
-  // Elements from a block's start to token t's row (of the K/V head the caller's base pointer is at).
-  int64_t offset(const int64_t* table, int64_t t) const {
-    return table[t / block_size] * block_stride() + (t % block_size) * token_stride();
-  }
 };
 
-// The score pass and the value pass for one (sequence, K/V head), with NV vectors per head row held in registers
-// (head_dim == NV * Vec::size()); T is the cache's element type (float or BF16).
-template <int NV, typename T>
-struct HeadKernel {
-  // scores[h * n + (t - first)] = q_h . k_t * scale for t in [first, last).
-  static void scores(const float* q, const T* keys, const int64_t* table, int64_t first, int64_t last,
-                     const Layout& l, float scale, float* scores) {
-    const int64_t n = last - first;
-    for (int64_t h = 0; h < l.per_kv; ++h) {
-      Vec qv[NV];
-      for (int i = 0; i < NV; ++i) qv[i] = Vec::loadu(q + h * l.head_dim + i * Vec::size());
-      float* out = scores + h * n - first;
-#if defined(CPU_CAPABILITY_AVX512)
-      // 16 tokens at a time, their 16 partial vectors summed lane-wise by one transposing reduction
-      for (int64_t t = first; t < last; t += 16) {
-        const int64_t count = std::min<int64_t>(16, last - t);
-        __m512 partial[16];
-        for (int64_t j = 0; j < 16; ++j) {
-          if (j >= count) {
-            partial[j] = _mm512_setzero_ps();
-            continue;
-          }
-          const T* k = keys + l.offset(table, t + j);
-          Vec acc = qv[0] * load(k);
-          for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], load(k + i * Vec::size()), acc);
-          partial[j] = acc;
-        }
-        const __m512 sums = _mm512_mul_ps(reduce16(partial), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(out + t, static_cast<__mmask16>((1u << count) - 1), sums);
-      }
-#else
-      for (int64_t t = first; t < last; ++t) {
-        const T* k = keys + l.offset(table, t);
-        Vec acc = qv[0] * load(k);
-        for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(qv[i], load(k + i * Vec::size()), acc);
-        out[t] = hsum(acc) * scale;
-      }
-#endif
-    }
-  }
+constexpr int64_t kTile = 16;  // tokens per tile: one reduce16 per query head on AVX-512
 
-  // out[h] = sum_t p[h][t] * v_t * inv[h].
-  static void values(const float* p, const T* values, const int64_t* table, int64_t first, int64_t last,
-                     const Layout& l, const float* inv, float* out) {
-    const int64_t n = last - first;
-    for (int64_t h = 0; h < l.per_kv; ++h) {
-      Vec acc[NV];
-      for (int i = 0; i < NV; ++i) acc[i] = Vec(0.f);
-      const float* ph = p + h * n - first;
-      for (int64_t t = first; t < last; ++t) {
-        const T* v = values + l.offset(table, t);
-        const Vec pv(ph[t]);
-        for (int i = 0; i < NV; ++i) acc[i] = at::vec::fmadd(load(v + i * Vec::size()), pv, acc[i]);
+// The start of each cached token's row (all K/V heads) for tokens [first, last) of one sequence, walked in tiles
+// of up to kTile tokens: one division per sequence, none per token.
+template <typename T>
+struct TileWalk {
+  const T* cache;
+  const int64_t* table;
+  const Layout& l;
+  int64_t block, offset;  // of the next token
+  TileWalk(const T* cache_, const int64_t* table_, const Layout& l_, int64_t first)
+      : cache(cache_), table(table_), l(l_), block(first / l_.block_size), offset(first % l_.block_size) {}
+  // rows[j] = token j's keys (index 0 of its block); the values are `block_size * token_stride()` further.
+  void next(int64_t count, const T** rows) {
+    for (int64_t j = 0; j < count; ++j) {
+      rows[j] = cache + table[block] * l.block_stride() + offset * l.token_stride();
+      if (++offset == l.block_size) {
+        offset = 0;
+        ++block;
       }
-      const Vec vinv(inv[h]);
-      for (int i = 0; i < NV; ++i) (acc[i] * vinv).store(out + h * l.head_dim + i * Vec::size());
     }
   }
 };
+
+// Asks for the cache lines (into L1) of the tile after the one being computed: `bytes` of each token's row from
+// `skip` elements in. Without it the kernel waits on memory at every block (blocks lie anywhere in the cache):
+// measured 64 -> 53 ms for 32 decodes at 300 tokens x 30 layers (float32 cache, one thread). Two or four tiles
+// ahead, or into L2 only, measured no better (benchmarks/analysis.md).
+template <typename T>
+struct Prefetcher {
+  TileWalk<T> walk;
+  int64_t left, skip, bytes;  // tokens not asked for yet
+  Prefetcher(const T* cache, const int64_t* table, const Layout& l, int64_t first, int64_t n, int64_t skip_,
+             int64_t bytes_)
+      : walk(cache, table, l, first), left(n), skip(skip_), bytes(bytes_) {
+    next();
+  }
+  void next() {
+    const int64_t count = std::min(kTile, left);
+    if (count <= 0) return;
+    const T* rows[kTile];
+    walk.next(count, rows);
+    left -= count;
+    for (int64_t j = 0; j < count; ++j) {
+      const char* p = reinterpret_cast<const char*>(rows[j] + skip);
+      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+  }
+};
+
+// The largest of s[0 .. n) (n >= 1), lane-wise then across lanes: a scalar running max waits on each compare.
+float max_of(const float* s, int64_t n) {
+  int64_t i = 0;
+  float best = s[0];
+  if (n >= Vec::size()) {
+    Vec vbest = Vec::loadu(s);
+    for (i = Vec::size(); i + Vec::size() <= n; i += Vec::size()) vbest = at::vec::maximum(vbest, Vec::loadu(s + i));
+    float lanes[Vec::size()];
+    vbest.store(lanes);
+    best = *std::max_element(lanes, lanes + Vec::size());
+  }
+  for (; i < n; ++i) best = std::max(best, s[i]);
+  return best;
+}
 
 // In place: s[i] = exp(s[i] - max); returns the sum.
 float exp_shifted(float* s, int64_t n, float max) {
@@ -172,56 +177,178 @@ float exp_shifted(float* s, int64_t n, float max) {
   return sum;
 }
 
-template <int NV, typename T>
-void attend(const float* q, const T* cache, const int64_t* table, int64_t first, int64_t last, const Layout& l,
-            int64_t kv_head, float scale, std::vector<float>& scores, float* out) {
-  const int64_t n = last - first;
-  scores.resize(l.per_kv * n);
-  const T* keys = cache + kv_head * l.head_dim;
-  HeadKernel<NV, T>::scores(q, keys, table, first, last, l, scale, scores.data());
-  std::vector<float> inv(l.per_kv);
-  for (int64_t h = 0; h < l.per_kv; ++h) {
-    float* s = scores.data() + h * n;
-    inv[h] = 1.f / exp_shifted(s, n, *std::max_element(s, s + n));
+// Per-thread scratch of one call (reused across its tasks).
+struct Scratch {
+  std::vector<float> scores, acc, inv;
+#if defined(CPU_CAPABILITY_AVX512)
+  std::vector<__m512> partial;  // [per_kv][kTile] lane sums of one tile and K/V head
+#endif
+};
+
+// One task: the query heads of K/V heads [g0, g1) of one sequence (query `q` and output `out` at the sequence's
+// head 0), over its tokens [first, last). Each cached K (then V) row is loaded once for all the query heads that
+// share it (the GQA group), tile by tile in the cache's order (every K/V head of a token, then the next token), so
+// every cache line fetched is used at once. The arithmetic per (sequence, query head) is fixed: scores
+// q . k * scale (lanes summed by one transposing reduction per 16 tokens on AVX-512), an exact softmax (max
+// subtracted, ATen's vectorized exp), then sum_t p_t * v_t in token order, times 1 / sum p: it does not depend on
+// the batch, on how heads are grouped into tasks, or on the thread count. NV vectors per head row (head_dim == NV *
+// Vec::size()); H query heads share a pass of the values (per_kv % H == 0, H * NV accumulators in registers).
+template <int NV, int H, typename T>
+void attend_task(const float* q, const T* cache, const int64_t* table, int64_t first, int64_t last, const Layout& l,
+                 int64_t g0, int64_t g1, float scale, Scratch& scratch, float* out) {
+  constexpr int64_t W = Vec::size();
+  const int64_t n = last - first, per_kv = l.per_kv, hd = l.head_dim;
+  const int64_t heads = (g1 - g0) * per_kv;  // rows of `scores`: head (g - g0) * per_kv + h
+  const int64_t value_skip = l.block_size * l.token_stride();
+  const int64_t span = (g1 - g0) * hd;  // elements of a token's row this task reads
+  scratch.scores.resize(heads * n);
+  float* scores = scratch.scores.data();
+  const T* rows[kTile];
+  const int64_t row_bytes = span * static_cast<int64_t>(sizeof(T));
+  const float* qt = q + g0 * per_kv * hd;  // the task's first query head
+
+  // Scores, tile by tile; the next tile's rows are fetched while this one is computed.
+  {
+    TileWalk<T> walk(cache, table, l, first);
+    Prefetcher<T> prefetch(cache, table, l, first, n, g0 * hd, row_bytes);
+#if defined(CPU_CAPABILITY_AVX512)
+    scratch.partial.resize(per_kv * kTile);
+    __m512* partial = scratch.partial.data();
+#endif
+    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      const int64_t count = std::min(kTile, n - t0);
+      walk.next(count, rows);
+      prefetch.next();
+#if defined(CPU_CAPABILITY_AVX512)
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t j = 0; j < kTile; ++j) {
+          if (j >= count) {
+            for (int64_t h = 0; h < per_kv; ++h) partial[h * kTile + j] = _mm512_setzero_ps();
+            continue;
+          }
+          const T* k = rows[j] + g * hd;
+          Vec kv[NV];
+          for (int i = 0; i < NV; ++i) kv[i] = load(k + i * W);
+          for (int64_t h = 0; h < per_kv; ++h) {
+            const float* qh = qt + ((g - g0) * per_kv + h) * hd;
+            Vec acc = Vec::loadu(qh) * kv[0];
+            for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(Vec::loadu(qh + i * W), kv[i], acc);
+            partial[h * kTile + j] = acc;
+          }
+        }
+        for (int64_t h = 0; h < per_kv; ++h) {
+          const __m512 sums = _mm512_mul_ps(reduce16(partial + h * kTile), _mm512_set1_ps(scale));
+          _mm512_mask_storeu_ps(scores + ((g - g0) * per_kv + h) * n + t0, static_cast<__mmask16>((1u << count) - 1),
+                                sums);
+        }
+      }
+#else
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t j = 0; j < count; ++j) {
+          const T* k = rows[j] + g * hd;
+          Vec kv[NV];
+          for (int i = 0; i < NV; ++i) kv[i] = load(k + i * W);
+          for (int64_t h = 0; h < per_kv; ++h) {
+            const float* qh = qt + ((g - g0) * per_kv + h) * hd;
+            Vec acc = Vec::loadu(qh) * kv[0];
+            for (int i = 1; i < NV; ++i) acc = at::vec::fmadd(Vec::loadu(qh + i * W), kv[i], acc);
+            scores[((g - g0) * per_kv + h) * n + t0 + j] = hsum(acc) * scale;
+          }
+        }
+#endif
+    }
   }
-  const T* values = keys + l.block_size * l.token_stride();  // index 1 of each block: the values
-  HeadKernel<NV, T>::values(scores.data(), values, table, first, last, l, inv.data(), out);
+
+  // Softmax of each head's scores, in place; the values pass scales by 1 / sum at the end.
+  scratch.inv.resize(heads);
+  float* inv = scratch.inv.data();
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * n;
+    inv[h] = 1.f / exp_shifted(s, n, max_of(s, n));
+  }
+
+  // Values: per tile and K/V head, H query heads at a time accumulate p * v in registers, in token order.
+  scratch.acc.assign(heads * hd, 0.f);
+  float* acc_all = scratch.acc.data();
+  TileWalk<T> walk(cache, table, l, first);
+  Prefetcher<T> prefetch(cache, table, l, first, n, value_skip + g0 * hd, row_bytes);
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t count = std::min(kTile, n - t0);
+    walk.next(count, rows);
+    prefetch.next();
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t h0 = 0; h0 < per_kv; h0 += H) {
+        const int64_t head0 = (g - g0) * per_kv + h0;
+        Vec acc[H][NV];
+        for (int hh = 0; hh < H; ++hh)
+          for (int i = 0; i < NV; ++i) acc[hh][i] = Vec::loadu(acc_all + (head0 + hh) * hd + i * W);
+        for (int64_t j = 0; j < count; ++j) {
+          const T* v = rows[j] + value_skip + g * hd;
+          Vec vv[NV];
+          for (int i = 0; i < NV; ++i) vv[i] = load(v + i * W);
+          for (int hh = 0; hh < H; ++hh) {
+            const Vec pv(scores[(head0 + hh) * n + t0 + j]);
+            for (int i = 0; i < NV; ++i) acc[hh][i] = at::vec::fmadd(vv[i], pv, acc[hh][i]);
+          }
+        }
+        for (int hh = 0; hh < H; ++hh)
+          for (int i = 0; i < NV; ++i) acc[hh][i].store(acc_all + (head0 + hh) * hd + i * W);
+      }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const Vec vinv(inv[h]);
+    for (int64_t i = 0; i < hd; i += W)
+      (Vec::loadu(acc_all + h * hd + i) * vinv).store(out + (g0 * per_kv + h) * hd + i);
+  }
 }
 
 template <typename T>
-using AttendFn = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, const Layout&, int64_t, float,
-                          std::vector<float>&, float*);
+using TaskFn = void (*)(const float*, const T*, const int64_t*, int64_t, int64_t, const Layout&, int64_t, int64_t,
+                        float, Scratch&, float*);
 
-// The instance for head_dim, or nullptr if head_dim is not 1, 2, 4, 8 or 16 vectors wide.
+template <int NV, typename T>
+TaskFn<T> task_for_heads(int64_t per_kv) {
+  // H query heads per values pass: the widest of 4, 3, 2, 1 that divides per_kv with H * NV <= 16 accumulators
+  if (per_kv % 4 == 0 && 4 * NV <= 16) return attend_task<NV, 4, T>;
+  if (per_kv % 3 == 0 && 3 * NV <= 16) return attend_task<NV, 3, T>;
+  if (per_kv % 2 == 0 && 2 * NV <= 16) return attend_task<NV, 2, T>;
+  return attend_task<NV, 1, T>;
+}
+
+// The instance for head_dim and the group size, or nullptr if head_dim is not 1, 2, 4, 8, 16 or 32 vectors wide.
 template <typename T>
-AttendFn<T> attend_for(int64_t head_dim) {
+TaskFn<T> task_for(int64_t head_dim, int64_t per_kv) {
   if (head_dim % Vec::size() != 0) return nullptr;
   switch (head_dim / Vec::size()) {
-    case 1: return attend<1, T>;
-    case 2: return attend<2, T>;
-    case 4: return attend<4, T>;
-    case 8: return attend<8, T>;
-    case 16: return attend<16, T>;
+    case 1: return task_for_heads<1, T>(per_kv);
+    case 2: return task_for_heads<2, T>(per_kv);
+    case 4: return task_for_heads<4, T>(per_kv);
+    case 8: return task_for_heads<8, T>(per_kv);
+    case 16: return task_for_heads<16, T>(per_kv);
+    case 32: return task_for_heads<32, T>(per_kv);  // 256 floats on AVX2 (Gemma 3), as decode_reads_cache offers
     default: return nullptr;
   }
 }
 
-// All (sequence, K/V head) tasks of one call, on a cache of element type T.
+// All tasks of one call, on a cache of element type T. A task is one sequence (every K/V head) when there are
+// enough sequences to share among the threads, else one (sequence, K/V head); either way the same arithmetic.
 template <typename T>
 void attend_all(const float* qp, const T* cache, const int64_t* tables, const int64_t* lens, const Layout& l,
                 int64_t num_seqs, int64_t num_heads, int64_t window, float scale, float* op) {
-  const AttendFn<T> attend_one = attend_for<T>(l.head_dim);
-  TORCH_CHECK(attend_one != nullptr, "head_dim ", l.head_dim, " is not 1, 2, 4, 8 or 16 vectors of ", Vec::size(),
+  const TaskFn<T> task = task_for<T>(l.head_dim, l.per_kv);
+  TORCH_CHECK(task != nullptr, "head_dim ", l.head_dim, " is not 1, 2, 4, 8, 16 or 32 vectors of ", Vec::size(),
               " floats");
-  const int64_t num_kv_heads = l.num_kv_heads;
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / num_kv_heads, kv_head = task % num_kv_heads;
+  const int64_t kv_heads = l.num_kv_heads;
+  // K/V heads per task: all while each thread gets at least 4 sequences, else one
+  const int64_t per_task = num_seqs >= 4 * at::get_num_threads() ? kv_heads : 1;
+  const int64_t splits = kv_heads / per_task;
+  at::parallel_for(0, num_seqs * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t s = index / splits, g0 = (index % splits) * per_task;
       const int64_t last = lens[s], first = window > 0 ? std::max<int64_t>(0, last - window) : 0;
-      const int64_t head0 = kv_head * l.per_kv;
-      attend_one(qp + (s * num_heads + head0) * l.head_dim, cache, tables + s * l.max_blocks, first, last, l, kv_head,
-                 scale, scores, op + (s * num_heads + head0) * l.head_dim);
+      task(qp + s * num_heads * l.head_dim, cache, tables + s * l.max_blocks, first, last, l, g0, g0 + per_task, scale,
+           scratch, op + s * num_heads * l.head_dim);
     }
   });
 }
