@@ -10,11 +10,16 @@ skipped. A torch build without MKL's packed GEMM skips the MKL tests alone (`pac
 from __future__ import annotations
 
 import os
+import pathlib
 import platform
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
+
+if TYPE_CHECKING:
+    from asyncllm.model.kernels.choice import KernelChooser
 
 ON_X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -56,3 +61,27 @@ def require_mkl_packed() -> RowKernels:
     checked = mkl_packed_kernels()
     assert checked is not None, "MKL's packed GEMM links but failed its check against x @ W"
     return checked
+
+
+REFERENCE_KERNELS = ("int_mm", "matmul")  # torch's own products: exact (int8) or the reference (fp32) on every host
+
+
+def force_or_refused(
+    kind: Any, name: str, cache_dir: pathlib.Path, shape: tuple[int, int]
+) -> KernelChooser[Any] | None:
+    """A chooser forcing kernel `name` of product `kind`, or None where the start-up check refused it on `shape` for
+    wrong results on this host (oneDNN's int8 product on AVX2-only AMD EPYC gives values off by thousands: the
+    check must refuse it, with a ConfigError naming it). torch's own products are never refused."""
+    from asyncllm.errors import ConfigError
+    from asyncllm.model.kernels.choice import KernelChooser
+
+    chooser = KernelChooser(kind, forced=name, cache_dir=cache_dir)
+    try:
+        chooser.choose(*shape)
+    except ConfigError as e:
+        refusal = str(e)
+    else:
+        return chooser
+    assert name not in REFERENCE_KERNELS, f"torch's own {name} refused: {refusal}"
+    assert f"{kind.name}={name!r} gives wrong results" in refusal
+    return None

@@ -137,9 +137,15 @@ def test_logits_match_hf_over_prefill_and_32_decode_steps(family: tuple[str, Any
     assert ours_ids[clear].tolist() == torch.tensor(tokens)[clear].tolist(), name
 
 
-def _batch_and_chunks(model: Any) -> None:
+def _batch_and_chunks(model: Any, chunked_rel_error: float = 0.0) -> None:
     """A batch of two prefills equals each alone; a prefill in three chunks equals the whole; then a mixed step
-    (one sequence decoding, the other prefilling its last chunk) equals the solo runs."""
+    (one sequence decoding, the other prefilling its last chunk) equals the solo runs.
+
+    A chunk after a cached prefix runs a different float sum (the prefix and the chunk merged by log-sum-exp,
+    `prefill_attention.py`), equal to the whole within float32 rounding. With `chunked_rel_error` > 0 (int8
+    activations), such a rounding may move an activation across an int8 rounding boundary: the chunked logits
+    then stay within that share of the largest logit and give the whole run's greedy token wherever its top two
+    differ by `MARGIN`. Batch against solo is the same sum on every host and stays exact."""
     solo = [Cache(model, 1, 16).step([0], [seq], [0]) for seq in (PROMPT, OTHER)]
     both = Cache(model, 2, 16).step([0, 1], [PROMPT, OTHER], [0, 0])
     torch.testing.assert_close(both, torch.cat(solo), atol=1e-5, rtol=1e-5)
@@ -148,8 +154,16 @@ def _batch_and_chunks(model: Any) -> None:
     cache.step([1], [OTHER[:4]], [0])
     mixed = cache.step([0, 1], [PROMPT[9:], OTHER[4:]], [9, 4])
     chunked = torch.cat([*chunks, mixed[: len(PROMPT) - 9]])
-    torch.testing.assert_close(chunked, solo[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mixed[len(PROMPT) - 9 :], solo[1][4:], atol=1e-5, rtol=1e-5)
+    for got, want in ((chunked, solo[0]), (mixed[len(PROMPT) - 9 :], solo[1][4:])):
+        if chunked_rel_error == 0.0:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            continue
+        relative = ((got - want).abs().max() / want.abs().max()).item()
+        assert relative < chunked_rel_error, f"chunked prefill: {relative:.3g} of the largest logit"
+        top2 = want.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] >= MARGIN
+        assert int(clear.sum()) >= len(want) // 2
+        assert got[clear].argmax(-1).tolist() == want[clear].argmax(-1).tolist()
 
 
 def test_batch_equals_solo_and_chunked_prefill_equals_whole(family: tuple[str, Any, Any]) -> None:
@@ -168,7 +182,7 @@ def test_int8_within_its_error_and_equal_to_its_own_solo_runs(
     fp32, quantized = prefill_then_decode(model, PROMPT, tokens), prefill_then_decode(int8, PROMPT, tokens)
     relative = ((quantized - fp32).abs().max() / fp32.abs().max()).item()
     assert relative < INT8_REL_ERROR, f"{name}: int8 max abs logit error {relative:.3g} of the largest logit"
-    _batch_and_chunks(int8)
+    _batch_and_chunks(int8, chunked_rel_error=INT8_REL_ERROR / 2)
 
 
 def test_gguf_with_llama_cpp_names_matches_hf(family: tuple[str, Any, Any], tmp_path: pathlib.Path) -> None:

@@ -30,6 +30,7 @@ from asyncllm.model.kernels.fp32 import FP32_PRODUCT
 from asyncllm.model.kernels.int8 import INT8_PRODUCT, Int8Weight
 from asyncllm.model.loading.loader import load_model
 from asyncllm.utils.cpu_load import OtherCpuLoad
+from tests.kernel_checks import force_or_refused
 from tests.unit.test_quant import TINY_LLAMA
 
 HOST = {"cpu": "Test CPU 9000", "cpu_flags": "abc", "torch": "2.13.0", "onednn": "v3.12.0", "threads": "2"}
@@ -191,12 +192,14 @@ def test_row_classes_and_checked_columns() -> None:
 
 @pytest.mark.parametrize("kind", [INT8_PRODUCT, FP32_PRODUCT], ids=["int8", "fp32"])
 def test_every_real_kernel_agrees_with_the_reference(kind: ProductKind[Any], tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Each available kernel of this build, forced, passes its own check on a model-like shape (K = 576)."""
+    """Each available kernel of this build, forced, passes its own check on a model-like shape (K = 576), or is
+    refused for wrong results with a ConfigError (never torch's own product)."""
     names = [c.name for c in kind.candidates if c.available()]
     assert "int_mm" in names or "matmul" in names
     for name in names:
-        chooser = KernelChooser(kind, forced=name, cache_dir=tmp_path)
-        assert chooser.choose(576, 200).kernels == (name,) * len(ROW_CLASSES)
+        chooser = force_or_refused(kind, name, tmp_path, (576, 200))
+        if chooser is not None:
+            assert chooser.choose(576, 200).kernels == (name,) * len(ROW_CLASSES)
 
 
 def test_forced_kernels_are_validated_at_the_door(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -232,6 +235,10 @@ def test_a_forced_kernel_runs_the_model_and_is_logged(tmp_path, caplog, monkeypa
     assert "int8 linear kernels (forced;" in caplog.text
     classes = "1 int_mm, 2-16 int_mm, 17-64 int_mm, 65-511 int_mm, 512+ int_mm"
     assert f"64x{TINY_LLAMA['vocab_size']}: {classes}" in caplog.text
+    if force_or_refused(INT8_PRODUCT, "onednn", tmp_path, (64, TINY_LLAMA["vocab_size"])) is None:
+        with pytest.raises(ConfigError, match="int8='onednn' gives wrong results"):  # the environment's, refused here
+            load_model(config)
+        return
     from_env = load_model(config).lm_head
     assert from_env.choice is not None
     assert from_env.choice.kernels == ("onednn",) * len(ROW_CLASSES)
