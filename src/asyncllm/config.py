@@ -136,7 +136,7 @@ class EngineArgs:
             float checkpoints requantized to Q8_0. The block modes need tensor_parallel_size=1 and no LoRA (asked
             for explicitly, anything else is a ConfigError). See README "Speed" and docs/benchmarks.md.
         linear_kernels: force the kernel of a kind of linear product, e.g. {"int8": "int_mm"} or "int8=int_mm"
-            (int8: "onednn", "int_mm"; fp32: "matmul", "mkl_packed", "onednn"). None (default): each
+            (int8: "onednn", "int_mm", "avx2"; fp32: "matmul", "mkl_packed", "onednn"). None (default): each
             is chosen by timing the candidates on the host at first start (cached; docs/kernels.md). The
             environment variable `ASYNCLLM_LINEAR_KERNELS` does the same; this argument wins.
         distributed_executor_backend: "uni" (model in the engine process, default), "mp" (one worker process

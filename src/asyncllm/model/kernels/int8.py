@@ -103,6 +103,34 @@ def _run_onednn_s8(qx: torch.Tensor, operand: OneDNNInt8) -> torch.Tensor:
     return _run_onednn(qx, operand, 0)
 
 
+@functools.cache
+def avx2_int8_available() -> bool:
+    """Whether the fused kernel module (`row_kernels.load_kernels`) loaded here with its AVX2 int8 product."""
+    from asyncllm.model.kernels.row_kernels import load_kernels  # (row_kernels imports this module)
+
+    kernels = load_kernels()
+    return kernels is not None and kernels.int8_avx2_available()
+
+
+Avx2Int8 = tuple[torch.Tensor, torch.Tensor, int]  # (packed weight, [out] scales, out_features)
+
+
+def _pack_avx2(weight: Int8Weight) -> Avx2Int8:
+    from asyncllm.model.kernels.row_kernels import load_kernels
+
+    kernels = load_kernels()
+    assert kernels is not None  # (only offered where `avx2_int8_available()`)
+    return kernels.int8_pack_avx2(weight.qweight), weight.scale, weight.qweight.shape[1]
+
+
+def _run_avx2(qx: torch.Tensor, operand: Avx2Int8) -> torch.Tensor:
+    from asyncllm.model.kernels.row_kernels import load_kernels
+
+    kernels = load_kernels()
+    assert kernels is not None
+    return kernels.int8_gemm_avx2(qx, *operand)
+
+
 def _run_int_mm(qx: torch.Tensor, operand: Int8Weight) -> torch.Tensor:
     acc = torch._int_mm(qx, operand.qweight)  # int32 [rows, out]
     return acc.float().mul_(operand.scale)  # (a mixed int32 * float32 mul is slower)
@@ -137,6 +165,7 @@ INT8_PRODUCT = ProductKind[Int8Weight](
     candidates=(
         Candidate("onednn", onednn_int8_available, _prepack_onednn, _run_onednn_s8),
         Candidate("int_mm", lambda: hasattr(torch, "_int_mm"), lambda weight: weight, _run_int_mm),
+        Candidate("avx2", avx2_int8_available, _pack_avx2, _run_avx2),
     ),
     make_weight=_random_int8_weight,
     make_input=_random_int8_input,

@@ -68,10 +68,12 @@ logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
 # compiled together; with the headers, in the cache key
 SOURCES = tuple(
-    SOURCE.with_name(name) for name in ("row_kernels.cpp", "packed_gemm.cpp", "paged_attention.cpp", "block_quant.cpp")
+    SOURCE.with_name(name)
+    for name in ("row_kernels.cpp", "packed_gemm.cpp", "paged_attention.cpp", "block_quant.cpp", "int8_gemm.cpp")
 )
 HEADERS = tuple(
-    SOURCE.with_name(name) for name in ("packed_gemm.h", "paged_attention.h", "block_quant.h", "vec_capability.h")
+    SOURCE.with_name(name)
+    for name in ("packed_gemm.h", "paged_attention.h", "block_quant.h", "int8_gemm.h", "vec_capability.h")
 )
 ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
 STALE_LOCK_S = 600.0  # seconds; a build takes about 20
@@ -289,6 +291,23 @@ class RowKernels(Protocol):
         window or 0). Raises RuntimeError on lists of other lengths."""
         ...
 
+    def int8_avx2_available(self) -> bool:
+        """Whether this build has the AVX2 int8 product (`csrc/int8_gemm.h`)."""
+        ...
+
+    def int8_pack_avx2(self, qweight: torch.Tensor) -> torch.Tensor:
+        """`[in, out]` int8 weight (no -128) -> its packed copy, `[ceil(out / 8), ceil(in / 4), 8, 4]` uint8
+        (`csrc/int8_gemm.h`). Raises RuntimeError on a wrong dtype or shape or a value of -128."""
+        ...
+
+    def int8_gemm_avx2(
+        self, qx: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
+        """`[rows, in]` int8 activations times a packed int8 weight -> `[rows, out_features]` float32
+        `float(exact int32 sum) * scale[column]`, `torch._int_mm(qx, qweight).float() * scale` bit for bit; the GIL
+        is released meanwhile. Raises RuntimeError on wrong shapes or dtypes or without the AVX2 path."""
+        ...
+
     def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, num_threads: int) -> torch.Tensor:
         """`x @ W`: `[rows, in]` float32 contiguous times a packed `[in, out_features]` weight -> `[rows, out_features]`
         (MKL's kernel, float32 arithmetic in its own summation order), its column chunks handed out on demand to
@@ -416,6 +435,9 @@ KERNELS = (
     "block_dequantize_columns",
     "argmax_rows",
     "BlockDecodeStack",
+    "int8_avx2_available",
+    "int8_pack_avx2",
+    "int8_gemm_avx2",
 )
 
 
