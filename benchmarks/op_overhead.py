@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from throughput import machine_info  # benchmarks/ is on sys.path when run as a script
 
 from asyncllm.config import ModelConfig
-from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_rows
+from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul
 from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
+from asyncllm.model.kernels.row_quant import quantize_rows
 from asyncllm.model.llama import LlamaDecoderLayer, rms_norm
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.resolve import resolve_model_path

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from asyncllm.model.kernels.choice import ROW_CLASSES, KernelChooser
-from asyncllm.model.kernels.int8 import INT8_PRODUCT, quantize_int8, quantize_rows
+from asyncllm.model.kernels.int8 import INT8_PRODUCT, quantize_int8
 from asyncllm.model.kernels.linear import linear
+from asyncllm.model.kernels.row_quant import quantize_rows
 from tests.kernel_checks import require_kernels
 
 

@@ -21,8 +21,9 @@ from asyncllm.model.kernels.fp32 import (
     onednn_fp32_available,
     pack_fp32,
 )
-from asyncllm.model.kernels.int8 import INT8_PRODUCT, Int8Weight, onednn_int8_available, quantize_int8, quantize_rows
+from asyncllm.model.kernels.int8 import INT8_PRODUCT, Int8Weight, onednn_int8_available, quantize_int8
 from asyncllm.model.kernels.linear import linear
+from asyncllm.model.kernels.row_quant import quantize_rows
 from asyncllm.model.loading.loader import load_model
 from tests.kernel_checks import force_or_refused, require_mkl_packed
 from tests.unit.test_quant import TINY_LLAMA, _logits

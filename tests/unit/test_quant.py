@@ -10,8 +10,9 @@ import torch
 
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.errors import ConfigError
-from asyncllm.model.kernels.int8 import Int8Weight, quantize_int8, quantize_rows
+from asyncllm.model.kernels.int8 import Int8Weight, quantize_int8
 from asyncllm.model.kernels.linear import linear
+from asyncllm.model.kernels.row_quant import quantize_rows
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.loading.loader import load_model
 from tests.model_weights import randomize_matrices

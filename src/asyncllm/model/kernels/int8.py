@@ -2,7 +2,7 @@
 
 `quantize_int8(w)` turns an fp32 `[in, out]` weight into an `Int8Weight`: int8 values and one fp32 scale per
 output column, symmetric (`scale = max |w[:, j]| / 127`), prepared for the kernels the chooser picks for its shape
-(`kernels/choice.py`). `int8_matmul(qx, w)` multiplies int8 activations (quantized per row by `quantize_rows`,
+(`kernels/choice.py`). `int8_matmul(qx, w)` multiplies int8 activations (quantized per row by `row_quant.quantize_rows`,
 symmetric, `max |x[i]| / 127`, or by the fused row kernels) in int32 and scales by the weight scale; the caller
 applies each row's own scale. The candidates (`INT8_PRODUCT`): oneDNN's int8 matmul on weights prepacked once
 (`torch.ops.onednn.qlinear_pointwise`, the kernel behind torch's x86 int8 inference; VNNI/AMX where the CPU has
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from asyncllm.model.kernels.choice import Candidate, KernelChoice, KernelChooser, ProductKind, forced_kernels_from_env
+from asyncllm.model.kernels.row_kernels import load_kernels
 from asyncllm.model.kernels.row_padding import bucket_rows, pad_rows
 
 
@@ -106,8 +107,6 @@ def _run_onednn_s8(qx: torch.Tensor, operand: OneDNNInt8) -> torch.Tensor:
 @functools.cache
 def avx2_int8_available() -> bool:
     """Whether the fused kernel module (`row_kernels.load_kernels`) loaded here with its AVX2 int8 product."""
-    from asyncllm.model.kernels.row_kernels import load_kernels  # (row_kernels imports this module)
-
     kernels = load_kernels()
     return kernels is not None and kernels.int8_avx2_available()
 
@@ -116,16 +115,12 @@ Avx2Int8 = tuple[torch.Tensor, torch.Tensor, int]  # (packed weight, [out] scale
 
 
 def _pack_avx2(weight: Int8Weight) -> Avx2Int8:
-    from asyncllm.model.kernels.row_kernels import load_kernels
-
     kernels = load_kernels()
     assert kernels is not None  # (only offered where `avx2_int8_available()`)
     return kernels.int8_pack_avx2(weight.qweight), weight.scale, weight.qweight.shape[1]
 
 
 def _run_avx2(qx: torch.Tensor, operand: Avx2Int8) -> torch.Tensor:
-    from asyncllm.model.kernels.row_kernels import load_kernels
-
     kernels = load_kernels()
     assert kernels is not None
     return kernels.int8_gemm_avx2(qx, *operand)
@@ -190,16 +185,6 @@ def int8_chooser(forced: str | None = None) -> KernelChooser[Int8Weight]:
 @functools.cache
 def _int8_chooser(forced: str | None) -> KernelChooser[Int8Weight]:
     return KernelChooser(INT8_PRODUCT, forced)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 quantization of `[rows, features]` float32 activations.
-
-    Returns:
-        (int8 [rows, features], float32 [rows, 1] scales); a row of zeros gets a tiny scale and stays zero.
-    """
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).mul_(1 / 127)
-    return x.div(scale).round_().to(torch.int8), scale
 
 
 def int8_matmul(qx: torch.Tensor, weight: Int8Weight) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 
 from asyncllm.model.kernels.block_quant import BlockQuantWeight, block_linear
 from asyncllm.model.kernels.fp32 import PackedFp32Weight, packed_linear
-from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_rows
+from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul
+from asyncllm.model.kernels.row_quant import quantize_rows
 
 Weight = torch.Tensor | Int8Weight | PackedFp32Weight | BlockQuantWeight
 _input_absmax: dict[int, torch.Tensor] | None = None  # set while `record_input_absmax` is active

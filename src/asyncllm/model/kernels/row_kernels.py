@@ -61,8 +61,8 @@ from typing import Protocol, cast
 import torch
 import torch.nn.functional as F
 
-from asyncllm.model.kernels.int8 import quantize_rows
 from asyncllm.model.kernels.rotary import apply_rotary
+from asyncllm.model.kernels.row_quant import quantize_rows
 
 logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
