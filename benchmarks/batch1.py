@@ -153,8 +153,11 @@ def server_cmd(server: str, model_path: Path, port: int) -> tuple[list[str], dic
 
 
 async def run_requests(base_url: str, prompts: list[list[int]]) -> list[RequestTiming]:
-    """Send `prompts` one at a time (each waits for the previous one's last token)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0)) as http:
+    """Send `prompts` one at a time (each waits for the previous one's last token), each on a new connection:
+    llama-server may close an idle keep-alive connection just as the next request goes out on it ("Server
+    disconnected without sending a response", seen on 2 of 3 runs on the AMD EPYC host)."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as http:
         return [await stream_one(http, base_url, prompt, OUTPUT_LEN) for prompt in prompts]
 
 
