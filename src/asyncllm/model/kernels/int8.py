@@ -1,13 +1,15 @@
 """int8 weights (per output channel) with int8 dynamic activations (per row): the int8 products' kernels.
 
-`quantize_int8(w)` turns an fp32 `[in, out]` weight into an `Int8Weight`: int8 values and one fp32 scale per
-output column, symmetric (`scale = max |w[:, j]| / 127`), prepared for the kernels the chooser picks for its shape
-(`kernels/choice.py`). `int8_matmul(qx, w)` multiplies int8 activations (quantized per row by `row_quant.quantize_rows`,
-symmetric, `max |x[i]| / 127`, or by the fused row kernels) in int32 and scales by the weight scale; the caller
-applies each row's own scale. The candidates (`INT8_PRODUCT`): oneDNN's int8 matmul on weights prepacked once
-(`torch.ops.onednn.qlinear_pointwise`, the kernel behind torch's x86 int8 inference; VNNI/AMX where the CPU has
-them), with the activation scale passed as 1; and `torch._int_mm` on the plain `[in, out]` int8 weight. Integer
-accumulation is exact and both scale it by the weight scale in the same order, so both give the same values.
+`quantize_int8(w)` turns an fp32 `[in, out]` weight into an `Int8Weight`: int8 values and one fp32 scale per output
+column, symmetric (`scale = max |w[:, j]| / 127`), prepared for the kernels the chooser picks for its shape
+(`kernels/choice.py`). `int8_matmul(qx, w)` multiplies int8 activations (quantized per row by
+`row_quant.quantize_rows`, symmetric, `max |x[i]| / 127`, or by the fused row kernels) in int32 and scales by the
+weight scale; the caller applies each row's own scale. The candidates (`INT8_PRODUCT`): oneDNN's int8 matmul on
+weights prepacked once (`torch.ops.onednn.qlinear_pointwise`, the kernel behind torch's x86 int8 inference; VNNI/AMX
+where the CPU has them), with the activation scale passed as 1; `torch._int_mm` on the plain `[in, out]` int8
+weight; and asyncllm's own AVX2 kernel (`csrc/int8_gemm.cpp`, "avx2": for CPUs without VNNI, where the other two are
+wrong or 15-45x slower than float32; docs/kernels.md). Integer accumulation is exact and each scales it by the
+weight scale in the same order, so all give the same values (the chooser's start-up check drops one that does not).
 
 Every row has its own activation scale, so a row's products never depend on which rows share its batch (fbgemm's
 dynamic quantized linear scales the whole batch with one activation range).
