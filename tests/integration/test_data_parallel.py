@@ -22,11 +22,15 @@ from tests import state_probes
 from tests.integration.conftest import EngineFactory, greedy
 
 pytestmark = pytest.mark.mp
+# The default weights (the file's own Q4_1 blocks, ~0.45 GB per engine process) rather than float32 (~2.5 GB): this
+# module keeps three engines for its whole run while its tests start two or three more, and in float32 that took a
+# fresh-clone CI run on a 24 GB host to its OOM killer. Data parallelism is the same on either.
+WEIGHTS = {"quantization": "auto"}
 PROMPTS = [f"Question {i}: what is {i} plus {i * 3}? Answer:" for i in range(32)]
 
 
 def dp_args(model_path: str, size: int = 2, **kw) -> EngineArgs:
-    return EngineArgs(model=model_path, data_parallel_size=size, num_kv_blocks=128, quantization=None, **kw)
+    return EngineArgs(model=model_path, data_parallel_size=size, num_kv_blocks=128, **{**WEIGHTS, **kw})
 
 
 def client(llm: AsyncLLM) -> DPEngineCoreClient:
@@ -46,7 +50,7 @@ def is_gone(pid: int) -> bool:
 def single(model_path: str) -> Iterator[AsyncLLM]:
     """One engine (its own process, `ENGINE_DEFAULTS`): the reference and the one-rank case."""
     factory = EngineFactory(model_path)
-    yield factory()
+    yield factory(**WEIGHTS)
     factory.close()
 
 
@@ -54,7 +58,7 @@ def single(model_path: str) -> Iterator[AsyncLLM]:
 def dp(model_path: str) -> Iterator[AsyncLLM]:
     """Two engine processes behind one client (`ENGINE_DEFAULTS`, data_parallel_size=2)."""
     factory = EngineFactory(model_path)
-    yield factory(data_parallel_size=2)
+    yield factory(data_parallel_size=2, **WEIGHTS)
     factory.close()
 
 
@@ -208,7 +212,7 @@ async def _stream_until_error(stream) -> BaseException | None:
 
 @pytest.mark.slow
 async def test_killing_one_engine_fails_every_stream_within_5_s(make_llm: EngineFactory) -> None:
-    llm = make_llm(data_parallel_size=2)
+    llm = make_llm(data_parallel_size=2, **WEIGHTS)
     streams = [llm.generate(p, greedy(400, ignore_eos=True)) for p in PROMPTS[:8]]
     errors: list = [None] * 8
     killed_at: list[float] = []
@@ -235,7 +239,7 @@ async def test_killing_one_engine_fails_every_stream_within_5_s(make_llm: Engine
 
 @pytest.mark.slow
 async def test_restart_dead_engines_fails_only_that_engines_requests(make_llm: EngineFactory) -> None:
-    llm = make_llm(data_parallel_size=2, restart_dead_engines=True)
+    llm = make_llm(data_parallel_size=2, restart_dead_engines=True, **WEIGHTS)
     old_pid = state_probes.engine_pids(client(llm))[1]
     streams = [
         llm.generate(p, greedy(40, ignore_eos=True), data_parallel_rank=i % 2) for i, p in enumerate(PROMPTS[:8])
