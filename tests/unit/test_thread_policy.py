@@ -358,18 +358,62 @@ def test_step_cost_fit_decode_only_and_single_size_steps() -> None:
         StepCostFit(window=2, min_steps=4)
 
 
-def test_a_probe_of_sizes_the_fit_cannot_judge_is_undecided_and_keeps_the_interval() -> None:
-    """Before the fix such a probe counted as confirming the current count, and the interval doubled (32 -> 512
-    steps after four of them) while nothing had been compared."""
+def test_a_probe_waits_through_sizes_the_fit_cannot_judge() -> None:
+    """A step of a size no step at the chosen count had cannot be judged: it runs at the chosen count, joins the fit,
+    and the probe waits for steps it can judge. (Before, the probe ran up to 2 x `probe_steps` such steps at the other
+    count and, with none judged, ended undecided.)"""
     machine = _Machine()
     policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, first_probe=32)
     _run(policy, machine, 32)  # the 32nd step starts the first probe
     assert policy.current == 1
-    for _ in range(2 * policy.probe_steps):  # the probe runs long prefills, sizes no 2-thread step had
-        policy.run((900, 1), machine.step)
+    policy.run((900, 1), machine.step)  # a long prefill: no 2-thread step had its size
+    assert machine.steps_at[1] == 0
+    assert machine.threads == 1
+    _run(policy, machine, policy.probe_steps)
+    assert machine.steps_at[1] == policy.probe_steps
+    assert policy.threads == 2
     assert policy.current == 2
-    assert machine.steps_at[1] == 2 * policy.probe_steps  # it ran probe_steps more, hoping for a size it knows
-    _run(policy, machine, 31)
+    _run(policy, machine, 63)
     assert policy.current == 2
     _run(policy, machine, 1)
-    assert policy.current == 1  # the next probe came after 32 steps again, not 64
+    assert policy.current == 1  # a confirming probe doubles the interval: the next came 64 steps later
+
+
+class _PrefillMachine(_Machine):
+    """Step seconds grow with the step's size: 10 ms + 1.7 ms per token + 2 ms per row at 2 threads, 1.9x that at
+    one (as measured for int8 on the 2-core AMD EPYC: a 1024-token mixed step 1.7-2.1 s at 2 threads, 2.9-3.7 s at
+    1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = (1, 1)
+        self.keys_at: dict[int, list[tuple[int, int]]] = {1: [], 2: []}
+
+    def step(self) -> None:
+        tokens, rows = self.key
+        seconds = (0.010 + 0.0017 * tokens + 0.002 * rows) * (1.9 if self.threads == 1 else 1.0)
+        self.now += seconds
+        self.keys_at[self.threads].append(self.key)
+        self.steps_at[self.threads] += 1
+
+
+# The first 24 step sizes (scheduled tokens, rows) of `asyncllm serve --quantization int8` on serving_shapes.py's
+# chat shape (2026-12-04, AMD EPYC): a few decodes, then the first probe, then 256-token prompts arriving faster than
+# they are prefilled (1024-token steps), then 32 decodes.
+_CHAT_START = [(32, 1), (33, 2), *[(2, 2)] * 6, (1, 1), (256, 1), *[(1024, r) for r in range(5, 30, 4)], (881, 32)]
+_CHAT_START += [(32, 32)] * 6
+
+
+def test_a_probe_leaves_long_steps_at_the_chosen_count() -> None:
+    """Before the fix the first probe ran 1 thread over the 256-token prompt and four 1024-token steps (the probe
+    waited for sizes its fit knew, and ran every step it waited through at 1 thread): 14 s of the real run at half
+    speed, ~7 s lost, for one judged step. A probe step now costs what a typical step costs: longer ones run at the
+    chosen count and teach the fit their size, and the probe is judged on the decodes after them."""
+    machine = _PrefillMachine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    for key in _CHAT_START:
+        machine.key = key
+        policy.run(key, machine.step)
+    assert machine.keys_at[1] == [(1, 1), (32, 32), (32, 32)]
+    assert policy.threads == 2
+    assert policy.current == 2

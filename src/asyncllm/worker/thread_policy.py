@@ -16,8 +16,10 @@ a busy process has no quiet steps to call a step slow). Then every `probe_interv
 probe that confirms the current count, up to `max_probe_interval`) it runs `probe_steps` steps at the other count,
 which wins when the median ratio of those steps is lower by `hysteresis` than that of the last `probe_steps` steps
 at the current count (fresh against fresh, so quiet history never decides a contended probe; both against the same
-fit, so only the sizes' relative costs need to be right). A probe with too few judged steps runs up to
-`probe_steps` more; one still without a judgement is undecided and keeps the interval. A step at `max_threads`
+fit, so only the sizes' relative costs need to be right). A probe runs only on steps the fit can judge and expects
+to take at most `probe_step_limit` x the median of its recent steps: a longer step (a prompt's prefill among
+decodes) would cost the most at a losing count and teach the probe nothing the decodes do not, so it runs at the
+chosen count, joins the fit (which so learns its size) and the probe waits for the next step. A step at `max_threads`
 slower than `slowdown` x the fit's expectation brings the probe forward to `probe_steps` steps later (so the current
 count is judged on steps that all ran in the new conditions); a slow one-thread step does not (more load never
 makes more threads faster). After a switch the fit starts again from the probe's steps.
@@ -146,6 +148,10 @@ class StepCostFit:
         seconds = a + b * x + c * y
         return seconds if seconds > 0 else None
 
+    def median_seconds(self) -> float:
+        """The median seconds of the steps kept (0.0 when there are none)."""
+        return statistics.median(seconds for _, _, seconds in self._steps) if self._steps else 0.0
+
     def recent_ratios(self, num_steps: int) -> list[float]:
         """The last `num_steps` steps' seconds over what the fit expects for their sizes, oldest first (steps the fit
         cannot judge left out)."""
@@ -183,6 +189,8 @@ class AdaptiveThreads:
             `probe_steps` slower steps once.
         max_probe_interval: the longest gap between probes, in steps.
         probe_steps: steps run at the other count per probe.
+        probe_step_limit: a probe waits through steps the fit expects to take longer than this factor x the median
+            of its recent steps (they run at the chosen count).
         slowdown: a step at `max_threads` slower than this factor x the time `StepCostFit` expects for its size
             triggers a probe.
         hysteresis: the other count must be this much faster (fraction) to be chosen.
@@ -204,6 +212,7 @@ class AdaptiveThreads:
         first_probe: int = 8,
         max_probe_interval: int = 512,
         probe_steps: int = 3,
+        probe_step_limit: float = 4.0,
         slowdown: float = 1.6,
         hysteresis: float = 0.05,
         set_threads: Callable[[int], None] = torch.set_num_threads,
@@ -220,6 +229,7 @@ class AdaptiveThreads:
         self.max_threads = max_threads
         self.base_interval, self.max_interval = probe_interval, max_probe_interval
         self.probe_steps, self.slowdown, self.hysteresis = probe_steps, slowdown, hysteresis
+        self.probe_step_limit = probe_step_limit
         self._set_threads, self._clock = set_threads, clock
         self.threads = max_threads  # the chosen count
         self._interval = probe_interval
@@ -249,6 +259,8 @@ class AdaptiveThreads:
 
     def run(self, key: StepKey, step: Callable[[], object]) -> object:
         """Run one step with the current thread count, time it and update the policy; returns its result."""
+        if self._probing and self._probe_waits(key):
+            return self._run_at_chosen_count(key, step)
         watch = self._watching_idle()
         idle_before = self._idle_meter() if watch and self._idle_meter is not None else None
         start = self._clock()
@@ -259,6 +271,23 @@ class AdaptiveThreads:
             if idle_after is not None:
                 self._add_idle(idle_after - idle_before, seconds)
         self.record(key, seconds)
+        return result
+
+    def _probe_waits(self, key: StepKey) -> bool:
+        """Whether a probe lets a step of size `key` run at the chosen count: the fit cannot judge its size, or
+        expects it to take over `probe_step_limit` x the median of its recent steps."""
+        expected = self._fit.expected(key)
+        return expected is None or expected > self.probe_step_limit * self._fit.median_seconds()
+
+    def _run_at_chosen_count(self, key: StepKey, step: Callable[[], object]) -> object:
+        """Run one step of a pending probe at the chosen count and fit it there; the probe goes on after it."""
+        self._set_threads(self.threads)
+        try:
+            start = self._clock()
+            result = step()
+            self._fit.add(key, self._clock() - start)
+        finally:
+            self._set_threads(self._other)
         return result
 
     def _watching_idle(self) -> bool:
@@ -284,12 +313,9 @@ class AdaptiveThreads:
     def record(self, key: StepKey, seconds: float) -> None:
         """Account one step of size `key` that took `seconds` at `self.current` threads."""
         if self._probing:
-            expected = self._fit.expected(key)  # the current count's fit: it takes no steps during a probe
+            expected = self._fit.expected(key)  # the chosen count's fit (during a probe: the steps it waits through)
             self._probe.append((key, seconds, seconds / expected if expected else None))
             self._probing -= 1
-            judged = sum(ratio is not None for _, _, ratio in self._probe)
-            if self._probing == 0 and judged < self.probe_steps and len(self._probe) < 2 * self.probe_steps:
-                self._probing = 1  # too few steps of sizes the fit knows: run one more
             if self._probing == 0:
                 self._decide()
             return
