@@ -18,8 +18,11 @@ which wins when the median ratio of those steps is lower by `hysteresis` than th
 at the current count (fresh against fresh, so quiet history never decides a contended probe; both against the same
 fit, so only the sizes' relative costs need to be right). A probe runs only on steps the fit can judge and expects
 to take at most `probe_step_limit` x the median of its recent steps: a longer step (a prompt's prefill among
-decodes) would cost the most at a losing count and teach the probe nothing the decodes do not, so it runs at the
-chosen count, joins the fit (which so learns its size) and the probe waits for the next step. A step at `max_threads`
+decodes) would cost the most at a losing count and teach the probe nothing the decodes do not. At such a step a
+probe whose judged steps so far took at most `EARLY_WIN` of the chosen count's time (relative to the fit) decides on
+them at once (beside a busy process, a burst of prompts must not run at two threads because the probe began just
+before it: there one-thread steps take a twentieth of two-thread ones); otherwise the step runs at the chosen
+count, joins the fit (which so learns its size) and the probe waits for the next step. A step at `max_threads`
 slower than `slowdown` x the fit's expectation brings the probe forward to `probe_steps` steps later (so the current
 count is judged on steps that all ran in the new conditions); a slow one-thread step does not (more load never
 makes more threads faster). After a switch the fit starts again from the probe's steps.
@@ -48,6 +51,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 StepKey = tuple[int, int]  # (scheduled tokens, sampled rows)
+EARLY_WIN = 0.5  # a probe whose judged steps took at most this share of the chosen count's time may decide early
 
 
 class SystemIdleMeter:
@@ -189,8 +193,8 @@ class AdaptiveThreads:
             `probe_steps` slower steps once.
         max_probe_interval: the longest gap between probes, in steps.
         probe_steps: steps run at the other count per probe.
-        probe_step_limit: a probe waits through steps the fit expects to take longer than this factor x the median
-            of its recent steps (they run at the chosen count).
+        probe_step_limit: a probe does not run steps the fit expects to take longer than this factor x the median
+            of its recent steps (it decides on its judged steps if they win so far, else waits through them).
         slowdown: a step at `max_threads` slower than this factor x the time `StepCostFit` expects for its size
             triggers a probe.
         hysteresis: the other count must be this much faster (fraction) to be chosen.
@@ -260,7 +264,10 @@ class AdaptiveThreads:
     def run(self, key: StepKey, step: Callable[[], object]) -> object:
         """Run one step with the current thread count, time it and update the policy; returns its result."""
         if self._probing and self._probe_waits(key):
-            return self._run_at_chosen_count(key, step)
+            if not self._probe_leads(1 - EARLY_WIN):
+                return self._run_at_chosen_count(key, step)
+            self._probing = 0
+            self._decide()  # on the steps judged so far: this step runs at the count they favour
         watch = self._watching_idle()
         idle_before = self._idle_meter() if watch and self._idle_meter is not None else None
         start = self._clock()
@@ -289,6 +296,20 @@ class AdaptiveThreads:
         finally:
             self._set_threads(self._other)
         return result
+
+    def _probe_medians(self) -> tuple[float, float] | None:
+        """(the chosen count's, the probe's) median time / expected over the chosen count's last `probe_steps`
+        steps and the probe's judged steps, or None while either has none."""
+        ours = self._fit.recent_ratios(self.probe_steps)
+        theirs = [ratio for _, _, ratio in self._probe if ratio is not None]
+        if not ours or not theirs:
+            return None
+        return statistics.median(ours), statistics.median(theirs)
+
+    def _probe_leads(self, margin: float) -> bool:
+        """Whether the probe's judged steps beat the chosen count's by `margin` (a fraction of their time)."""
+        medians = self._probe_medians()
+        return medians is not None and medians[1] < (1 - margin) * medians[0]
 
     def _watching_idle(self) -> bool:
         """Whether this step's idle CPU time counts: running one thread (not probing) with a meter."""
@@ -336,22 +357,20 @@ class AdaptiveThreads:
         self._set_threads(self._other)
 
     def _decide(self) -> None:
-        ours = self._fit.recent_ratios(self.probe_steps)  # the current count's steps just before the probe
-        judged = [(key, ratio) for key, _, ratio in self._probe if ratio is not None]
-        theirs = [ratio for _, ratio in judged]
-        if not ours or not theirs:  # undecided: no evidence either way, so the interval stays
+        medians = self._probe_medians()  # the chosen count's latest steps against the probe's
+        if medians is None:  # undecided: no evidence either way, so the interval stays
             logger.debug("thread policy: probe of %d threads undecided (sizes the fit cannot judge)", self._other)
-        elif statistics.median(theirs) < (1 - self.hysteresis) * statistics.median(ours):
-            key = judged[-1][0]
+        elif self._probe_leads(self.hysteresis):
+            key = next(key for key, _, ratio in reversed(self._probe) if ratio is not None)
             scale = self._fit.expected(key) or 0.0  # both medians as seconds of a step of this size
             logger.info(
                 "thread policy: %d -> %d threads (step %s: median %.1f ms at %d threads, %.1f ms at %d)",
                 self.threads,
                 self._other,
                 key,
-                1000 * scale * statistics.median(ours),
+                1000 * scale * medians[0],
                 self.threads,
-                1000 * scale * statistics.median(theirs),
+                1000 * scale * medians[1],
                 self._other,
             )
             self.threads = self._other
