@@ -281,8 +281,8 @@ class AdaptiveThreads:
         return result
 
     def _probe_waits(self, key: StepKey) -> bool:
-        """Whether a probe lets a step of size `key` run at the chosen count: the fit cannot judge its size, or
-        expects it to take over `probe_step_limit` x the median of its recent steps."""
+        """Whether a probe cannot use a step of size `key`: the fit cannot judge its size, or expects it to take
+        over `probe_step_limit` x the median of its recent steps."""
         expected = self._fit.expected(key)
         return expected is None or expected > self.probe_step_limit * self._fit.median_seconds()
 
@@ -360,7 +360,7 @@ class AdaptiveThreads:
         medians = self._probe_medians()  # the chosen count's latest steps against the probe's
         if medians is None:  # undecided: no evidence either way, so the interval stays
             logger.debug("thread policy: probe of %d threads undecided (sizes the fit cannot judge)", self._other)
-        elif self._probe_leads(self.hysteresis):
+        elif medians[1] < (1 - self.hysteresis) * medians[0]:
             key = next(key for key, _, ratio in reversed(self._probe) if ratio is not None)
             scale = self._fit.expected(key) or 0.0  # both medians as seconds of a step of this size
             logger.info(
