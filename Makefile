@@ -7,7 +7,7 @@ run:            ## stream a real answer from the default model (SmolLM2-135M-Ins
 
 test:           ## the whole test suite (real model on CPU; 2 xdist workers, one thread each on 2 cores; 18 min on a fresh 2-core Intel Xeon clone, 27 min on an AVX2-only AMD EPYC, 2026-12-04)
 	@scripts/setup.sh dev
-	@.venv/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=30
+	@.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 test-fast:      ## unit tests not marked slow: no model weights, no engine process, no kernel build at start (15-20 s quiet, 41-64 s at load 6, 2 cores)
 	@scripts/setup.sh dev

@@ -4,14 +4,16 @@ reference models built from it, loaded once per session and shared by every modu
 Nothing is loaded or built at session start: the fixtures load on first use, and the fused kernels are built
 before the first `mp` test; a test that starts an engine process without the `mp` marker fails.
 
-Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`), each test file runs whole on one worker (its module
-engines and fixtures are built once), the Ray files share one worker (one local Ray instance at a time), and the
-controller builds the kernels and fetches the default model before the workers start, so two workers never build
-into the same directory or download the same file at once. Each worker's engines get the worker's share of the cores
-(`OMP_NUM_THREADS`: one thread each with two workers on two cores; a test that needs more threads sets them itself)."""
+Under pytest-xdist (`make test` runs `-n 2 --dist loadfile`), each test file runs whole on one worker (its module
+engines and fixtures are built once), the Ray files (`_ray` in the file name) share one worker (one local Ray
+instance at a time; `FileScheduling`), and the controller builds the kernels and fetches the default model before
+the workers start, so two workers never build into the same directory or download the same file at once. Each
+worker's engines get the worker's share of the cores (`OMP_NUM_THREADS`: one thread each with two workers on two
+cores; a test that needs more threads sets them itself)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 from typing import Any
@@ -71,7 +73,36 @@ def hf_reference(model_path: str) -> tuple[Any, Any]:
     return tok, ref.eval()
 
 
-RAY_GROUP = "ray"  # the xdist group of every test marked `ray`
+RAY_SCOPE = "ray"  # the xdist work unit of every Ray test file: one local Ray instance at a time
+
+
+def ray_file(path: str) -> bool:
+    """Whether the test file at `path` runs Ray tests: `_ray` ends its name or comes before a `_` in it
+    (`test_executors_ray.py`, `test_executors_ray_local.py`); only such files may hold tests marked `ray`."""
+    stem = pathlib.PurePath(path).stem
+    return stem.endswith("_ray") or "_ray_" in stem
+
+
+if importlib.util.find_spec("xdist") is not None:
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        """pytest-xdist's `--dist loadfile` (a test file runs whole on one worker, so its module engines are built
+        once), with the Ray files (`ray_file`) as one work unit.
+
+        Why not `--dist loadgroup` with an `xdist_group` mark per file: with pytest 9.2 and pytest-xdist 3.8 the
+        marks are silently ignored and every file's tests are spread over both workers, each building the module's
+        engines (pytest-xdist issue #1386: loadgroup's node-id suffix no longer reaches the scheduler). This scope
+        is computed on the controller from the node id alone."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return RAY_SCOPE if ray_file(path) else path
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which answers for every `--dist`
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> FileScheduling | None:
+        """`--dist loadfile` gets `FileScheduling`; any other `--dist` keeps pytest-xdist's own scheduler."""
+        return FileScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def _xdist_workers(config: pytest.Config) -> int:
@@ -94,16 +125,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     resolve_model_path(DEFAULT_MODEL)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist, give each test without an explicit `xdist_group` its file's group (`ray` for Ray tests), so
-    `--dist loadgroup` sends a file to one worker whole (runs before xdist's own hook reads the groups)."""
-    if not hasattr(config, "workerinput"):
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = RAY_GROUP if item.get_closest_marker("ray") is not None else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+    """Refuse a test marked `ray` outside a Ray file (`ray_file`): xdist would then run it beside the Ray files'
+    worker, with a second local Ray instance at once.
+
+    Raises:
+        pytest.UsageError: naming the misplaced tests.
+    """
+    misplaced = [i.nodeid for i in items if i.get_closest_marker("ray") and not ray_file(i.nodeid.split("::")[0])]
+    if misplaced:
+        raise pytest.UsageError(f"tests marked `ray` outside a file with `_ray` in its name: {misplaced[:5]}")
 
 
 _CHILDREN = {"started": 0}  # engine and worker processes asyncllm started in this pytest process
