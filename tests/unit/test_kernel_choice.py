@@ -23,6 +23,7 @@ from asyncllm.model.kernels.choice import (
     KernelChooser,
     ProductKind,
     check_columns,
+    pick_kernels,
     row_class,
 )
 from asyncllm.model.kernels.choice_cache import host_fingerprint
@@ -276,3 +277,40 @@ def test_oneDNNs_reference_kernel_is_rejected_where_it_runs(tmp_path) -> None:  
     assert "'onednn'" not in choice, choice
     assert "'onednn' is" in done.stderr
     assert "slower than the fastest" in done.stderr
+
+
+def test_a_weight_keeps_at_most_one_packed_copy() -> None:
+    """The float32 choice of the LM head (576 x 49152) measured on the AVX2-only AMD EPYC (2026-12-04, 2 threads, ms
+    per row class): MKL's packed GEMM at 1 and 512+ rows, oneDNN's reordered weight at 2-511 rows, so the engine kept
+    the plain weight and two packed copies (fp32 engine RSS 2,379 MB at start against 1,576 on a Xeon). Now one
+    packed layout: oneDNN's, whose classes would lose 18-44% with MKL's, while MKL's lose 35% and 9% with oneDNN's
+    (the 1-row class then takes `x @ W`, within the 10% tie margin of oneDNN and earlier in the order)."""
+    times = [
+        {"mkl_packed": 3.57, "onednn": 4.6, "matmul": 4.83},
+        {"mkl_packed": 9.26, "onednn": 6.45, "matmul": 23.2},
+        {"mkl_packed": 17.8, "onednn": 13.8, "matmul": 32.2},
+        {"mkl_packed": 52.8, "onednn": 44.7, "matmul": 75.4},
+        {"mkl_packed": 475.0, "onednn": 434.0, "matmul": 504.0},
+    ]
+    assert pick_kernels(FP32_PRODUCT, times) == ("matmul", "onednn", "onednn", "onednn", "onednn")
+    # 576 x 576 there: oneDNN at 1 row, MKL's (within the 10% tie margin) at 2-511, matmul at 512+
+    times = [
+        {"mkl_packed": 0.113, "matmul": 0.115, "onednn": 0.0806},
+        {"mkl_packed": 0.121, "onednn": 0.117, "matmul": 0.17},
+        {"mkl_packed": 0.231, "onednn": 0.216, "matmul": 0.302},
+        {"mkl_packed": 0.71, "onednn": 0.683, "matmul": 0.814},
+        {"mkl_packed": 5.12, "onednn": 4.16, "matmul": 4.41},
+    ]
+    assert [_pick_one(FP32_PRODUCT, t) for t in times] == ["onednn", "mkl_packed", "mkl_packed", "mkl_packed", "matmul"]
+    assert pick_kernels(FP32_PRODUCT, times) == ("onednn", "onednn", "onednn", "onednn", "matmul")
+    # one packed layout and the plain weight: unchanged
+    times = [{"mkl_packed": 1.0, "matmul": 2.0}, {"mkl_packed": 2.0, "matmul": 1.0}]
+    assert pick_kernels(FP32_PRODUCT, times) == ("mkl_packed", "matmul")
+    # int8's plain-weight kernel (`torch._int_mm`) costs no copy either
+    times = [{"onednn": 1.0, "int_mm": 3.0, "avx2": 2.0}, {"onednn": 3.0, "int_mm": 5.0, "avx2": 1.0}]
+    assert pick_kernels(INT8_PRODUCT, times) == ("avx2", "avx2")
+
+
+def _pick_one(kind: ProductKind[Any], times: dict[str, float]) -> str:
+    (name,) = pick_kernels(kind, [times])
+    return name

@@ -12,7 +12,11 @@ float32 (docs/kernels.md). So, for each weight shape, the first time it is asked
 2. times the candidates that agree, interleaved, at one row count per row class (`ROW_CLASSES`), best of several
    passes over copies of the weight (`STREAM_BYTES` of them, so the weights come from memory as in a step, not
    from the CPU's caches); a candidate `SLOW_FACTOR` times slower than the best is not timed again in this process;
-3. picks per row class the fastest; within the kind's `tie_margin` of it, the candidate earlier in its order wins.
+3. picks per row class the fastest; within the kind's `tie_margin` of it, the candidate earlier in its order wins;
+   and a weight keeps at most one copy of its own beside the plain weight (`pick_kernels`): where the picks need two
+   packed layouts (on an AMD EPYC, MKL's for some row classes and oneDNN's for others: 2.4 GB instead of 1.8 for
+   the default model in float32), the layout whose row classes lose least keeps its classes and the others take
+   the best of it and the candidates that use the plain weight.
 
 Choices are kept in a JSON file beside the built kernels (`$XDG_CACHE_HOME/asyncllm/kernels/`), one file per host
 fingerprint (CPU model and flags, torch, oneDNN and MKL versions, torch threads, the kind's available candidates), so
@@ -77,12 +81,15 @@ class Candidate(Generic[W]):
         available: whether this build and CPU have it (cheap after the first call; never raises).
         prepare: the kind's plain weight -> this kernel's operand (packed once per weight at load).
         run: (`[rows, in]` input, operand) -> `[rows, out]` float32.
+        copies_weight: whether `prepare` makes a copy of the weight (a packed layout: memory), rather than handing
+            on the plain weight itself.
     """
 
     name: str
     available: Callable[[], bool]
     prepare: Callable[[W], Any]
     run: Callable[[torch.Tensor, Any], torch.Tensor]
+    copies_weight: bool = True
 
 
 @dataclass(frozen=True)
@@ -285,13 +292,13 @@ class KernelChooser(Generic[W]):
         names = [c.name for c in candidates]
         weights = [self.kind.make_weight(*shape, generator) for _ in range(num_copies(shape, self.kind.itemsize))]
         copies = [prepare_operands(self.kind, w, names) for w in weights]
-        kernels, times = [], []
+        times = []
         for rows in TIMED_ROWS:
             x = self.kind.make_input(rows, shape[0], generator)
             live = [c for c in candidates if c.name not in self._dropped]
             best = self._time_row_class(x, weights[0], live, copies if rows < LARGE_ROWS else copies[:1])
             times.append(best)
-            kernels.append(self._pick(best))
+        kernels = pick_kernels(self.kind, times)
         busy_cpus = other_load.cpus() or 0.0
         how = f"measured beside {busy_cpus:.1f} busy CPUs" if busy_cpus > BUSY_CPUS else "measured"
         choice = KernelChoice(self.kind.name, shape, tuple(kernels), how, tuple(times), round(busy_cpus, 2))
@@ -340,11 +347,6 @@ class KernelChooser(Generic[W]):
         self._dropped.add(candidate.name)
         return False
 
-    def _pick(self, times_ms: dict[str, float]) -> str:
-        fastest = min(times_ms.values())
-        order = [c.name for c in self.kind.candidates if c.name in times_ms]
-        return next(name for name in order if times_ms[name] <= fastest * (1 + self.kind.tie_margin))
-
     def _disagreeing(self, shape: tuple[int, int], candidate: Candidate[W]) -> bool:
         """Whether `candidate` disagrees with the reference at any timed row count on a random weight of `shape`."""
         generator = torch.Generator().manual_seed(0)
@@ -352,6 +354,32 @@ class KernelChooser(Generic[W]):
         operand = candidate.prepare(weight)
         inputs = (self.kind.make_input(rows, shape[0], generator) for rows in TIMED_ROWS)
         return not all(self._agrees(candidate, x, weight, operand) for x in inputs)
+
+
+def pick_kernels(kind: ProductKind[W], times_ms: list[dict[str, float]]) -> tuple[str, ...]:
+    """The kernel of each row class from its candidates' times (ms, one dict per row class): the fastest, or within
+    the kind's `tie_margin` of it the one earlier in `kind.candidates`; then at most one candidate that copies the
+    weight (`Candidate.copies_weight`). When the picks name two or more such candidates, each in turn keeps its row
+    classes while the other classes pick again among it and the candidates that use the plain weight; the one whose
+    picks sum the least time relative to each class's fastest wins (the earlier in `kind.candidates` on a tie)."""
+    picks = tuple(_pick(kind, times) for times in times_ms)
+    copying = {c.name for c in kind.candidates if c.copies_weight}
+    packed = [c.name for c in kind.candidates if c.name in set(picks) & copying]
+    if len(packed) < 2:
+        return picks
+    options = []
+    for keep in packed:
+        allowed = [{n: ms for n, ms in times.items() if n == keep or n not in copying} for times in times_ms]
+        if all(allowed):
+            choice = tuple(_pick(kind, times) for times in allowed)
+            options.append((sum(t[n] / min(t.values()) for t, n in zip(times_ms, choice, strict=True)), choice))
+    return min(options, key=lambda option: option[0])[1] if options else picks
+
+
+def _pick(kind: ProductKind[W], times_ms: dict[str, float]) -> str:
+    fastest = min(times_ms.values())
+    order = [c.name for c in kind.candidates if c.name in times_ms]
+    return next(name for name in order if times_ms[name] <= fastest * (1 + kind.tie_margin))
 
 
 def check_columns(out_features: int) -> torch.Tensor:

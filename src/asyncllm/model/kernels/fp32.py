@@ -173,7 +173,7 @@ FP32_PRODUCT = ProductKind[torch.Tensor](
     # thread beside a busy process, which a quiet timing cannot see (docs/kernels.md)
     candidates=(
         Candidate("mkl_packed", lambda: mkl_packed_kernels() is not None, _mkl_pack, _run_mkl),
-        Candidate("matmul", lambda: True, lambda weight: weight, _run_matmul),
+        Candidate("matmul", lambda: True, lambda weight: weight, _run_matmul, copies_weight=False),
         Candidate("onednn", onednn_fp32_available, _onednn_reorder, _run_onednn),
     ),
     make_weight=_random_fp32,

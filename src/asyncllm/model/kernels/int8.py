@@ -161,7 +161,7 @@ INT8_PRODUCT = ProductKind[Int8Weight](
     name="int8",
     candidates=(
         Candidate("onednn", onednn_int8_available, _prepack_onednn, _run_onednn_s8),
-        Candidate("int_mm", lambda: hasattr(torch, "_int_mm"), lambda weight: weight, _run_int_mm),
+        Candidate("int_mm", lambda: hasattr(torch, "_int_mm"), lambda weight: weight, _run_int_mm, copies_weight=False),
         Candidate("avx2", avx2_int8_available, _pack_avx2, _run_avx2),
     ),
     make_weight=_random_int8_weight,
