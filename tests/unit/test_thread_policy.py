@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from asyncllm.worker.thread_policy import AdaptiveThreads, StepCostFit, SystemIdleMeter
+from asyncllm.worker.thread_policy import (
+    AdaptiveThreads,
+    StepCostFit,
+    SystemIdleMeter,
+    nonnegative_least_squares,
+)
 
 
 class _Machine:
@@ -434,3 +439,58 @@ def test_beside_a_busy_process_a_probe_runs_a_burst_of_prompts_at_the_count_it_f
         policy.run(key, machine.step)
     assert [key for key in machine.keys_at[2] if key[0] >= 256] == []
     assert policy.threads == 1
+
+
+class _ReplayMachine(_PrefillMachine):
+    """`_PrefillMachine` beside a busy process whose first 2-thread steps take the recorded seconds."""
+
+    def __init__(self, two_thread_seconds: list[float]) -> None:
+        super().__init__()
+        self.contended = True
+        self.recorded = list(two_thread_seconds)
+
+    def step(self) -> None:
+        if self.threads == 2 and self.recorded:
+            self.now += self.recorded.pop(0)
+            self.keys_at[2].append(self.key)
+            self.steps_at[2] += 1
+        else:
+            super().step()
+
+
+def test_a_probe_decides_beside_a_busy_process_when_recent_steps_happened_to_be_fast() -> None:
+    """A step trace of `serving_shapes.py --contended --shapes chat` (int8, AMD EPYC, 2026-12-04): the first eight
+    2-thread steps took 270, 863, 297, 34, 1024, 297, 35 and 36 ms (the busy process left the core now and then).
+    The least-squares fit of those times expected a negative time for the probe's first step, (1, 1), so the probe
+    could not judge it and waited: then it met only prompts it could not use, and the burst of 1024-token steps ran
+    at 2 threads, 6.5-6.9 s each (mean TTFT 21.8 s against vLLM's 10.0 in that run). A step costs no less than
+    nothing per token and per row, so the fit now judges (1, 1); and the probe's lead is weighed against the chosen
+    count's recent steps, not its last three alone."""
+    machine = _ReplayMachine([0.2698, 0.8632, 0.2972, 0.0337, 1.0243, 0.2970, 0.0353, 0.0363])
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    for key in _CHAT_START:
+        machine.key = key
+        policy.run(key, machine.step)
+    assert [key for key in machine.keys_at[2] if key[0] >= 1024] == []
+    assert policy.threads == 1
+
+
+def test_step_cost_fit_never_expects_a_negative_time_for_a_size_it_has_seen_around() -> None:
+    """The same eight steps: unconstrained least squares (intercept -0.90 s, 0.57 s per row) expected -0.30 s for
+    (1, 1). The cost's parts (a fixed cost, a cost per token, a cost per row) are each at least zero: here no fixed
+    cost, 11 ms per token and 142 ms per row, so (2, 2) is expected at 0.31 s (its six steps' mean: 0.29 s)."""
+    fit = StepCostFit()
+    keys = [(32, 1), (33, 2), *[(2, 2)] * 6]
+    for key, seconds in zip(keys, [0.2698, 0.8632, 0.2972, 0.0337, 1.0243, 0.2970, 0.0353, 0.0363], strict=True):
+        fit.add(key, seconds)
+    assert fit.expected((1, 1)) == pytest.approx(0.153, abs=1e-3)
+    assert fit.expected((2, 2)) == pytest.approx(0.306, abs=1e-3)
+
+
+def test_nonnegative_least_squares_matches_the_unconstrained_solution_when_that_is_nonnegative() -> None:
+    """Normal equations of t = 1 + 2 x on x = 0, 1, 2 (unconstrained: [1, 2]); of t = 3 - x on x = 0, 1, 2 (the
+    unconstrained slope is -1: the best with slope 0 is the mean, 2); a singular system (one size) still fits."""
+    assert nonnegative_least_squares([[3.0, 3.0], [3.0, 5.0]], [9.0, 13.0]) == pytest.approx([1.0, 2.0])
+    assert nonnegative_least_squares([[3.0, 3.0], [3.0, 5.0]], [6.0, 4.0]) == pytest.approx([2.0, 0.0])
+    single = nonnegative_least_squares([[2.0, 4.0], [4.0, 8.0]], [6.0, 12.0])  # x = 2 twice, t = 3
+    assert single[0] + 2 * single[1] == pytest.approx(3.0)

@@ -7,8 +7,9 @@ worker measures (the measurements behind the policy and its defaults: `benchmark
 
 Steps of different sizes: under serving (arrivals, finishes, prefill chunks) a step's size (`StepKey`: scheduled
 tokens and rows) seldom repeats exactly, so steps are judged against a cost model rather than against earlier
-steps of the same size. `StepCostFit` fits seconds = a + b * tokens + c * rows by least squares to the last
-`fit_window` steps at the current count; a step's ratio is its time over the fit's expectation for its size.
+steps of the same size. `StepCostFit` fits seconds = a + b * tokens + c * rows by least squares, each part at least
+zero, to the last `fit_window` steps at the current count; a step's ratio is its time over the fit's expectation for
+its size.
 Sizes far outside the range the fit has seen (a long prefill after decodes only) are not judged at all.
 
 Policy: the worker starts at `max_threads` and probes the other count `first_probe` steps in (one started beside
@@ -19,7 +20,8 @@ at the current count (fresh against fresh, so quiet history never decides a cont
 fit, so only the sizes' relative costs need to be right). A probe runs only on steps the fit can judge and expects
 to take at most `probe_step_limit` x the median of its recent steps: a longer step (a prompt's prefill among
 decodes) would cost the most at a losing count and teach the probe nothing the decodes do not. At such a step a
-probe whose judged steps so far took at most `EARLY_WIN` of the chosen count's time (relative to the fit) decides on
+probe whose judged steps so far took at most `EARLY_WIN` of the chosen count's time (relative to the fit, over its
+last `EARLY_WINDOW` x `probe_steps` steps: beside a busy process some two-thread steps are fast by chance) decides on
 them at once (beside a busy process, a burst of prompts must not run at two threads because the probe began just
 before it: there one-thread steps take a twentieth of two-thread ones); otherwise the step runs at the chosen
 count, joins the fit (which so learns its size) and the probe waits for the next step. A step at `max_threads`
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 StepKey = tuple[int, int]  # (scheduled tokens, sampled rows)
 EARLY_WIN = 0.5  # a probe whose judged steps took at most this share of the chosen count's time may decide early
+EARLY_WINDOW = 3  # ... against the chosen count's last EARLY_WINDOW x probe_steps steps (not its last few alone)
 
 
 class SystemIdleMeter:
@@ -81,7 +84,8 @@ class SystemIdleMeter:
 
 
 class StepCostFit:
-    """Least-squares step time `a + b * tokens + c * rows` (seconds) over the last `window` steps of one thread count.
+    """Least-squares step time `a + b * tokens + c * rows` (seconds; a, b, c >= 0: `nonnegative_least_squares`)
+    over the last `window` steps of one thread count.
 
     The sums behind the fit are updated per step (O(1); exact integers for the sizes), so `expected` costs
     microseconds. Where the steps leave a direction undetermined (decode-only steps have tokens == rows; all steps
@@ -169,17 +173,62 @@ class StepCostFit:
     def _solve(self) -> tuple[float, float, float, int, int, int, int]:
         n = len(self._steps)
         sx, sy, sxx, sxy, syy, st, sxt, syt = self._sums
-        nxx, nxy, nyy = n * sxx - sx * sx, n * sxy - sx * sy, n * syy - sy * sy  # n^2 x (co)variances, exact
-        nxt, nyt = n * sxt - sx * st, n * syt - sy * st
-        axx, ayy = nxx * (1 + self.ridge), nyy * (1 + self.ridge)
-        det = axx * ayy - float(nxy) * nxy
-        if det > 0:
-            b, c = (ayy * nxt - nxy * nyt) / det, (axx * nyt - nxy * nxt) / det
-        else:  # at most one size varies
-            b = nxt / axx if axx > 0 else 0.0
-            c = nyt / ayy if ayy > 0 else 0.0
+        ridge_x = self.ridge * (n * sxx - sx * sx) / n  # the ridge on each slope: a fraction of its centred sum of
+        ridge_y = self.ridge * (n * syy - sy * sy) / n  # squares (exact integers until here)
+        normal = [
+            [float(n), float(sx), float(sy)],
+            [float(sx), sxx + ridge_x, float(sxy)],
+            [float(sy), float(sxy), syy + ridge_y],
+        ]
+        a, b, c = nonnegative_least_squares(normal, [st, sxt, syt])
         xs, ys = [step[0] for step in self._steps], [step[1] for step in self._steps]
-        return (st - b * sx - c * sy) / n, b, c, min(xs), max(xs), min(ys), max(ys)
+        return a, b, c, min(xs), max(xs), min(ys), max(ys)
+
+
+def nonnegative_least_squares(normal: list[list[float]], rhs: list[float]) -> list[float]:
+    """The coefficients >= 0 that minimize a least-squares problem given by its normal equations (`normal` [k, k],
+    symmetric positive semi-definite; `rhs` [k]): the unconstrained solution when it is >= 0, else the best of the
+    solutions with some coefficients held at 0 (every subset is tried: k is 3 here). All zeros when none fits.
+
+    Why: a step's cost parts (a fixed cost, a cost per token, a cost per row) are each at least zero, while an
+    unconstrained fit of a few noisy steps (beside a busy process) can trade a negative intercept for a steep slope
+    and expect a negative time for a size just beside the ones it saw."""
+    k = len(rhs)
+    best, best_value = [0.0] * k, 0.0  # the objective (less a constant): theta . normal . theta - 2 theta . rhs
+    for mask in range((1 << k) - 1, 0, -1):
+        free = [i for i in range(k) if mask >> i & 1]
+        solved = _solve_linear([[normal[i][j] for j in free] for i in free], [rhs[i] for i in free])
+        if solved is None or min(solved) < 0:
+            continue
+        theta = [0.0] * k
+        for i, value in zip(free, solved, strict=True):
+            theta[i] = value
+        value = sum(theta[i] * (sum(normal[i][j] * theta[j] for j in range(k)) - 2 * rhs[i]) for i in range(k))
+        if value < best_value - 1e-12 * max(1.0, abs(best_value)):
+            best, best_value = theta, value
+        if mask == (1 << k) - 1:
+            return best  # the unconstrained solution is >= 0: it is the minimum
+    return best
+
+
+def _solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """`matrix @ x = rhs` by Gaussian elimination with partial pivoting ([k, k], small k), or None when singular."""
+    k = len(rhs)
+    rows = [[*matrix[i], rhs[i]] for i in range(k)]
+    scale = max((abs(v) for row in matrix for v in row), default=0.0)
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= 1e-12 * scale:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, k):
+            factor = rows[r][col] / rows[col][col]
+            for j in range(col, k + 1):
+                rows[r][j] -= factor * rows[col][j]
+    x = [0.0] * k
+    for i in range(k - 1, -1, -1):
+        x[i] = (rows[i][k] - sum(rows[i][j] * x[j] for j in range(i + 1, k))) / rows[i][i]
+    return x
 
 
 class AdaptiveThreads:
@@ -264,10 +313,11 @@ class AdaptiveThreads:
     def run(self, key: StepKey, step: Callable[[], object]) -> object:
         """Run one step with the current thread count, time it and update the policy; returns its result."""
         if self._probing and self._probe_waits(key):
-            if not self._probe_leads(1 - EARLY_WIN):
+            early_window = EARLY_WINDOW * self.probe_steps
+            if not self._probe_leads(1 - EARLY_WIN, early_window):
                 return self._run_at_chosen_count(key, step)
             self._probing = 0
-            self._decide()  # on the steps judged so far: this step runs at the count they favour
+            self._decide(early_window)  # on the steps judged so far: this step runs at the count they favour
         watch = self._watching_idle()
         idle_before = self._idle_meter() if watch and self._idle_meter is not None else None
         start = self._clock()
@@ -297,18 +347,19 @@ class AdaptiveThreads:
             self._set_threads(self._other)
         return result
 
-    def _probe_medians(self) -> tuple[float, float] | None:
-        """(the chosen count's, the probe's) median time / expected over the chosen count's last `probe_steps`
+    def _probe_medians(self, chosen_steps: int) -> tuple[float, float] | None:
+        """(the chosen count's, the probe's) median time / expected over the chosen count's last `chosen_steps`
         steps and the probe's judged steps, or None while either has none."""
-        ours = self._fit.recent_ratios(self.probe_steps)
+        ours = self._fit.recent_ratios(chosen_steps)
         theirs = [ratio for _, _, ratio in self._probe if ratio is not None]
         if not ours or not theirs:
             return None
         return statistics.median(ours), statistics.median(theirs)
 
-    def _probe_leads(self, margin: float) -> bool:
-        """Whether the probe's judged steps beat the chosen count's by `margin` (a fraction of their time)."""
-        medians = self._probe_medians()
+    def _probe_leads(self, margin: float, chosen_steps: int) -> bool:
+        """Whether the probe's judged steps beat the chosen count's last `chosen_steps` by `margin` (a fraction of
+        their time)."""
+        medians = self._probe_medians(chosen_steps)
         return medians is not None and medians[1] < (1 - margin) * medians[0]
 
     def _watching_idle(self) -> bool:
@@ -338,7 +389,7 @@ class AdaptiveThreads:
             self._probe.append((key, seconds, seconds / expected if expected else None))
             self._probing -= 1
             if self._probing == 0:
-                self._decide()
+                self._decide(self.probe_steps)
             return
         slow = False
         if self.threads == self.max_threads:
@@ -356,8 +407,10 @@ class AdaptiveThreads:
         self._probe = []  # judge the other count on fresh steps only
         self._set_threads(self._other)
 
-    def _decide(self) -> None:
-        medians = self._probe_medians()  # the chosen count's latest steps against the probe's
+    def _decide(self, chosen_steps: int) -> None:
+        """End the probe: switch to the probed count when its judged steps beat the chosen count's last
+        `chosen_steps` by `hysteresis`, else keep the count and double the interval to the next probe."""
+        medians = self._probe_medians(chosen_steps)  # the chosen count's latest steps against the probe's
         if medians is None:  # undecided: no evidence either way, so the interval stays
             logger.debug("thread policy: probe of %d threads undecided (sizes the fit cannot judge)", self._other)
         elif medians[1] < (1 - self.hysteresis) * medians[0]:
