@@ -8,12 +8,8 @@ import random
 
 import pytest
 
-from asyncllm.worker.thread_policy import (
-    AdaptiveThreads,
-    StepCostFit,
-    SystemIdleMeter,
-    nonnegative_least_squares,
-)
+from asyncllm.worker.step_cost import StepCostFit, nonnegative_least_squares
+from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
 
 
 class _Machine:
