@@ -5,7 +5,7 @@ run:            ## stream a real answer from the default model (SmolLM2-135M-Ins
 	@scripts/setup.sh runtime
 	@.venv/bin/python examples/stream_chat.py
 
-test:           ## the whole test suite (real model on CPU; 2 xdist workers, one thread each on 2 cores; 18 min on a fresh 2-core Intel Xeon clone, 27 min on an AVX2-only AMD EPYC, 2026-12-04)
+test:           ## the whole test suite (real model on CPU; 2 xdist workers, one thread each on 2 cores; 18 min on a fresh 2-core Intel Xeon clone, 22 min on an AVX2-only AMD EPYC, 2026-12-04)
 	@scripts/setup.sh dev
 	@.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
