@@ -16,7 +16,8 @@ float32 (docs/kernels.md). So, for each weight shape, the first time it is asked
    and a weight keeps at most one copy of its own beside the plain weight (`pick_kernels`): where the picks need two
    packed layouts (on an AMD EPYC, MKL's for some row classes and oneDNN's for others: 2.4 GB instead of 1.8 for
    the default model in float32), the layout whose row classes lose least keeps its classes and the others take
-   the best of it and the candidates that use the plain weight.
+   the best of it and the candidates that use the plain weight; but the 1-row class keeps its own pick where that is
+   `ONE_ROW_COPY_GAIN` faster (batch-1 decoding).
 
 Choices are kept in a JSON file beside the built kernels (`$XDG_CACHE_HOME/asyncllm/kernels/`), one file per host
 fingerprint (CPU model and flags, torch, oneDNN and MKL versions, torch threads, the kind's available candidates), so
