@@ -471,6 +471,40 @@ def test_a_probe_decides_beside_a_busy_process_when_recent_steps_happened_to_be_
     assert policy.threads == 1
 
 
+# The same start as `_CHAT_START` as int8 met it in a later run of the contended chat shape (2026-12-04, AMD EPYC):
+# the probe's first step was already a 256-token prompt, and no short step came until the burst had been prefilled.
+_CHAT_START_NO_SHORT_STEP = [(32, 1), (33, 2), *[(2, 2)] * 6, (256, 1), *[(1024, r) for r in range(5, 30, 4)]]
+_CHAT_START_NO_SHORT_STEP += [(881, 32), *[(32, 32)] * 6]
+
+
+def test_beside_a_busy_process_a_probe_with_no_short_step_runs_one_long_step_and_decides() -> None:
+    """With no step it could judge, the probe waited through the whole burst at 2 threads: 72 s of 1024-token steps
+    at 6.4-6.9 s each (mean TTFT 20.7 s against vLLM's 10.1 in that run). Now it waits through one step (the
+    256-token prompt: the fit learns a long step's size), then runs the next at 1 thread and decides on it."""
+    machine = _PrefillMachine()
+    machine.contended = True
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    for key in _CHAT_START_NO_SHORT_STEP:
+        machine.key = key
+        policy.run(key, machine.step)
+    assert [key for key in machine.keys_at[2] if key[0] >= 256] == [(256, 1), (1024, 5)]
+    assert policy.threads == 1
+    assert policy.num_switches == 1
+
+
+def test_on_a_quiet_machine_a_probe_with_no_short_step_costs_one_long_step() -> None:
+    """The same start on a quiet machine: one long step runs at 1 thread (1.9x its 2-thread time here), the probe
+    keeps 2 threads on it, and the rest of the burst runs at 2 threads."""
+    machine = _PrefillMachine()
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    for key in _CHAT_START_NO_SHORT_STEP:
+        machine.key = key
+        policy.run(key, machine.step)
+    assert machine.keys_at[1] == [(1024, 9)]
+    assert policy.threads == 2
+    assert policy.num_switches == 0
+
+
 def test_step_cost_fit_never_expects_a_negative_time_for_a_size_it_has_seen_around() -> None:
     """The same eight steps: unconstrained least squares (intercept -0.90 s, 0.57 s per row) expected -0.30 s for
     (1, 1). The cost's parts (a fixed cost, a cost per token, a cost per row) are each at least zero: here no fixed

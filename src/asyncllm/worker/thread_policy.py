@@ -12,22 +12,26 @@ zero, to the last `fit_window` steps at the current count; a step's ratio is its
 its size.
 Sizes far outside the range the fit has seen (a long prefill after decodes only) are not judged at all.
 
-Policy: the worker starts at `max_threads` and probes the other count `first_probe` steps in (one started beside
-a busy process has no quiet steps to call a step slow). Then every `probe_interval` steps (doubling after each
-probe that confirms the current count, up to `max_probe_interval`) it runs `probe_steps` steps at the other count,
-which wins when the median ratio of those steps is lower by `hysteresis` than that of the last `probe_steps` steps
-at the current count (fresh against fresh, so quiet history never decides a contended probe; both against the same
-fit, so only the sizes' relative costs need to be right). A probe runs only on steps the fit can judge and expects
-to take at most `probe_step_limit` x the median of its recent steps: a longer step (a prompt's prefill among
-decodes) would cost the most at a losing count and teach the probe nothing the decodes do not. At such a step a
-probe whose judged steps so far took at most `EARLY_WIN` of the chosen count's time (relative to the fit, over its
-last `EARLY_WINDOW` x `probe_steps` steps: beside a busy process some two-thread steps are fast by chance) decides on
-them at once (beside a busy process, a burst of prompts must not run at two threads because the probe began just
-before it: there one-thread steps take a twentieth of two-thread ones); otherwise the step runs at the chosen
-count, joins the fit (which so learns its size) and the probe waits for the next step. A step at `max_threads`
-slower than `slowdown` x the fit's expectation brings the probe forward to `probe_steps` steps later (so the current
-count is judged on steps that all ran in the new conditions); a slow one-thread step does not (more load never
-makes more threads faster). After a switch the fit starts again from the probe's steps.
+Policy: the worker starts at `max_threads` and probes the other count `first_probe` steps in (one started beside a
+busy process has no quiet steps to call a step slow). Then every `probe_interval` steps (doubling after each probe
+that confirms the current count, up to `max_probe_interval`) it runs `probe_steps` steps at the other count, which
+wins when the median ratio of those steps is lower by `hysteresis` than that of the last `probe_steps` steps at the
+current count (fresh against fresh, so quiet history never decides a contended probe; both against the same fit, so
+only the sizes' relative costs need to be right). A probe runs only on steps the fit can judge and expects to take
+at most `probe_step_limit` x the median of its recent steps: a longer step (a prompt's prefill among decodes) would
+cost the most at a losing count and teach the probe nothing the decodes do not. At such a step a probe whose judged
+steps so far took at most `EARLY_WIN` of the chosen count's time (relative to the fit, over its last `EARLY_WINDOW`
+x `probe_steps` steps: beside a busy process some two-thread steps are fast by chance) decides on them at once
+(beside a busy process, a burst of prompts must not run at two threads because the probe began just before it: there
+one-thread steps take a twentieth of two-thread ones); otherwise the step runs at the chosen count, joins the fit
+(which so learns its size) and the probe waits for the next step. A probe that has judged no step yet waits through
+one such step only: the next step whose size the fit can judge runs at the probed count, however long, and the probe
+decides on it alone, against the step it last waited through (a server's first prompts may come in a burst before
+any short step: beside a busy process int8 once ran 72 s of 1024-token steps at 2 threads, 6.5 s each, while
+waiting; one step at a losing count costs about one step more). A step at `max_threads` slower than `slowdown` x the
+fit's expectation brings the probe forward to `probe_steps` steps later (so the current count is judged on steps
+that all ran in the new conditions); a slow one-thread step does not (more load never makes more threads faster).
+After a switch the fit starts again from the probe's steps.
 
 Coming back from one thread: the end of contention does not slow one-thread steps, so the worker also reads the
 machine's idle CPU time during them (`SystemIdleMeter`): when at least `idle_cpus_to_probe` CPUs sat idle on
@@ -143,6 +147,7 @@ class AdaptiveThreads:
         self.fit_window = fit_window
         self._fit = StepCostFit(fit_window)  # the current count's recent steps
         self._probe: list[tuple[StepKey, float, float | None]] = []  # this probe's steps: size, seconds, ratio
+        self._probe_waited = 0  # steps this probe left at the chosen count
         self.num_switches = 0
         self._idle_meter = idle_meter
         self._idle_known = idle_meter is not None and idle_meter() is not None  # the meter reads on this machine
@@ -166,10 +171,13 @@ class AdaptiveThreads:
         """Run one step with the current thread count, time it and update the policy; returns its result."""
         if self._probing and self._probe_waits(key):
             early_window = EARLY_WINDOW * self.probe_steps
-            if not self._probe_leads(1 - EARLY_WIN, early_window):
+            if self._probe_leads(1 - EARLY_WIN, early_window):
+                self._probing = 0
+                self._decide(early_window)  # on the steps judged so far: this step runs at the count they favour
+            elif self._probe_stalled(key):
+                return self._run_deciding_probe_step(key, step)
+            else:
                 return self._run_at_chosen_count(key, step)
-            self._probing = 0
-            self._decide(early_window)  # on the steps judged so far: this step runs at the count they favour
         watch = self._watching_idle()
         idle_before = self._idle_meter() if watch and self._idle_meter is not None else None
         start = self._clock()
@@ -188,8 +196,27 @@ class AdaptiveThreads:
         expected = self._fit.expected(key)
         return expected is None or expected > self.probe_step_limit * self._fit.median_seconds()
 
+    def _probe_stalled(self, key: StepKey) -> bool:
+        """Whether the probe has judged no step yet, has already waited through one, and the fit can judge a step of
+        size `key`: then the probe runs this step (however long) rather than wait on through a burst of them."""
+        judged = any(ratio is not None for _, _, ratio in self._probe)
+        return not judged and self._probe_waited > 0 and self._fit.expected(key) is not None
+
+    def _run_deciding_probe_step(self, key: StepKey, step: Callable[[], object]) -> object:
+        """Run a stalled probe's last step (a long one) at the probed count and decide on it alone, against the step
+        the probe last waited through: that one was long too, and ran just before (fresh against fresh)."""
+        start = self._clock()
+        result = step()
+        seconds = self._clock() - start
+        expected = self._fit.expected(key)
+        self._probe.append((key, seconds, seconds / expected if expected else None))
+        self._probing = 0
+        self._decide(1)
+        return result
+
     def _run_at_chosen_count(self, key: StepKey, step: Callable[[], object]) -> object:
         """Run one step of a pending probe at the chosen count and fit it there; the probe goes on after it."""
+        self._probe_waited += 1
         self._set_threads(self.threads)
         try:
             start = self._clock()
@@ -257,6 +284,7 @@ class AdaptiveThreads:
     def _start_probe(self) -> None:
         self._probing = self.probe_steps
         self._probe = []  # judge the other count on fresh steps only
+        self._probe_waited = 0
         self._set_threads(self._other)
 
     def _decide(self, chosen_steps: int) -> None:
