@@ -31,7 +31,7 @@ def test_values_are_the_exact_sums_scaled(in_features: int, out_features: int) -
     for rows in (1, 2, 3, 4, 5, 9, 33):
         qx = torch.randint(-128, 128, (rows, in_features), generator=gen, dtype=torch.int8)
         qx[0], qx[-1] = -128, 127
-        got = kernels.int8_gemm_avx2(qx, packed, scale, out_features)
+        got = kernels.int8_gemm_avx2(qx, packed, scale, in_features, out_features)
         assert torch.equal(got, _exact(qx, qweight, scale)), rows
         if in_features % 8 == 0 and rows > 16:  # shapes torch._int_mm takes: the same bits
             assert torch.equal(got, torch._int_mm(qx, qweight).float() * scale)
@@ -49,13 +49,13 @@ def test_values_do_not_depend_on_the_thread_count_or_the_batch() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.int8_gemm_avx2(qx, packed, scale, 1536)
+        one = kernels.int8_gemm_avx2(qx, packed, scale, 576, 1536)
         torch.set_num_threads(2)
-        two = kernels.int8_gemm_avx2(qx, packed, scale, 1536)
+        two = kernels.int8_gemm_avx2(qx, packed, scale, 576, 1536)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    assert torch.equal(kernels.int8_gemm_avx2(qx[3:4], packed, scale, 1536), one[3:4])
+    assert torch.equal(kernels.int8_gemm_avx2(qx[3:4], packed, scale, 576, 1536), one[3:4])
 
 
 def test_bad_operands_are_refused() -> None:
@@ -68,9 +68,12 @@ def test_bad_operands_are_refused() -> None:
         kernels.int8_pack_avx2(weight)
     packed = kernels.int8_pack_avx2(torch.ones(8, 8, dtype=torch.int8))
     with pytest.raises(RuntimeError, match="not int8_pack_avx2's"):
-        kernels.int8_gemm_avx2(torch.ones(2, 12, dtype=torch.int8), packed, torch.ones(8), 8)
+        kernels.int8_gemm_avx2(torch.ones(2, 12, dtype=torch.int8), packed, torch.ones(8), 12, 8)
+    six_inputs = kernels.int8_pack_avx2(torch.ones(6, 8, dtype=torch.int8))  # 2 quads, as 7 or 8 inputs would give
+    with pytest.raises(RuntimeError, match="activations of 7 features for a weight of 6 input features"):
+        kernels.int8_gemm_avx2(torch.ones(2, 7, dtype=torch.int8), six_inputs, torch.ones(8), 6, 8)  # once accepted
     with pytest.raises(RuntimeError, match="scale must be float32 with 8"):
-        kernels.int8_gemm_avx2(torch.ones(2, 8, dtype=torch.int8), packed, torch.ones(9), 8)
+        kernels.int8_gemm_avx2(torch.ones(2, 8, dtype=torch.int8), packed, torch.ones(9), 8, 8)
 
 
 def test_the_chooser_can_run_it_in_a_model_product(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -113,13 +113,14 @@ def avx2_int8_available() -> bool:
     return kernels is not None and kernels.int8_avx2_available()
 
 
-Avx2Int8 = tuple[torch.Tensor, torch.Tensor, int]  # (packed weight, [out] scales, out_features)
+Avx2Int8 = tuple[torch.Tensor, torch.Tensor, int, int]  # (packed weight, [out] scales, in_features, out_features)
 
 
 def _pack_avx2(weight: Int8Weight) -> Avx2Int8:
     kernels = load_kernels()
     assert kernels is not None  # (only offered where `avx2_int8_available()`)
-    return kernels.int8_pack_avx2(weight.qweight), weight.scale, weight.qweight.shape[1]
+    in_features, out_features = weight.qweight.shape
+    return kernels.int8_pack_avx2(weight.qweight), weight.scale, in_features, out_features
 
 
 def _run_avx2(qx: torch.Tensor, operand: Avx2Int8) -> torch.Tensor:

@@ -301,9 +301,10 @@ class RowKernels(Protocol):
         ...
 
     def int8_gemm_avx2(
-        self, qx: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int
+        self, qx: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, in_features: int, out_features: int
     ) -> torch.Tensor:
-        """`[rows, in]` int8 activations times a packed int8 weight -> `[rows, out_features]` float32
+        """`[rows, in_features]` int8 activations times a packed `[in_features, out_features]` int8 weight (its packed
+        shape holds `in_features` only in quads of 4) -> `[rows, out_features]` float32
         `float(exact int32 sum) * scale[column]`, `torch._int_mm(qx, qweight).float() * scale` bit for bit; the GIL
         is released meanwhile. Raises RuntimeError on wrong shapes or dtypes or without the AVX2 path."""
         ...

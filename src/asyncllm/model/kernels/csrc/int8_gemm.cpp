@@ -110,11 +110,13 @@ at::Tensor int8_pack_avx2(const at::Tensor& qweight) {
 }
 
 at::Tensor int8_gemm_avx2(const at::Tensor& qx, const at::Tensor& packed, const at::Tensor& scale,
-                          int64_t out_features) {
+                          int64_t in_features, int64_t out_features) {
   TORCH_CHECK(int8_avx2_available(), "int8_gemm_avx2: this build has no AVX2 path");
   TORCH_CHECK(qx.dim() == 2 && qx.scalar_type() == at::kChar, "int8_gemm_avx2: expected 2-D int8 activations");
   TORCH_CHECK(out_features >= 1, "int8_gemm_avx2: out_features must be >= 1");
-  const int64_t rows = qx.size(0), in = qx.size(1);
+  TORCH_CHECK(qx.size(1) == in_features, "int8_gemm_avx2: activations of ", qx.size(1), " features for a weight of ",
+              in_features, " input features");
+  const int64_t rows = qx.size(0), in = in_features;
   const int64_t panels = (out_features + kCols - 1) / kCols, quads = (in + kQuad - 1) / kQuad;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.sizes() == at::IntArrayRef({panels, quads, kCols, kQuad}),

@@ -12,10 +12,11 @@ bool int8_avx2_available();
 // zero-padded. Raises (c10::Error) on a wrong dtype or shape or a value of -128.
 at::Tensor int8_pack_avx2(const at::Tensor& qweight);
 
-// qx [rows, in] int8 (any value) times the packed weight of `out_features` columns -> [rows, out_features] float32,
+// qx [rows, in_features] int8 (any value) times the packed weight of `in_features` x `out_features` (the packed shape
+// holds the input count only in quads of 4, so the caller names it) -> [rows, out_features] float32,
 // float(sum_k qx[r, k] * qweight[k, n]) * scale[n] with the int32 sum exact: the values `torch._int_mm(qx, qweight)
 // .float() * scale` gives, bit for bit. Columns are shared out to threads in pairs of panels, each output summed by
 // one thread, so values do not depend on the thread count or on the other rows. Releases the GIL. Raises
 // (c10::Error) on wrong shapes or dtypes, or where this build has no AVX2 path.
 at::Tensor int8_gemm_avx2(const at::Tensor& qx, const at::Tensor& packed, const at::Tensor& scale,
-                          int64_t out_features);
+                          int64_t in_features, int64_t out_features);
