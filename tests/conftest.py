@@ -99,10 +99,14 @@ if importlib.util.find_spec("xdist") is not None:
             path = nodeid.split("::", 1)[0]
             return RAY_SCOPE if ray_file(path) else path
 
-    @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which answers for every `--dist`
-    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> FileScheduling | None:
-        """`--dist loadfile` gets `FileScheduling`; any other `--dist` keeps pytest-xdist's own scheduler."""
-        return FileScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
+    class FileSchedulingPlugin:
+        """Registered only where pytest-xdist runs (`pytest_configure`): under `-p no:xdist` pytest would refuse
+        this hook as unknown."""
+
+        @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which answers for every `--dist`
+        def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> FileScheduling | None:
+            """`--dist loadfile` gets `FileScheduling`; any other `--dist` keeps pytest-xdist's own scheduler."""
+            return FileScheduling(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def _xdist_workers(config: pytest.Config) -> int:
@@ -153,6 +157,8 @@ def pytest_configure(config: pytest.Config) -> None:
         started(self, *args, **kwargs)
 
     ChildProcess.__init__ = counted  # type: ignore[method-assign]
+    if config.pluginmanager.has_plugin("xdist"):
+        config.pluginmanager.register(FileSchedulingPlugin(), "asyncllm-file-scheduling")
     if _WORKER_THREADS is not None:
         import torch
 

@@ -49,7 +49,11 @@ def test_the_scheduler_gives_each_file_one_scope_and_all_ray_files_one():
 def test_two_workers_run_each_file_whole_and_the_ray_files_together(tmp_path: pathlib.Path):
     """The real run: two xdist workers over two Ray files first (xdist's plain `loadfile` would give one to each
     worker at once) and one more file of four tests."""
-    (tmp_path / "conftest.py").write_text("from tests.conftest import FileScheduling, pytest_xdist_make_scheduler\n")
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import FileSchedulingPlugin\n\n"
+        "def pytest_configure(config):\n"
+        "    config.pluginmanager.register(FileSchedulingPlugin())\n"
+    )
     for name in ("test_a_ray.py", "test_b_ray.py", "test_c.py"):
         (tmp_path / name).write_text(TEST_FILE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -61,3 +65,13 @@ def test_two_workers_run_each_file_whole_and_the_ray_files_together(tmp_path: pa
     workers = {name: {worker for file, worker in runs if file == name} for name, _ in runs}
     assert all(len(w) == 1 for w in workers.values()), workers
     assert workers["test_a_ray.py"] == workers["test_b_ray.py"], workers
+
+
+def test_the_suite_still_runs_with_xdist_turned_off():
+    """`pytest -p no:xdist` once stopped at collection: pytest refused `pytest_xdist_make_scheduler` as an unknown
+    hook, since only pytest-xdist declares it."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
+    command.append("tests/unit/test_xdist_scheduling.py::test_ray_files_are_named_so")
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
