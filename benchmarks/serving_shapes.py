@@ -362,7 +362,7 @@ def main() -> None:
     parser.add_argument(
         "--servers",
         nargs="+",
-        default=["vllm-fp32", "asyncllm-fp32", "asyncllm-int8"],
+        default=["vllm-fp32", "asyncllm-fp32", "asyncllm-int8", "asyncllm-default"],  # the default is what users run
         choices=["vllm-fp32", "asyncllm-fp32", "asyncllm-int8", "asyncllm-default"],
     )
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests per shape")
