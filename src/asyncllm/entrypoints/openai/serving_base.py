@@ -87,9 +87,20 @@ class ServingContext:
         return None if model is None else self.lora_modules.get(model)
 
 
+# Characters JSON leaves raw inside strings but Python's `str.splitlines` breaks lines at (its other line breaks are
+# control characters, which JSON always escapes): written as their JSON escapes, the same JSON value.
+_SPLITLINES_SAFE = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: str) -> str:
-    """One server-sent event carrying `payload` (a JSON text or `[DONE]`)."""
-    return f"data: {payload}\n\n"
+    """One server-sent event carrying `payload` (a JSON text or `[DONE]`).
+
+    SSE (the WHATWG HTML standard, "Server-sent events") ends lines at CR and LF only, but many Python clients split
+    a stream's text with `str.splitlines` (httpx's `iter_lines` / `aiter_lines`, `requests`' `iter_lines` with
+    `decode_unicode=True`), which also breaks at U+0085, U+2028 and U+2029: a generated text holding one of them
+    reached those clients as two broken lines. So those three are written as JSON escapes (`\\u2028`), which every
+    JSON parser reads back as the same character."""
+    return f"data: {payload.translate(_SPLITLINES_SAFE)}\n\n"
 
 
 SSE_DONE = sse("[DONE]")
