@@ -1,7 +1,7 @@
 """Which kernel runs each linear product on this host, chosen by measurement.
 
 A linear product (`[rows, in] @ [in, out]`) has several implementations, the candidates of its kind: for int8
-weights oneDNN's prepacked kernel and `torch._int_mm` (`model/kernels/int8.py`); for float32
+weights oneDNN's prepacked kernel, `torch._int_mm` and our AVX2 kernel (`model/kernels/int8.py`); for float32
 weights `x @ W`, MKL's packed GEMM and oneDNN's reordered weights (`model/kernels/fp32.py`). Which one is fastest
 depends on the CPU, its ISA, the libraries and the row count, and an exact kernel can still be the wrong choice: on
 CPUs with AVX-512 VNNI but no AMX (AMD EPYC) oneDNN runs its reference kernel for int8 activations, 100x slower than
