@@ -400,6 +400,13 @@ class _PrefillMachine(_Machine):
         self.steps_at[self.threads] += 1
 
 
+def _replay(policy: AdaptiveThreads, machine: _PrefillMachine, keys: list[tuple[int, int]]) -> None:
+    """Run one step of each size in `keys` through `policy` on `machine`."""
+    for key in keys:
+        machine.key = key
+        policy.run(key, machine.step)
+
+
 # The first 24 step sizes (scheduled tokens, rows) of `asyncllm serve --quantization int8` on serving_shapes.py's
 # chat shape (2026-12-04, AMD EPYC): a few decodes, then the first probe, then 256-token prompts arriving faster than
 # they are prefilled (1024-token steps), then 32 decodes.
@@ -414,9 +421,7 @@ def test_a_probe_leaves_long_steps_at_the_chosen_count() -> None:
     chosen count and teach the fit their size, and the probe is judged on the decodes after them."""
     machine = _PrefillMachine()
     policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
-    for key in _CHAT_START:
-        machine.key = key
-        policy.run(key, machine.step)
+    _replay(policy, machine, _CHAT_START)
     assert machine.keys_at[1] == [(1, 1), (32, 32), (32, 32)]
     assert policy.threads == 2
     assert policy.current == 2
@@ -430,9 +435,7 @@ def test_beside_a_busy_process_a_probe_runs_a_burst_of_prompts_at_the_count_it_f
     machine = _PrefillMachine()
     machine.contended = True
     policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
-    for key in _CHAT_START:
-        machine.key = key
-        policy.run(key, machine.step)
+    _replay(policy, machine, _CHAT_START)
     assert [key for key in machine.keys_at[2] if key[0] >= 256] == []
     assert policy.threads == 1
 
@@ -464,9 +467,7 @@ def test_a_probe_decides_beside_a_busy_process_when_recent_steps_happened_to_be_
     count's recent steps, not its last three alone."""
     machine = _ReplayMachine([0.2698, 0.8632, 0.2972, 0.0337, 1.0243, 0.2970, 0.0353, 0.0363])
     policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
-    for key in _CHAT_START:
-        machine.key = key
-        policy.run(key, machine.step)
+    _replay(policy, machine, _CHAT_START)
     assert [key for key in machine.keys_at[2] if key[0] >= 1024] == []
     assert policy.threads == 1
 
@@ -484,9 +485,7 @@ def test_beside_a_busy_process_a_probe_with_no_short_step_runs_one_long_step_and
     machine = _PrefillMachine()
     machine.contended = True
     policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
-    for key in _CHAT_START_NO_SHORT_STEP:
-        machine.key = key
-        policy.run(key, machine.step)
+    _replay(policy, machine, _CHAT_START_NO_SHORT_STEP)
     assert [key for key in machine.keys_at[2] if key[0] >= 256] == [(256, 1), (1024, 5)]
     assert policy.threads == 1
     assert policy.num_switches == 1
@@ -497,9 +496,7 @@ def test_on_a_quiet_machine_a_probe_with_no_short_step_costs_one_long_step() -> 
     keeps 2 threads on it, and the rest of the burst runs at 2 threads."""
     machine = _PrefillMachine()
     policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
-    for key in _CHAT_START_NO_SHORT_STEP:
-        machine.key = key
-        policy.run(key, machine.step)
+    _replay(policy, machine, _CHAT_START_NO_SHORT_STEP)
     assert machine.keys_at[1] == [(1024, 9)]
     assert policy.threads == 2
     assert policy.num_switches == 0
