@@ -410,6 +410,7 @@ def _replay(policy: AdaptiveThreads, machine: _PrefillMachine, keys: list[tuple[
 # The first 24 step sizes (scheduled tokens, rows) of `asyncllm serve --quantization int8` on serving_shapes.py's
 # chat shape (2026-12-04, AMD EPYC): a few decodes, then the first probe, then 256-token prompts arriving faster than
 # they are prefilled (1024-token steps), then 32 decodes.
+TRACE_FIRST_PROBE = 8  # the default `first_probe` when the traces below were recorded (the first probe 9 steps in)
 _CHAT_START = [(32, 1), (33, 2), *[(2, 2)] * 6, (1, 1), (256, 1), *[(1024, r) for r in range(5, 30, 4)], (881, 32)]
 _CHAT_START += [(32, 32)] * 6
 
@@ -420,7 +421,7 @@ def test_a_probe_leaves_long_steps_at_the_chosen_count() -> None:
     speed, ~7 s lost, for one judged step. A probe step now costs what a typical step costs: longer ones run at the
     chosen count and teach the fit their size, and the probe is judged on the decodes after them."""
     machine = _PrefillMachine()
-    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, first_probe=TRACE_FIRST_PROBE)
     _replay(policy, machine, _CHAT_START)
     assert machine.keys_at[1] == [(1, 1), (32, 32), (32, 32)]
     assert policy.threads == 2
@@ -434,7 +435,7 @@ def test_beside_a_busy_process_a_probe_runs_a_burst_of_prompts_at_the_count_it_f
     chosen count. They now run at 1 thread, which the probe's judged step already favours."""
     machine = _PrefillMachine()
     machine.contended = True
-    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, first_probe=TRACE_FIRST_PROBE)
     _replay(policy, machine, _CHAT_START)
     assert [key for key in machine.keys_at[2] if key[0] >= 256] == []
     assert policy.threads == 1
@@ -466,7 +467,7 @@ def test_a_probe_decides_beside_a_busy_process_when_recent_steps_happened_to_be_
     nothing per token and per row, so the fit now judges (1, 1); and the probe's lead is weighed against the chosen
     count's recent steps, not its last three alone."""
     machine = _ReplayMachine([0.2698, 0.8632, 0.2972, 0.0337, 1.0243, 0.2970, 0.0353, 0.0363])
-    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, first_probe=TRACE_FIRST_PROBE)
     _replay(policy, machine, _CHAT_START)
     assert [key for key in machine.keys_at[2] if key[0] >= 1024] == []
     assert policy.threads == 1
@@ -484,7 +485,7 @@ def test_beside_a_busy_process_a_probe_with_no_short_step_runs_one_long_step_and
     256-token prompt: the fit learns a long step's size), then runs the next at 1 thread and decides on it."""
     machine = _PrefillMachine()
     machine.contended = True
-    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, first_probe=TRACE_FIRST_PROBE)
     _replay(policy, machine, _CHAT_START_NO_SHORT_STEP)
     assert [key for key in machine.keys_at[2] if key[0] >= 256] == [(256, 1), (1024, 5)]
     assert policy.threads == 1
@@ -495,7 +496,7 @@ def test_on_a_quiet_machine_a_probe_with_no_short_step_costs_one_long_step() -> 
     """The same start on a quiet machine: one long step runs at 1 thread (1.9x its 2-thread time here), the probe
     keeps 2 threads on it, and the rest of the burst runs at 2 threads."""
     machine = _PrefillMachine()
-    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock, first_probe=TRACE_FIRST_PROBE)
     _replay(policy, machine, _CHAT_START_NO_SHORT_STEP)
     assert machine.keys_at[1] == [(1024, 9)]
     assert policy.threads == 2
@@ -521,3 +522,41 @@ def test_nonnegative_least_squares_matches_the_unconstrained_solution_when_that_
     assert nonnegative_least_squares([[3.0, 3.0], [3.0, 5.0]], [6.0, 4.0]) == pytest.approx([2.0, 0.0])
     single = nonnegative_least_squares([[2.0, 4.0], [4.0, 8.0]], [6.0, 12.0])  # x = 2 twice, t = 3
     assert single[0] + 2 * single[1] == pytest.approx(3.0)
+
+
+def test_beside_a_busy_process_the_first_probe_comes_after_four_steps() -> None:
+    """int8's start in the run that met the no-short-step case (`serving_shapes.py --contended`, 2026-12-04
+    evening): a (64, 2) step took 3.3 s at 2 threads and seven (2, 2) steps 1.2 s each before the first probe began
+    (then 3.6 + 6.8 s of long steps before it could decide). The fit answers from 4 steps, so the first probe now
+    starts after 4: its (2, 2) steps at 1 thread decide, and no long step runs at 2 threads."""
+    machine = _PrefillMachine()
+    machine.contended = True
+    policy = AdaptiveThreads(2, set_threads=machine.set_threads, clock=machine.clock)
+    _replay(policy, machine, [(64, 2), *[(2, 2)] * 7, (256, 1), *[(1024, r) for r in range(5, 30, 4)]])
+    assert machine.keys_at[2] == [(64, 2), (2, 2), (2, 2), (2, 2)]
+    assert policy.threads == 1
+
+
+# The first 15 steps of `asyncllm serve` (fp32) on the quiet chat shape with the first probe after 4 steps
+# (2026-12-04 evening, AMD EPYC): sizes, and seconds at the thread count each ran with (1 thread: steps 5-7).
+_QUIET_START = [((32, 1), 0.0770), ((33, 2), 0.0964), ((2, 2), 0.0319), ((2, 2), 0.0313), ((2, 2), 0.0459)]
+_QUIET_START += [((2, 2), 0.0445), ((2, 2), 0.0457), ((2, 2), 0.0335), ((1, 1), 0.0325), ((256, 1), 0.4553)]
+_QUIET_START += [((513, 3), 1.4313), ((1024, 7), 1.6847), ((1024, 11), 1.7839), ((1024, 15), 1.8307)]
+
+
+def test_a_step_of_a_size_the_fit_has_not_seen_is_not_called_slow() -> None:
+    """In that run the (1, 1) step took 33 ms at 2 threads, where the fit of (2, 2) decodes and two prefills
+    expected 16: the slowdown trigger started a probe three steps later, inside a burst of 1024-token steps, and the
+    probe, judging none, ran one of them at 1 thread (3.3 s against 1.8). A step is called slow only at a size among
+    those the fit has seen."""
+    now = [0.0]
+    threads_of_long_steps = []
+    policy = AdaptiveThreads(2, set_threads=lambda n: None, clock=lambda: now[0])
+    for key, seconds in _QUIET_START:
+        threads = policy.current
+        if key[0] >= 256:
+            threads_of_long_steps.append(threads)
+        step_s = seconds * (1.8 if threads == 1 and key[0] >= 256 else 1.0)
+        policy.run(key, lambda s=step_s: now.__setitem__(0, now[0] + s))
+    assert threads_of_long_steps == [2, 2, 2, 2, 2]
+    assert policy.threads == 2

@@ -71,18 +71,18 @@ class StepCostFit:
         s[6] += sign * x * t
         s[7] += sign * y * t
 
-    def expected(self, key: StepKey) -> float | None:
+    def expected(self, key: StepKey, margin: float | None = None) -> float | None:
         """Seconds the fit expects for a step of size `key`, or None where it cannot say: fewer than `min_steps`
-        steps, `key` outside the sizes seen (with `margin`), or an expectation that is not positive."""
+        steps, `key` outside the sizes seen (with `margin`: this fit's own unless given; 1 answers only inside
+        them), or an expectation that is not positive."""
         if len(self._steps) < self.min_steps:
             return None
         if self._model is None:
             self._model = self._solve()
         a, b, c, x_lo, x_hi, y_lo, y_hi = self._model
         x, y = key
-        if not (
-            x_lo <= self.margin * x and x <= self.margin * x_hi and y_lo <= self.margin * y and y <= self.margin * y_hi
-        ):
+        m = self.margin if margin is None else margin
+        if not (x_lo <= m * x and x <= m * x_hi and y_lo <= m * y and y <= m * y_hi):
             return None
         seconds = a + b * x + c * y
         return seconds if seconds > 0 else None

@@ -29,9 +29,10 @@ one such step only: the next step whose size the fit can judge runs at the probe
 decides on it alone, against the step it last waited through (a server's first prompts may come in a burst before
 any short step: beside a busy process int8 once ran 72 s of 1024-token steps at 2 threads, 6.5 s each, while
 waiting; one step at a losing count costs about one step more). A step at `max_threads` slower than `slowdown` x the
-fit's expectation brings the probe forward to `probe_steps` steps later (so the current count is judged on steps
-that all ran in the new conditions); a slow one-thread step does not (more load never makes more threads faster).
-After a switch the fit starts again from the probe's steps.
+fit's expectation (for a size among those the fit has seen: no extrapolation) brings the probe forward to
+`probe_steps` steps later (so the current count is judged on steps that all ran in the new conditions); a slow one-
+thread step does not (more load never makes more threads faster). After a switch the fit starts again from the
+probe's steps.
 
 Coming back from one thread: the end of contention does not slow one-thread steps, so the worker also reads the
 machine's idle CPU time during them (`SystemIdleMeter`): when at least `idle_cpus_to_probe` CPUs sat idle on
@@ -95,7 +96,8 @@ class AdaptiveThreads:
         probe_interval: steps between two probes at first (doubles while probes confirm the choice).
         first_probe: steps before the very first probe. A worker that starts beside a busy process has no quiet
             steps for the slowdown trigger to compare with, so only a probe can tell it; its cost when quiet is
-            `probe_steps` slower steps once.
+            `probe_steps` slower steps once. 4 by default, the fewest steps `StepCostFit` answers from: beside a
+            busy process each step before it took 1.2 s where a quiet one takes 12 ms (int8, 2-row decodes).
         max_probe_interval: the longest gap between probes, in steps.
         probe_steps: steps run at the other count per probe.
         probe_step_limit: a probe does not run steps the fit expects to take longer than this factor x the median
@@ -118,7 +120,7 @@ class AdaptiveThreads:
         self,
         max_threads: int,
         probe_interval: int = 32,
-        first_probe: int = 8,
+        first_probe: int = 4,
         max_probe_interval: int = 512,
         probe_steps: int = 3,
         probe_step_limit: float = 4.0,
@@ -272,7 +274,7 @@ class AdaptiveThreads:
             return
         slow = False
         if self.threads == self.max_threads:
-            expected = self._fit.expected(key)
+            expected = self._fit.expected(key, margin=1.0)  # only sizes among those seen: no extrapolation
             slow = expected is not None and seconds > self.slowdown * expected
         self._fit.add(key, seconds)
         self._until_probe -= 1
