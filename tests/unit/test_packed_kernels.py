@@ -17,12 +17,12 @@ from asyncllm.model.kernels.choice import KernelChooser
 from asyncllm.model.kernels.fp32 import (
     FP32_PRODUCT,
     PackedFp32Weight,
-    bucket_rows,
     onednn_fp32_available,
     pack_fp32,
 )
 from asyncllm.model.kernels.int8 import INT8_PRODUCT, Int8Weight, onednn_int8_available, quantize_int8
 from asyncllm.model.kernels.linear import linear
+from asyncllm.model.kernels.row_padding import bucket_rows, row_pieces, run_in_row_pieces
 from asyncllm.model.kernels.row_quant import quantize_rows
 from asyncllm.model.loading.loader import load_model
 from tests.kernel_checks import force_or_refused, require_mkl_packed
@@ -41,7 +41,7 @@ def fp32_chooser(request, tmp_path) -> KernelChooser[torch.Tensor]:  # type: ign
     return KernelChooser(FP32_PRODUCT, forced=request.param, cache_dir=tmp_path)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 33, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 33, 300, 600, 1100])
 def test_packed_fp32_linear_equals_the_plain_product(rows: int, fp32_chooser: KernelChooser[torch.Tensor]) -> None:
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 96, generator=gen), torch.randn(96, 200, generator=gen)
@@ -155,7 +155,7 @@ def test_pack_fp32_refuses_what_it_cannot_pack() -> None:
         pack_fp32(torch.zeros(4))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 40, 70])
+@pytest.mark.parametrize("rows", [1, 7, 40, 70, 600, 1100])
 def test_every_int8_kernel_gives_the_same_values(rows: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Exact int32 sums scaled in the same order on every int8 kernel: the kernel a row class runs never changes
     a value (so batch composition cannot either)."""
@@ -198,6 +198,30 @@ def test_packed_model_gives_the_plain_models_logits(tmp_path, fp32_chooser) -> N
         packed.pack_fp32()
 
 
-def test_rows_are_padded_to_few_sizes() -> None:
-    assert [bucket_rows(r) for r in (1, 2, 8, 9, 64, 65, 512, 513, 2000)] == [1, 2, 8, 16, 64, 128, 512, 1024, 2048]
-    assert len({bucket_rows(r) for r in range(1, 8193)}) == 8 + 7 + 7 + 15  # oneDNN kernels per weight shape
+def test_products_run_at_few_row_counts_with_little_padding() -> None:
+    assert [bucket_rows(r) for r in (1, 2, 8, 9, 64, 65, 512, 1024)] == [1, 2, 8, 16, 64, 128, 512, 1024]
+    assert row_pieces(576) == [(576, 576)]  # a 576-token prefill ran at 1,024 rows, ~1.9x the time
+    assert row_pieces(600) == [(600, 640)]
+    assert row_pieces(2048) == [(2048, 2048)]
+    assert row_pieces(2100) == [(2048, 2048), (52, 56)]
+    counts: set[int] = set()
+    for rows in range(1, 8193):
+        pieces = row_pieces(rows)
+        assert sum(real for real, _ in pieces) == rows
+        assert sum(padded for _, padded in pieces) - rows <= 63
+        counts.update(padded for _, padded in pieces)
+    assert len(counts) == 8 + 7 + 15 + 7  # oneDNN kernels per weight shape, as many as before
+    with pytest.raises(ValueError, match="at least 1 row"):
+        row_pieces(0)
+
+
+def test_a_product_in_pieces_runs_once_per_piece_in_row_order() -> None:
+    x = torch.arange(1100 * 3, dtype=torch.float32).reshape(1100, 3)
+    seen: list[int] = []
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return rows[:, :2] * 2
+
+    assert torch.equal(run_in_row_pieces(x, product), x[:, :2] * 2)
+    assert seen == [1024, 128]  # the last 76 rows padded to 128

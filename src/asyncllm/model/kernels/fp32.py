@@ -10,7 +10,7 @@ The candidates (`FP32_PRODUCT`, chosen per weight shape and row class by `model/
   another busy process) does not hold the others up.
 - `onednn`: oneDNN's inner product on a weight reordered into its blocked layout
   (`torch.ops.mkldnn._linear_pointwise`, the kernel torch's x86 inference path uses for frozen float32 linears),
-  rows padded to a few counts (`bucket_rows`).
+  rows run at a few counts (`row_pieces`).
 Every kernel computes in float32; they sum in different orders, so a row's last bits depend on which one ran, as
 they already do on the attention padding of its batch. A packed kernel keeps a second copy of the weight (about
 540 MB for the default model); a weight whose every row class runs `matmul` keeps only the plain one.
@@ -36,7 +36,7 @@ from asyncllm.model.kernels.choice import (
     prepare_operands,
 )
 from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
-from asyncllm.model.kernels.row_padding import bucket_rows, pad_rows
+from asyncllm.model.kernels.row_padding import run_in_row_pieces
 
 CHUNKS_PER_WEIGHT = 4  # column chunks of an MKL-packed weight, at least: enough to even out two threads' shares
 MAX_CHUNK_COLUMNS = 4096  # wider weights (an LM head) get more chunks, so no chunk is a long wait
@@ -143,9 +143,7 @@ def _onednn_reorder(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _run_onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    rows = x.shape[0]
-    out = torch.ops.mkldnn._linear_pointwise(pad_rows(x, bucket_rows(rows)), packed, None, "none", [], "")
-    return out if out.shape[0] == rows else out[:rows]
+    return run_in_row_pieces(x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], ""))
 
 
 def _run_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from asyncllm.model.kernels.choice import Candidate, KernelChoice, KernelChooser, ProductKind, forced_kernels_from_env
 from asyncllm.model.kernels.row_kernels import load_kernels
-from asyncllm.model.kernels.row_padding import bucket_rows, pad_rows
+from asyncllm.model.kernels.row_padding import run_in_row_pieces
 
 
 @dataclass
@@ -91,15 +91,16 @@ def _prepack_onednn(weight: Int8Weight) -> OneDNNInt8:
 def _run_onednn(
     qx: torch.Tensor, operand: tuple[torch.Tensor, torch.Tensor, torch.Tensor], zero_point: int
 ) -> torch.Tensor:
-    """oneDNN's int8 product, the weight scale applied in-kernel (activation scale 1); rows padded to a few sizes
-    (`bucket_rows`)."""
+    """oneDNN's int8 product, the weight scale applied in-kernel (activation scale 1); rows run at a few counts
+    (`row_pieces`)."""
     packed, scale, zero_points = operand
-    rows = qx.shape[0]
-    out = torch.ops.onednn.qlinear_pointwise(
-        pad_rows(qx, bucket_rows(rows)), 1.0, zero_point, packed, scale, zero_points, None, 1.0, 0,
-        torch.float32, "none", [], "",
-    )  # fmt: skip
-    return out if out.shape[0] == rows else out[:rows]
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.onednn.qlinear_pointwise(
+            rows, 1.0, zero_point, packed, scale, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+
+    return run_in_row_pieces(qx, product)
 
 
 def _run_onednn_s8(qx: torch.Tensor, operand: OneDNNInt8) -> torch.Tensor:
