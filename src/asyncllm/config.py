@@ -125,16 +125,17 @@ class EngineArgs:
             "gguf" for a GGUF file whose layer linear weights are all block-quantized already (the default model's
             Q4_1 file: batch-1 decoding ~5x fp32's speed in ~1/4 of its memory; accuracy against fp32 in README
             "Speed"), float32 for anything else (float weights, HF directories, load_format="dummy") and where the
-            block modes cannot run (tensor_parallel_size > 1, enable_lora); the start-up log names the choice and
-            why (`model/loading/quant_choice.py`). "int8": every linear layer and
+            block modes cannot run (tensor_parallel_size > 1); the start-up log names the choice and why
+            (`model/loading/quant_choice.py`). "int8": every linear layer and
             the LM head run with int8 weights (per output channel) and int8 per-row dynamic activations, after
             SmoothQuant; from float or GGUF checkpoints (GGUF is dequantized, then requantized). "q8_0" / "q4_0":
             every linear layer and the LM head stored in blocks of 32 input values (8 or 4 bits and a float16 scale
             per block), products with int8 activation blocks on asyncllm's own kernels
             (`model/kernels/block_quant.py`). "gguf": a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks kept as they are
             (SmolLM2's Q4_1 file: Q4_1 layers, Q8_0 LM head); other GGUF block types (Q4_K, Q5_0, Q6_K, ...) and
-            float checkpoints requantized to Q8_0. The block modes need tensor_parallel_size=1 and no LoRA (asked
-            for explicitly, anything else is a ConfigError). See README "Speed" and docs/benchmarks.md.
+            float checkpoints requantized to Q8_0. The block modes need tensor_parallel_size=1 (asked for explicitly
+            with more ranks, a ConfigError); LoRA adapters run on them, their delta added to the block product.
+            See README "Speed" and docs/benchmarks.md.
         linear_kernels: force the kernel of a kind of linear product, e.g. {"int8": "int_mm"} or "int8=int_mm"
             (int8: "onednn", "int_mm", "avx2"; fp32: "matmul", "mkl_packed", "onednn"). None (default): each
             is chosen by timing the candidates on the host at first start (cached; docs/kernels.md). The
@@ -369,11 +370,6 @@ class EngineArgs:
                 "EngineArgs.enable_lora does not work with quantization='int8': SmoothQuant rescales the linear "
                 "layers' inputs, which an adapter's A does not expect"
             )
-        if self.enable_lora and self.quantization in BLOCK_QUANTIZATIONS:
-            raise ConfigError(
-                f"EngineArgs.enable_lora does not work with quantization={self.quantization!r} yet: adapters over "
-                "block-quantized base weights are not tested in this version; use quantization=None or 'auto'"
-            )
 
     def _resolve_quantization(
         self, model_path: pathlib.Path, header: tuple[dict[str, Any], list[GGUFTensorInfo]] | None
@@ -389,7 +385,6 @@ class EngineArgs:
             None if header is None else header[1],
             load_format=self.load_format,
             tensor_parallel_size=self.tensor_parallel_size,
-            enable_lora=self.enable_lora,
         )
         return choice.quantization, choice.reason  # the loader logs the reason at start-up
 

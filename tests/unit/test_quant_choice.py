@@ -46,7 +46,6 @@ def test_an_explicit_mode_is_kept_as_asked(model_path: str, mode: str) -> None:
             {"tensor_parallel_size": 3, "distributed_executor_backend": "mp"},
             "block weights need tensor_parallel_size=1",
         ),
-        ({"enable_lora": True}, "LoRA adapters need float32 base weights"),
         ({"load_format": "dummy"}, "load_format='dummy' fills random float weights"),
     ],
 )
@@ -59,18 +58,21 @@ def test_auto_falls_back_to_float32_where_blocks_cannot_run_and_says_why(
     assert why in model.quantization_reason
 
 
-@pytest.mark.parametrize(
-    ("overrides", "match"),
-    [
-        ({"tensor_parallel_size": 3, "distributed_executor_backend": "mp"}, "tensor_parallel_size > 1"),
-        ({"enable_lora": True}, "enable_lora does not work with quantization='gguf'"),
-    ],
-)
-def test_an_explicit_block_mode_that_cannot_run_stays_an_error(
-    model_path: str, overrides: dict[str, object], match: str
-) -> None:
-    with pytest.raises(ConfigError, match=match):
-        EngineArgs(model=model_path, quantization="gguf", **overrides).create_engine_config()  # type: ignore[arg-type]
+def test_an_explicit_block_mode_that_cannot_run_stays_an_error(model_path: str) -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
+        EngineArgs(
+            model=model_path, quantization="gguf", tensor_parallel_size=3, distributed_executor_backend="mp"
+        ).create_engine_config()
+
+
+def test_lora_keeps_the_files_blocks(model_path: str) -> None:
+    """Adapters add their delta to the block product (tests/integration/test_lora_peft.py checks it against peft)."""
+    model = EngineArgs(model=model_path, enable_lora=True).create_engine_config().model
+    assert model.quantization == "gguf"
+    assert (
+        EngineArgs(model=model_path, quantization="gguf", enable_lora=True).create_engine_config().model.quantization
+        == "gguf"
+    )
 
 
 def test_an_unknown_spelling_is_refused_naming_the_choices() -> None:
@@ -88,7 +90,7 @@ def _tensors(layer_types: list[int]) -> list[GGUFTensorInfo]:
 
 
 def _choose(tensors: list[GGUFTensorInfo] | None, **kw: object) -> tuple[str | None, str]:
-    options = {"load_format": "auto", "tensor_parallel_size": 1, "enable_lora": False, **kw}
+    options = {"load_format": "auto", "tensor_parallel_size": 1, **kw}
     choice = choose_quantization(pathlib.Path("/m/model.gguf"), tensors, **options)  # type: ignore[arg-type]
     return choice.quantization, choice.reason
 

@@ -5,9 +5,10 @@ The rule: a GGUF file whose every layer linear weight (each 2-D `blk.*` tensor) 
 Q4_1, Q8_0, K-quants, ...) keeps blocks: `"gguf"` (its Q4_0 / Q4_1 / Q8_0 tensors kept as they are, other block
 types requantized to Q8_0; `model/kernels/block_quant.py`). Everything else runs in float32: float GGUF layer
 weights (F32 / F16 / BF16, or a mix with block ones), HF safetensors directories, random ("dummy") weights, and
-configurations the block modes cannot run (`tensor_parallel_size > 1`, `enable_lora`). Measured for the decision
-(README "Speed", `benchmarks/analysis.md`): on the default model's Q4_1 file "gguf" decodes at batch 1 about 5x
-fp32's speed in a third of its memory, with an error against fp32 smaller than llama.cpp's on the same file.
+`tensor_parallel_size > 1` (block weights are not sharded). LoRA adapters run on block weights (`enable_lora`
+keeps "gguf"). Measured for the decision (README "Speed", `benchmarks/analysis.md`): on the default model's Q4_1
+file "gguf" decodes at batch 1 about 5x fp32's speed in a third of its memory, with an error against fp32 smaller
+than llama.cpp's on the same file.
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ def choose_quantization(
     *,
     load_format: str,
     tensor_parallel_size: int,
-    enable_lora: bool,
 ) -> QuantizationChoice:
     """The weight storage `quantization="auto"` gives this checkpoint and configuration (the rule in the module
     docstring).
@@ -100,7 +100,6 @@ def choose_quantization(
             None for an HF directory.
         load_format: "auto" or "dummy" (random weights: float32).
         tensor_parallel_size: ranks; > 1 gives float32 (the block weights are not sharded in this version).
-        enable_lora: True gives float32 (adapters over block weights are not supported in this version).
     Returns:
         The choice and its one-line reason.
     """
@@ -124,8 +123,6 @@ def choose_quantization(
     blocks = f"{name}'s {len(linear)} layer linear weights are already block-quantized ({_counts(linear)})"
     if tensor_parallel_size > 1:
         return float32(f"{blocks}, but block weights need tensor_parallel_size=1", "'int8' runs with TP > 1")
-    if enable_lora:
-        return float32(f"{blocks}, but LoRA adapters need float32 base weights in this version", "")
     others = sorted({ggml_type_name(t.ggml_type) for t in linear if t.ggml_type not in KEPT_GGML_TYPES})
     how = (
         "kept as they are"
