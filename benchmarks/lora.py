@@ -9,6 +9,7 @@ and the best round of each counts (the machine is shared). Prints tokens/s, the 
 average (`os.getloadavg`) before and after.
 
     .venv/bin/python benchmarks/lora.py [--streams 32] [--max-tokens 32] [--rank 8] [--rounds 2] [--num-threads N]
+        [--quantization auto|none]
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ async def main(args: argparse.Namespace) -> None:
     workloads: dict[str, list[LoRARequest | None]] = {"0": [None], "1": adapters[:1], "4": adapters}
     engine_args = EngineArgs(
         model=model, enable_lora=True, max_loras=4, max_lora_rank=args.rank, num_threads=args.num_threads,
+        quantization=args.quantization,
         max_num_seqs=args.streams, num_kv_blocks=512, max_model_len=512,
     )  # fmt: skip
     load_before = os.getloadavg()
@@ -109,4 +111,5 @@ if __name__ == "__main__":
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--quantization", default="auto", help='"auto" (the default model\'s own blocks) or "none"')
     asyncio.run(main(parser.parse_args()))
