@@ -225,3 +225,5 @@ def test_a_product_in_pieces_runs_once_per_piece_in_row_order() -> None:
 
     assert torch.equal(run_in_row_pieces(x, product), x[:, :2] * 2)
     assert seen == [1024, 128]  # the last 76 rows padded to 128
+    assert run_in_row_pieces(x[:0], product).shape == (0, 2)  # no rows: one call on the empty input, as before
+    assert seen[-1] == 0

@@ -57,7 +57,10 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def run_in_row_pieces(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`product(x)` for `x` `[rows, in]` -> `[rows, out]`, with `product` called only at the row counts of
-    `row_pieces(rows)` (zero rows appended where a piece is padded; their outputs dropped)."""
+    `row_pieces(rows)` (zero rows appended where a piece is padded; their outputs dropped); with no rows, once
+    on `x` itself."""
+    if x.shape[0] == 0:
+        return product(x)
     outputs, start = [], 0
     for real, padded in row_pieces(x.shape[0]):
         out = product(pad_rows(x[start : start + real], padded))
