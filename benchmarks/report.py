@@ -30,28 +30,33 @@ def run(script: str, *args: str) -> dict[str, Any]:
 
 
 def throughput_tables(t: dict[str, Any]) -> list[str]:
+    names = list(t["asyncllm"])  # fp32, int8, and the default's weights when they are not float32
+    label = {
+        "fp32": "fp32",
+        "int8": "int8",
+        "default": f"default ({t.get('default_quantization', {}).get('quantization')})",
+    }
     lines = []
     for mode in t["modes"]:
         prompts = "the 11-15-token prompts of `throughput.make_prompts`"
         workload = f"{prompts}, {t['max_tokens']} new tokens per stream, greedy, EOS ignored"
-        lines += [f"\n**{mode}** ({workload}; total generated tokens/s; int8 is compared with HF fp32)\n"]
-        lines += [
-            "| streams | HF fp32 | asyncllm fp32 | vs HF fp32 | asyncllm int8 | int8 vs HF fp32 |",
-            "|---|---|---|---|---|---|",
-        ]
+        lines += [f"\n**{mode}** ({workload}; total generated tokens/s; every column is compared with HF fp32)\n"]
+        header = ["streams", "HF fp32"] + [h for q in names for h in (f"asyncllm {label[q]}", "vs HF fp32")]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for n in t["streams"]:
             hf = t["transformers"].get(mode, {}).get(str(n))
             cells = [str(n), f"{hf:.1f}" if hf else "-"]
-            for q in ("fp32", "int8"):
+            for q in names:
                 ours = t["asyncllm"][q][mode][str(n)]
                 cells += [f"{ours:.1f}", f"{ours / hf:.2f}x" if hf else "-"]
             lines.append("| " + " | ".join(cells) + " |")
     if "contended" in t["modes"]:
         lines += ["\n**contended / quiet** (share of quiet throughput kept beside one CPU-bound process)\n"]
-        lines += ["| streams | HF fp32 | asyncllm fp32 | asyncllm int8 |", "|---|---|---|---|"]
+        header = ["streams", "HF fp32"] + [f"asyncllm {label[q]}" for q in names]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for n in t["streams"]:
             cells = [str(n)]
-            for table in (t["transformers"], t["asyncllm"]["fp32"], t["asyncllm"]["int8"]):
+            for table in (t["transformers"], *(t["asyncllm"][q] for q in names)):
                 cells.append(f"{table['contended'][str(n)] / table['quiet'][str(n)]:.0%}" if table else "-")
             lines.append("| " + " | ".join(cells) + " |")
     return lines

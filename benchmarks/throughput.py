@@ -1,5 +1,9 @@
-"""Generated tokens/s of asyncllm (fp32 and int8) at 1, 8, 32 and 64 concurrent streams, next to HF
-`transformers` `generate` on the same model, prompts and token counts, measured in this run, with the ratio.
+"""Generated tokens/s of asyncllm (fp32, int8 and the default weights) at 1, 8, 32 and 64 concurrent streams, next
+to HF `transformers` `generate` on the same model, prompts and token counts, measured in this run, with the ratio.
+
+The default is what `EngineArgs(quantization="auto")` gives the checkpoint (a GGUF whose layers are blocks keeps
+them: "gguf", the default model's Q4_1 file; `model/loading/quant_choice.py`). When it resolves to float32 weights
+the default column is the fp32 one and no third engine is loaded.
 
 Every request streams `--max-tokens` new tokens (greedy, EOS ignored). asyncllm runs as a user runs it
 (`AsyncLLM` with its engine process, default thread policy); HF runs one padded batch of the same prompts in
@@ -7,8 +11,8 @@ this process with torch's default threads. `--contended` measures everything a s
 CPU-bound process (`while True: pass`) running beside it and adds the contended / quiet ratio. The machine
 (CPU model, flags that matter, cores, load average before and after) is printed and stored in the JSON.
 
-Both asyncllm engines and the HF model stay loaded for the whole run, and each stream count is measured on all
-three one right after the other, in `--rounds` rounds (default 3): a shared machine's speed drifts by 20-30%
+The asyncllm engines and the HF model stay loaded for the whole run, and each stream count is measured on all
+of them one right after the other, in `--rounds` rounds (default 3): a shared machine's speed drifts by 20-30%
 over minutes, and this way every ratio compares runs made under the same conditions. The tables show each
 configuration's median over the rounds; the JSON keeps every round's value.
 
@@ -160,7 +164,7 @@ async def measure_round(
     engines: dict[str, AsyncLLM], hf: tuple[Any, Any] | None, streams: list[int], max_tokens: int, mode: str
 ) -> dict[str, dict[int, float]]:
     """One round of one mode: for each stream count, every asyncllm engine and then HF, one after the other (so
-    all see the same machine state). Returns {"fp32" | "int8" | "hf": {streams: tok/s}}."""
+    all see the same machine state). Returns {engine name ("fp32", "int8", "default") | "hf": {streams: tok/s}}."""
     result: dict[str, dict[int, float]] = {name: {} for name in [*engines, *(["hf"] if hf else [])]}
     with cpu_hog(mode == "contended"):
         for llm in engines.values():
@@ -176,6 +180,15 @@ async def measure_round(
     return result
 
 
+ENGINES: dict[str, str | None] = {"fp32": None, "int8": "int8", "default": "auto"}  # name -> EngineArgs.quantization
+
+
+def default_quantization(path: str, max_model_len: int | None) -> tuple[str | None, str]:
+    """What `quantization="auto"` resolves to for this checkpoint (None: float32 weights), and the reason logged."""
+    model = EngineArgs(model=path, max_model_len=max_model_len).create_engine_config().model
+    return model.quantization, model.quantization_reason
+
+
 async def measure(
     path: str,
     streams: list[int],
@@ -185,18 +198,19 @@ async def measure(
     with_hf: bool,
     max_model_len: int | None = None,
 ) -> tuple[dict[str, dict[str, dict[int, list[float]]]], dict[str, str]]:
-    """Every round of every mode, {engine: {mode: {streams: [tok/s of each round]}}} for fp32, int8 and hf, and
-    the linear kernels each asyncllm engine runs ({"fp32": log line, "int8": log line})."""
+    """Every round of every mode, {engine: {mode: {streams: [tok/s of each round]}}} for fp32, int8, the default
+    (unless it is float32) and hf, and the linear kernels each asyncllm engine runs ({"fp32": log line, ...})."""
     hf = load_transformers(path) if with_hf else None
     if hf is not None:
         run_transformers(*hf, make_prompts(2), 4)  # warm-up
     samples: dict[str, dict[str, dict[int, list[float]]]] = {}
     kernels: dict[str, str] = {}
+    names = [name for name in ENGINES if name != "default" or default_quantization(path, max_model_len)[0]]
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
-        for name, quantization in (("fp32", None), ("int8", "int8")):
+        for name in names:
             args = EngineArgs(
-                model=path, quantization=quantization, max_num_seqs=max(streams), max_model_len=max_model_len
+                model=path, quantization=ENGINES[name], max_num_seqs=max(streams), max_model_len=max_model_len
             )
             engines[name] = await stack.enter_async_context(AsyncLLM.create(args))
             kernels[name] = (await engines[name].collective_rpc("linear_kernels"))[0]
@@ -214,26 +228,28 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\nmachine: {m['cpu']}, {m['cores']} cores, flags {' '.join(m['flags'])}, torch {m['torch']}")
     print(f"load average before {result['load_before']}, after {result['load_after']}")
     print(f"{result['max_tokens']} new tokens per stream, greedy; tok/s = generated tokens per second, all streams")
+    print(f"default weights: {result['default_quantization']['reason']}")
     for name, kernels in result.get("linear_kernels", {}).items():
         print(f"asyncllm {name} kernels: {kernels}")
+    names = list(result["asyncllm"])
     for mode in result["modes"]:
         print(f"\n[{mode}]")
-        print(f"{'streams':>8} {'HF fp32':>9} {'ours fp32':>10} {'ratio':>6} {'ours int8':>10} {'ratio':>6}")
+        print(f"{'streams':>8} {'HF fp32':>9}" + "".join(f" {'ours ' + q:>13} {'ratio':>6}" for q in names))
         for n in result["streams"]:
             hf = result["transformers"].get(mode, {}).get(n)
             row = f"{n:>8} {hf:9.1f}" if hf else f"{n:>8} {'-':>9}"
-            for q in ("fp32", "int8"):
+            for q in names:
                 ours = result["asyncllm"][q][mode][n]
-                row += f" {ours:10.1f} {ours / hf:6.2f}" if hf else f" {ours:10.1f} {'-':>6}"
+                row += f" {ours:13.1f} {ours / hf:6.2f}" if hf else f" {ours:13.1f} {'-':>6}"
             print(row)
     if "contended" in result["modes"]:
         print("\ncontended / quiet")
-        print(f"{'streams':>8} {'HF fp32':>9} {'ours fp32':>10} {'ours int8':>10}")
+        print(f"{'streams':>8} {'HF fp32':>9}" + "".join(f" {'ours ' + q:>13}" for q in names))
         for n in result["streams"]:
             cells = []
-            for table in (result["transformers"], result["asyncllm"]["fp32"], result["asyncllm"]["int8"]):
+            for table in (result["transformers"], *(result["asyncllm"][q] for q in names)):
                 cells.append(f"{table['contended'][n] / table['quiet'][n]:.2f}" if table else "-")
-            print(f"{n:>8} {cells[0]:>9} {cells[1]:>10} {cells[2]:>10}")
+            print(f"{n:>8} {cells[0]:>9}" + "".join(f" {c:>13}" for c in cells[1:]))
 
 
 def main() -> None:
@@ -261,13 +277,15 @@ def main() -> None:
         "asyncllm": {},
         "transformers": {},
     }
+    quantization, reason = default_quantization(path, args.max_model_len)
+    result["default_quantization"] = {"quantization": quantization or "none", "reason": reason}
     samples, result["linear_kernels"] = asyncio.run(
         measure(path, args.streams, max_tokens, result["modes"], args.rounds, not args.skip_hf, args.max_model_len)
     )
     result["rounds"] = {"count": args.rounds, "samples": samples}
     medians = {name: {m: {n: statistics.median(v) for n, v in by_n.items()} for m, by_n in by_mode.items()}
                for name, by_mode in samples.items()}  # fmt: skip
-    result["asyncllm"] = {"fp32": medians["fp32"], "int8": medians["int8"]}
+    result["asyncllm"] = {name: medians[name] for name in ENGINES if name in medians}
     result["transformers"] = medians.get("hf", {})
     result["load_after"] = [round(x, 2) for x in os.getloadavg()]
     print_table(result)
