@@ -75,7 +75,8 @@ def test_every_path_equals_the_numpy_reference_bit_for_bit(
         assert torch.equal(got, want), (kind, path, float((got - want).abs().max()))
 
 
-GEMM_ROWS = (1, 3, 4, 5, 6, 7, 11, 12, 13, 15, 16, 17, 63, 64, 65, 257)  # the 6-row tile's edges and the threshold
+# the 6-row tile's edges, the GEMMs' thresholds (6; avx2 Q8_0: 24) and the 4-row tile's rests after them
+GEMM_ROWS = (1, 3, 4, 5, 6, 7, 11, 12, 13, 15, 16, 17, 23, 24, 25, 26, 27, 63, 64, 65, 257)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -83,8 +84,9 @@ GEMM_ROWS = (1, 3, 4, 5, 6, 7, 11, 12, 13, 15, 16, 17, 63, 64, 65, 257)  # the 6
 def test_the_many_row_gemm_equals_the_reference_at_every_tile_edge(
     kernels: RowKernels, paths: list[str], kind: str, in_features: int, out_features: int
 ) -> None:
-    """Row counts around the vnni GEMM's threshold (6) and its tiles (6 rows x 32 columns), column counts that are
-    no multiple of 16 or 32 (13: one part panel; 37, 47: a full tile of 2 panels and a part one): bit for bit."""
+    """Row counts around the GEMMs' thresholds (vnni and avx2 Q4: 6; avx2 Q8_0: 24) and their tiles (vnni: 6 rows x
+    32 columns; avx2: 4 rows x 8 or 16), column counts that are no multiple of 8, 16 or 32 (13: one part panel; 37,
+    47: full tiles of 2 panels and a part one): bit for bit."""
     weight = quantize_blocks(_weight(in_features, out_features, out_features), kind)  # type: ignore[arg-type]
     x = _input(max(GEMM_ROWS), in_features, in_features)
     want = reference_block_linear(x, weight)

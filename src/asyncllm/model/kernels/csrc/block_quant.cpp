@@ -7,7 +7,8 @@
 // and reuses them across up to 4 rows (a GEMV streams each weight byte once; a tile of 4 rows x 4 columns reads a
 // weight block once per 4 rows; on vnni and amx the 1-5 row GEMV takes 4 groups, 16 columns, per pass and sums
 // their block dots in registers). From kGemmMinRows rows a GEMM unpacks each panel of columns once per call and
-// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1; from kAmxMinRows rows on the "amx" path,
+// sweeps every row over it (below: vnni, every kind; avx2, Q4_0 and Q4_1, and Q8_0 from kQ8GemmMinRows2 rows; from
+// kAmxMinRows rows on the "amx" path,
 // the same panels as AMX int8 tiles, every kind). Activations are quantized per row and
 // block of 32 to int8 with a float32 scale dx = max|x| / 127 and the sum s of the block's values (for Q4_0's
 // offset and Q4_1's minimum term).
@@ -741,14 +742,13 @@ void gemm_amx(const Acts& a, const Weights& w, int64_t rows, int64_t out_feature
 #endif
 
 #ifdef ASYNCLLM_BLOCK_AVX2
-// --- the many-row GEMM on AVX2 (no VNNI), Q4 only: the same idea on 256-bit vectors ---------------------------------
+// --- the many-row GEMM on AVX2 (no VNNI), Q4: the same idea on 256-bit vectors --------------------------------------
 // A panel of 8 columns (2 groups) is unpacked once per call into quads; a row's quad, broadcast, meets a quad vector
 // in `vpmaddubsw` (unsigned 4-bit weights x signed activations, pairs summed to int16: at most 2 * 15 * 127), a
 // block's 8 quads summed in int16 (at most 30480) before one `vpmaddwd` to int32. Exact integers again, then the
 // float32 steps of group_scalar in the same order. Lane 4l + k of a vector holds column 4(k / 2) + 2(k % 2) + l of
-// the panel (l the 128-bit lane). Q8_0 stays on the 4 x 4 tile: its signed weights need |x| x sign(w, x) and a
-// `vpmaddwd` per quad, and a GEMM built so was no faster (1 thread, ms per SmolLM2 step at 8 / 32 rows: 48.0 / 127.8
-// against the tile's 40.0 / 123.9); Q4_0 / Q4_1 gain 12% at 6-8 rows and 1.7x at 32 (66.4 / 73.7 from 115.8 / 130.7).
+// the panel (l the 128-bit lane). Q4_0 / Q4_1 gain 12% at 6-8 rows and 1.7x at 32 (66.4 / 73.7 from 115.8 / 130.7).
+// Q8_0's signed weights cannot sum a block in int16 (|x| x sign(w, x) pairs reach 2 * 127 * 127): its GEMM is below.
 constexpr int64_t kPanel2 = 8;  // columns per AVX2 panel
 constexpr int kGemmRows2 = 4;   // rows per AVX2 register tile: 8 accumulators of 16 registers
 
@@ -868,6 +868,145 @@ void gemm_avx2(const Acts& a, const Weights& w, int64_t rows, int64_t out_featur
       if (r < rows) {
         panel2_rest<KIND, P, P - 1>(packed.data() + (r / P) * w.nb * TileLayout<P>::kWords, w.nb, panel, r, rows - r,
                                     out, out_features, col0, mask);
+      }
+    }
+  });
+}
+#endif
+
+#ifdef ASYNCLLM_BLOCK_AVX2
+// --- the many-row Q8_0 GEMM on AVX2 (no VNNI) ---------------------------------------------------------------------
+// Signed weights meet signed activations as in the tile (`vpmaddubsw(|x|, sign(w, x))`, pairs at most
+// 2 * 127 * 127, then `vpmaddwd` to int32 per quad: 4 instructions per 32 multiply-adds, as in the int8 kernel,
+// csrc/int8_gemm.cpp), but on panels of 8 columns unpacked once per call (lane c = column c: an 8 x 8 transpose of
+// quads), each broadcast activation quad and its |x| shared by kQ8Panels panels and each weight vector by a tile of
+// kGemmRows2 rows, and the horizontal sums and per-block float steps of the tile (4 columns per pass) gone: a
+// block's 8 quads end in one int32 vector per row and panel, then the float32 steps of group_scalar, in block order.
+// From this many rows (measured, two threads, the LM heads of SmolLM2 and Gemma 3 read from memory: at 16 rows the
+// tile was level or 10% faster, at 24 the GEMM 6-8% faster, at 32 8-24%, at 64 14-25%; on 1 MB layer weights that
+// stay in cache the GEMM led from 6 rows).
+constexpr int64_t kQ8GemmMinRows2 = 24;
+constexpr int kQ8Panels = 2;  // panels per register tile
+
+inline void transpose8(__m256i r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[2 * i]), _mm256_castsi256_ps(r[2 * i + 1]));
+    t[2 * i + 1] = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[2 * i]), _mm256_castsi256_ps(r[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {  // rows 4i .. 4i + 3: t[4i .. 4i + 3]
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
+    r[4 + i] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
+  }
+}
+
+// Panel p.q[b * 8 + q] lane c = column c's values 4q .. 4q + 3 of block b (signed, as stored); p.d[b] lane c its scale.
+void unpack_panel_q8(const Weights& w, int64_t g0, int64_t groups, Panel2& p) {
+  for (int64_t b = 0; b < w.nb; ++b) {
+    __m256i r[8];
+    __m128 d[2];
+    for (int64_t j = 0; j < 2; ++j) {  // group j: columns 4j .. 4j + 3, their blocks next to each other
+      if (j >= groups) {
+        for (int64_t c = 0; c < kGroup; ++c) r[j * kGroup + c] = _mm256_setzero_si256();
+        d[j] = _mm_setzero_ps();
+        continue;
+      }
+      const int64_t block = (g0 + j) * w.nb + b;
+      for (int64_t c = 0; c < kGroup; ++c)
+        r[j * kGroup + c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs + (block * kGroup + c) * kBlock));
+      d[j] = load_half4(w.d + block * kGroup);
+    }
+    transpose8(r);
+    for (int64_t q = 0; q < 8; ++q) p.q[b * 8 + q] = r[q];
+    p.d[b] = _mm256_set_m128(d[1], d[0]);
+  }
+}
+
+template <int P, int R, int NP>
+void q8_tile(const int32_t* tile, int64_t nb, const Panel2* p, int64_t r0, float* out, int64_t ldo, int64_t col0,
+             const __m256i* mask) {
+  using L = TileLayout<P>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][NP];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NP; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int32_t* rec = tile + b * L::kWords;
+    __m256i dot[R][NP];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < NP; ++v) dot[i][v] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < 8; ++q) {
+      __m256i wv[NP];
+      for (int v = 0; v < NP; ++v) wv[v] = p[v].q[b * 8 + q];
+      for (int i = 0; i < R; ++i) {
+        const __m256i xv = _mm256_set1_epi32(rec[L::kQuads + q * P + i]);
+        const __m256i ax = _mm256_sign_epi8(xv, xv);  // |x| (x is never -128)
+        for (int v = 0; v < NP; ++v) {
+          const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[v], xv));
+          dot[i][v] = _mm256_add_epi32(dot[i][v], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    const float* dxs = reinterpret_cast<const float*>(rec + L::kDx);
+    for (int i = 0; i < R; ++i) {
+      const __m256 dx = _mm256_set1_ps(dxs[i]);
+      for (int v = 0; v < NP; ++v)
+        acc[i][v] = _mm256_add_ps(acc[i][v], _mm256_mul_ps(_mm256_cvtepi32_ps(dot[i][v]), _mm256_mul_ps(p[v].d[b], dx)));
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < NP; ++v) _mm256_maskstore_ps(out + (r0 + i) * ldo + col0 + v * kPanel2, mask[v], acc[i][v]);
+}
+
+template <int P, int R, int NP>
+void q8_rest(const int32_t* tile, int64_t nb, const Panel2* p, int64_t r0, int64_t rows, float* out, int64_t ldo,
+             int64_t col0, const __m256i* mask) {
+  if constexpr (R > 0) {
+    if (rows == R) return q8_tile<P, R, NP>(tile, nb, p, r0, out, ldo, col0, mask);
+    q8_rest<P, R - 1, NP>(tile, nb, p, r0, rows, out, ldo, col0, mask);
+  }
+}
+
+template <int NP>
+void q8_rows(const int32_t* packed, int64_t nb, const Panel2* p, int64_t rows, float* out, int64_t ldo, int64_t col0,
+             const __m256i* mask) {
+  constexpr int P = kGemmRows2;
+  const int64_t words = nb * TileLayout<P>::kWords;
+  int64_t r = 0;
+  for (; r + P <= rows; r += P) q8_tile<P, P, NP>(packed + (r / P) * words, nb, p, r, out, ldo, col0, mask);
+  if (r < rows) q8_rest<P, P - 1, NP>(packed + (r / P) * words, nb, p, r, rows - r, out, ldo, col0, mask);
+}
+
+void gemm_avx2_q8(const Acts& a, const Weights& w, int64_t rows, int64_t out_features, float* out) {
+  const std::vector<int32_t> packed = pack_tiles<kGemmRows2>(a, rows, 0);
+  const int64_t groups = (out_features + kGroup - 1) / kGroup;
+  const int64_t panels = (out_features + kPanel2 - 1) / kPanel2;
+  const int64_t steps = (panels + kQ8Panels - 1) / kQ8Panels;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, rows * w.nb * kPanel2 * kQ8Panels));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  at::parallel_for(0, steps, grain, [&](int64_t s0, int64_t s1) {
+    std::vector<Panel2> panel;
+    for (int v = 0; v < kQ8Panels; ++v) panel.emplace_back(w.nb);
+    for (int64_t step = s0; step < s1; ++step) {
+      const int64_t pi = step * kQ8Panels, col0 = pi * kPanel2;
+      __m256i mask[kQ8Panels];
+      int nv = 0;
+      for (; nv < kQ8Panels && pi + nv < panels; ++nv) {
+        const int64_t g0 = (pi + nv) * (kPanel2 / kGroup);
+        unpack_panel_q8(w, g0, std::min(kPanel2 / kGroup, groups - g0), panel[nv]);
+        const int64_t columns = std::min(kPanel2, out_features - col0 - nv * kPanel2);
+        mask[nv] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(columns)), lanes);
+      }
+      if (nv == kQ8Panels) {
+        q8_rows<kQ8Panels>(packed.data(), w.nb, panel.data(), rows, out, out_features, col0, mask);
+      } else {
+        q8_rows<1>(packed.data(), w.nb, panel.data(), rows, out, out_features, col0, mask);
       }
     }
   });
@@ -1045,7 +1184,8 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     }
 #endif
 #ifdef ASYNCLLM_BLOCK_AVX2
-    if (path == Path::kAvx2 && rows >= kGemmMinRows && kind != kQ8_0) {
+    if (path == Path::kAvx2 && (kind == kQ8_0 ? rows >= kQ8GemmMinRows2 : rows >= kGemmMinRows)) {
+      if (kind == kQ8_0) gemm_avx2_q8(acts, weights, rows, out_features, op);
       if (kind == kQ4_0) gemm_avx2<kQ4_0>(acts, weights, rows, out_features, op);
       if (kind == kQ4_1) gemm_avx2<kQ4_1>(acts, weights, rows, out_features, op);
       return out;
