@@ -31,9 +31,9 @@ std::vector<at::Tensor> block_quantize_rows(const at::Tensor& x);
 //   Q4_1: acc += float(dot) * (dw * dx) + (mw * dx) * float(s)
 // with dot the exact integer sum over the block, so every path gives the same bits, and a column's value does not
 // depend on the thread count or on the other rows (nor on whether a GEMV (1-5 rows; on "vnni" and "amx" over
-// chunks of 16 columns) or, from 6 rows, the GEMM serves them: "vnni" every kind, "avx2" Q4_0 / Q4_1; from 16 rows
-// the AMX GEMM on "amx"). path: "" (the best) or one of block_quant_paths(). The activation blocks of inputs up to
-// 256 K values live in a per-thread scratch (no allocation but the output).
+// chunks of 16 columns) or, from 6 rows, the GEMM serves them: "vnni" every kind, "avx2" Q4_0 / Q4_1 (Q8_0 from 24
+// rows); from 16 rows the AMX GEMM on "amx"). path: "" (the best) or one of block_quant_paths(). The activation
+// blocks of inputs up to 256 K values live in a per-thread scratch (no allocation but the output).
 // Releases the GIL. Raises (c10::Error) on wrong shapes or dtypes or a path this build does not have.
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                         int64_t kind, int64_t out_features, const std::string& path);
