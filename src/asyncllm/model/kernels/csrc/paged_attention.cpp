@@ -118,29 +118,34 @@ struct TileWalk {
   }
 };
 
-// Asks for the cache lines (into L1) of the tile after the one being computed: `bytes` of each token's row from
-// `skip` elements in. Without it the kernel waits on memory at every block (blocks lie anywhere in the cache):
-// measured 64 -> 53 ms for 32 decodes at 300 tokens x 30 layers (float32 cache, one thread). Two or four tiles
-// ahead, or into L2 only, measured no better (benchmarks/analysis.md).
+// Asks for the cache lines of the tile after the one being computed, into L2, one row's K/V head at a time while
+// the same row of this tile is computed, so the requests are spread over the tile's arithmetic. Without it the
+// kernel waits on memory at every block (blocks lie anywhere in the cache). Measured on an AMD EPYC (AVX2, two
+// threads, 32 decodes at 320 tokens x 30 layers, float32 cache on huge pages): the whole next tile asked for into
+// L1 at once took 32 ms, as into L1 row by row 30.5 ms, as into L2 row by row 20.5 ms (benchmarks/analysis.md).
 template <typename T>
 struct Prefetcher {
   TileWalk<T> walk;
-  int64_t left, skip, bytes;  // tokens not asked for yet
-  Prefetcher(const T* cache, const int64_t* table, const Layout& l, int64_t first, int64_t n, int64_t skip_,
-             int64_t bytes_)
-      : walk(cache, table, l, first), left(n), skip(skip_), bytes(bytes_) {
+  int64_t left, skip;  // tokens not walked yet; elements into a token's row where the task's span starts
+  const T* rows[kTile];
+  int64_t count = 0;  // rows of the next tile
+  Prefetcher(const T* cache, const int64_t* table, const Layout& l, int64_t first, int64_t n, int64_t skip_)
+      : walk(cache, table, l, first), left(n), skip(skip_) {
     next();
   }
+  // Moves on one tile. Called once before computing each tile, so that `fetch` then asks for the tile after it.
   void next() {
-    const int64_t count = std::min(kTile, left);
+    count = std::min(kTile, left);
     if (count <= 0) return;
-    const T* rows[kTile];
     walk.next(count, rows);
     left -= count;
-    for (int64_t j = 0; j < count; ++j) {
-      const char* p = reinterpret_cast<const char*>(rows[j] + skip);
-      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-    }
+  }
+  // Asks for `bytes` of the next tile's row j from element `offset` of the task's span. Always inlined: GCC takes a
+  // function that only prefetches for one without side effects and drops the calls to it (seen with -O1 and -O3).
+  __attribute__((always_inline)) void fetch(int64_t j, int64_t offset, int64_t bytes) const {
+    if (j >= count) return;
+    const char* p = reinterpret_cast<const char*>(rows[j] + skip + offset);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
   }
 };
 
@@ -200,17 +205,16 @@ void attend_task(const float* q, const T* cache, const int64_t* table, int64_t f
   const int64_t n = last - first, per_kv = l.per_kv, hd = l.head_dim;
   const int64_t heads = (g1 - g0) * per_kv;  // rows of `scores`: head (g - g0) * per_kv + h
   const int64_t value_skip = l.block_size * l.token_stride();
-  const int64_t span = (g1 - g0) * hd;  // elements of a token's row this task reads
   scratch.scores.resize(heads * n);
   float* scores = scratch.scores.data();
   const T* rows[kTile];
-  const int64_t row_bytes = span * static_cast<int64_t>(sizeof(T));
+  const int64_t head_bytes = hd * static_cast<int64_t>(sizeof(T));  // of one K/V head's row
   const float* qt = q + g0 * per_kv * hd;  // the task's first query head
 
   // Scores, tile by tile; the next tile's rows are fetched while this one is computed.
   {
     TileWalk<T> walk(cache, table, l, first);
-    Prefetcher<T> prefetch(cache, table, l, first, n, g0 * hd, row_bytes);
+    Prefetcher<T> prefetch(cache, table, l, first, n, g0 * hd);
 #if defined(CPU_CAPABILITY_AVX512)
     scratch.partial.resize(per_kv * kTile);
     __m512* partial = scratch.partial.data();
@@ -226,6 +230,7 @@ void attend_task(const float* q, const T* cache, const int64_t* table, int64_t f
             for (int64_t h = 0; h < per_kv; ++h) partial[h * kTile + j] = _mm512_setzero_ps();
             continue;
           }
+          prefetch.fetch(j, (g - g0) * hd, head_bytes);
           const T* k = rows[j] + g * hd;
           Vec kv[NV];
           for (int i = 0; i < NV; ++i) kv[i] = load(k + i * W);
@@ -245,6 +250,7 @@ void attend_task(const float* q, const T* cache, const int64_t* table, int64_t f
 #else
       for (int64_t g = g0; g < g1; ++g)
         for (int64_t j = 0; j < count; ++j) {
+          prefetch.fetch(j, (g - g0) * hd, head_bytes);
           const T* k = rows[j] + g * hd;
           Vec kv[NV];
           for (int i = 0; i < NV; ++i) kv[i] = load(k + i * W);
@@ -271,7 +277,7 @@ void attend_task(const float* q, const T* cache, const int64_t* table, int64_t f
   scratch.acc.assign(heads * hd, 0.f);
   float* acc_all = scratch.acc.data();
   TileWalk<T> walk(cache, table, l, first);
-  Prefetcher<T> prefetch(cache, table, l, first, n, value_skip + g0 * hd, row_bytes);
+  Prefetcher<T> prefetch(cache, table, l, first, n, value_skip + g0 * hd);
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t count = std::min(kTile, n - t0);
     walk.next(count, rows);
@@ -283,6 +289,7 @@ void attend_task(const float* q, const T* cache, const int64_t* table, int64_t f
         for (int hh = 0; hh < H; ++hh)
           for (int i = 0; i < NV; ++i) acc[hh][i] = Vec::loadu(acc_all + (head0 + hh) * hd + i * W);
         for (int64_t j = 0; j < count; ++j) {
+          if (h0 == 0) prefetch.fetch(j, (g - g0) * hd, head_bytes);
           const T* v = rows[j] + value_skip + g * hd;
           Vec vv[NV];
           for (int i = 0; i < NV; ++i) vv[i] = load(v + i * W);
