@@ -86,6 +86,24 @@ inline __m512 reduce16(const __m512* v) {
                          _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
+#define ASYNCLLM_LANE_REDUCTION
+// Lane j of the result = the sum of v[j]'s lanes.
+inline Vec reduce_lanes(const Vec* v) { return Vec(reduce16(reinterpret_cast<const __m512*>(v))); }
+#elif defined(CPU_CAPABILITY_AVX2)
+// Lane j of the result = the sum of v[j]'s 8 lanes: pairs of vectors are folded within 128-bit lanes (unpack, then
+// shuffle), then the halves are added across (permute2f128), 7 adds per sum as in a sequential sum.
+inline __m256 reduce8(const __m256* v) {
+  __m256 x[4], y[2];
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20), _mm256_permute2f128_ps(y[0], y[1], 0x31));
+}
+#define ASYNCLLM_LANE_REDUCTION
+// Lane j of the result = the sum of v[j]'s lanes.
+inline Vec reduce_lanes(const Vec* v) { return Vec(reduce8(reinterpret_cast<const __m256*>(v))); }
 #endif
 
 struct Layout {
@@ -94,7 +112,7 @@ struct Layout {
   int64_t block_stride() const { return 2 * block_size * token_stride(); }  // [2, block_size, kv_heads, head_dim]
 };
 
-constexpr int64_t kTile = 16;  // tokens per tile: one reduce16 per query head on AVX-512
+constexpr int64_t kTile = 16;  // tokens per tile: one reduce16 (AVX-512) or two reduce8 (AVX2) per query head
 
 // The start of each cached token's row (all K/V heads) for tokens [first, last) of one sequence, walked in tiles
 // of up to kTile tokens: one division per sequence, none per token.
@@ -185,8 +203,8 @@ float exp_shifted(float* s, int64_t n, float max) {
 // Per-thread scratch of one call (reused across its tasks).
 struct Scratch {
   std::vector<float> scores, acc, inv;
-#if defined(CPU_CAPABILITY_AVX512)
-  std::vector<__m512> partial;  // [per_kv][kTile] lane sums of one tile and K/V head
+#if defined(ASYNCLLM_LANE_REDUCTION)
+  std::vector<Vec> partial;  // [per_kv][kTile] lane sums of one tile and K/V head
 #endif
 };
 
@@ -194,7 +212,7 @@ struct Scratch {
 // head 0), over its tokens [first, last). Each cached K (then V) row is loaded once for all the query heads that
 // share it (the GQA group), tile by tile in the cache's order (every K/V head of a token, then the next token), so
 // every cache line fetched is used at once. The arithmetic per (sequence, query head) is fixed: scores
-// q . k * scale (lanes summed by one transposing reduction per 16 tokens on AVX-512), an exact softmax (max
+// q . k * scale (lanes summed by transposing reductions, one per Vec::size() tokens, on AVX-512 and AVX2), an exact softmax (max
 // subtracted, ATen's vectorized exp), then sum_t p_t * v_t in token order, times 1 / sum p: it does not depend on
 // the batch, on how heads are grouped into tasks, or on the thread count. NV vectors per head row (head_dim == NV *
 // Vec::size()); H query heads share a pass of the values (per_kv % H == 0, H * NV accumulators in registers).
@@ -215,19 +233,19 @@ void attend_task(const float* q, const T* cache, const int64_t* table, int64_t f
   {
     TileWalk<T> walk(cache, table, l, first);
     Prefetcher<T> prefetch(cache, table, l, first, n, g0 * hd);
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(ASYNCLLM_LANE_REDUCTION)
     scratch.partial.resize(per_kv * kTile);
-    __m512* partial = scratch.partial.data();
+    Vec* partial = scratch.partial.data();
 #endif
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
       const int64_t count = std::min(kTile, n - t0);
       walk.next(count, rows);
       prefetch.next();
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(ASYNCLLM_LANE_REDUCTION)
       for (int64_t g = g0; g < g1; ++g) {
         for (int64_t j = 0; j < kTile; ++j) {
           if (j >= count) {
-            for (int64_t h = 0; h < per_kv; ++h) partial[h * kTile + j] = _mm512_setzero_ps();
+            for (int64_t h = 0; h < per_kv; ++h) partial[h * kTile + j] = Vec(0.f);
             continue;
           }
           prefetch.fetch(j, (g - g0) * hd, head_bytes);
@@ -241,11 +259,11 @@ void attend_task(const float* q, const T* cache, const int64_t* table, int64_t f
             partial[h * kTile + j] = acc;
           }
         }
-        for (int64_t h = 0; h < per_kv; ++h) {
-          const __m512 sums = _mm512_mul_ps(reduce16(partial + h * kTile), _mm512_set1_ps(scale));
-          _mm512_mask_storeu_ps(scores + ((g - g0) * per_kv + h) * n + t0, static_cast<__mmask16>((1u << count) - 1),
-                                sums);
-        }
+        for (int64_t h = 0; h < per_kv; ++h)
+          for (int64_t c = 0; c < count; c += W) {
+            const Vec sums = reduce_lanes(partial + h * kTile + c) * Vec(scale);
+            sums.store(scores + ((g - g0) * per_kv + h) * n + t0 + c, static_cast<int>(std::min(W, count - c)));
+          }
       }
 #else
       for (int64_t g = g0; g < g1; ++g)
