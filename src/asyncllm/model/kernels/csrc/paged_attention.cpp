@@ -86,8 +86,8 @@ inline __m512 reduce16(const __m512* v) {
                          _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
+// Lane j of the result = the sum of v[j]'s lanes (Vec::size() vectors).
 #define ASYNCLLM_LANE_REDUCTION
-// Lane j of the result = the sum of v[j]'s lanes.
 inline Vec reduce_lanes(const Vec* v) { return Vec(reduce16(reinterpret_cast<const __m512*>(v))); }
 #elif defined(CPU_CAPABILITY_AVX2)
 // Lane j of the result = the sum of v[j]'s 8 lanes: pairs of vectors are folded within 128-bit lanes (unpack, then
@@ -102,7 +102,6 @@ inline __m256 reduce8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20), _mm256_permute2f128_ps(y[0], y[1], 0x31));
 }
 #define ASYNCLLM_LANE_REDUCTION
-// Lane j of the result = the sum of v[j]'s lanes.
 inline Vec reduce_lanes(const Vec* v) { return Vec(reduce8(reinterpret_cast<const __m256*>(v))); }
 #endif
 
@@ -212,10 +211,11 @@ struct Scratch {
 // head 0), over its tokens [first, last). Each cached K (then V) row is loaded once for all the query heads that
 // share it (the GQA group), tile by tile in the cache's order (every K/V head of a token, then the next token), so
 // every cache line fetched is used at once. The arithmetic per (sequence, query head) is fixed: scores
-// q . k * scale (lanes summed by transposing reductions, one per Vec::size() tokens, on AVX-512 and AVX2), an exact softmax (max
-// subtracted, ATen's vectorized exp), then sum_t p_t * v_t in token order, times 1 / sum p: it does not depend on
-// the batch, on how heads are grouped into tasks, or on the thread count. NV vectors per head row (head_dim == NV *
-// Vec::size()); H query heads share a pass of the values (per_kv % H == 0, H * NV accumulators in registers).
+// q . k * scale (on AVX-512 and AVX2 the lanes summed by transposing reductions, one per Vec::size() tokens), an
+// exact softmax (max subtracted, ATen's vectorized exp), then sum_t p_t * v_t in token order, times 1 / sum p: it
+// does not depend on the batch, on how heads are grouped into tasks, or on the thread count. NV vectors per head
+// row (head_dim == NV * Vec::size()); H query heads share a pass of the values (per_kv % H == 0, H * NV
+// accumulators in registers).
 template <int NV, int H, typename T>
 void attend_task(const float* q, const T* cache, const int64_t* table, int64_t first, int64_t last, const Layout& l,
                  int64_t g0, int64_t g1, float scale, Scratch& scratch, float* out) {
