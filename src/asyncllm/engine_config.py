@@ -30,7 +30,7 @@ DataParallelBackend = Literal["mp", "ray"]
 # they are preferred on a tie.
 LINEAR_KERNEL_NAMES: dict[str, tuple[str, ...]] = {
     "int8": ("onednn", "int_mm", "avx2"),
-    "fp32": ("mkl_packed", "matmul", "onednn"),
+    "fp32": ("mkl_packed", "matmul", "onednn", "gemv"),
 }
 LINEAR_KERNEL_ENV = "ASYNCLLM_LINEAR_KERNELS"
 

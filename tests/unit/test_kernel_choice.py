@@ -183,7 +183,8 @@ def test_other_cpu_load_reads_proc_stat(tmp_path) -> None:  # type: ignore[no-un
 
 
 def test_row_classes_and_checked_columns() -> None:
-    assert [row_class(r) for r in (1, 2, 16, 17, 64, 65, 511, 512, 4096)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    rows = (1, 2, 8, 9, 16, 17, 64, 65, 511, 512, 4096)
+    assert [row_class(r) for r in rows] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     columns = check_columns(49152)
     assert columns[0] == 0
     assert columns[-1] == 49151
@@ -234,7 +235,7 @@ def test_a_forced_kernel_runs_the_model_and_is_logged(tmp_path, caplog, monkeypa
     assert head.choice.kernels == ("int_mm",) * len(ROW_CLASSES)
     assert list(head.operands) == ["int_mm"]
     assert "int8 linear kernels (forced;" in caplog.text
-    classes = "1 int_mm, 2-16 int_mm, 17-64 int_mm, 65-511 int_mm, 512+ int_mm"
+    classes = "1 int_mm, 2-8 int_mm, 9-16 int_mm, 17-64 int_mm, 65-511 int_mm, 512+ int_mm"
     assert f"64x{TINY_LLAMA['vocab_size']}: {classes}" in caplog.text
     if force_or_refused(INT8_PRODUCT, "onednn", tmp_path, (64, TINY_LLAMA["vocab_size"])) is None:
         with pytest.raises(ConfigError, match="int8='onednn' gives wrong results"):  # the environment's, refused here

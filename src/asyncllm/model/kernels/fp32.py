@@ -11,6 +11,9 @@ The candidates (`FP32_PRODUCT`, chosen per weight shape and row class by `model/
 - `onednn`: oneDNN's inner product on a weight reordered into its blocked layout
   (`torch.ops.mkldnn._linear_pointwise`, the kernel torch's x86 inference path uses for frozen float32 linears),
   rows run at a few counts (`row_pieces`).
+- `gemv`: our matrix-vector kernel on the plain weight (`csrc/fp32_gemv.cpp`, AVX2 + FMA), offered for products
+  of up to `GEMV_MAX_ROWS` rows: one contiguous stretch of the weight per thread, prefetched ahead, so a decode
+  step of 1-8 rows streams its weights at memory speed (about twice oneDNN's and MKL's rate on an AMD EPYC).
 Every kernel computes in float32; they sum in different orders, so a row's last bits depend on which one ran, as
 they already do on the attention padding of its batch. A packed kernel keeps a second copy of the weight (about
 540 MB for the default model); a weight whose every row class runs `matmul` keeps only the plain one.
@@ -40,6 +43,7 @@ from asyncllm.model.kernels.row_padding import run_in_row_pieces
 
 CHUNKS_PER_WEIGHT = 4  # column chunks of an MKL-packed weight, at least: enough to even out two threads' shares
 MAX_CHUNK_COLUMNS = 4096  # wider weights (an LM head) get more chunks, so no chunk is a long wait
+GEMV_MAX_ROWS = 8  # the GEMV is offered to the row classes up to this many rows (it reads the weight once per 8 rows)
 _gemm_threads: int | None = None  # threads of an MKL-packed product (`set_gemm_threads`); None: torch's count
 
 
@@ -146,8 +150,27 @@ def _run_onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return run_in_row_pieces(x, lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], ""))
 
 
+def _plain(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
 def _run_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight
+
+
+@functools.cache
+def gemv_kernels() -> RowKernels | None:
+    """The row-kernel module if it has the float32 GEMV (`csrc/fp32_gemv.cpp`: AVX2 and FMA); else None. Whether it
+    is right on a shape is for the kernel chooser to check. Never raises."""
+    kernels = load_kernels()
+    return kernels if kernels is not None and kernels.fp32_gemv_available() else None
+
+
+def _run_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    kernels = gemv_kernels()
+    if kernels is None:
+        raise RuntimeError("the float32 GEMV is not available here")
+    return kernels.fp32_gemv(x.contiguous(), weight)
 
 
 def _float64_product(x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -171,8 +194,12 @@ FP32_PRODUCT = ProductKind[torch.Tensor](
     # thread beside a busy process, which a quiet timing cannot see (docs/kernels.md)
     candidates=(
         Candidate("mkl_packed", lambda: mkl_packed_kernels() is not None, _mkl_pack, _run_mkl),
-        Candidate("matmul", lambda: True, lambda weight: weight, _run_matmul, copies_weight=False),
+        Candidate("matmul", lambda: True, _plain, _run_matmul, copies_weight=False),
         Candidate("onednn", onednn_fp32_available, _onednn_reorder, _run_onednn),
+        # batch-1 and few-row decode steps: streams the plain weight at memory speed (one pass per 8 rows)
+        Candidate(
+            "gemv", lambda: gemv_kernels() is not None, _plain, _run_gemv, copies_weight=False, max_rows=GEMV_MAX_ROWS
+        ),
     ),
     make_weight=_random_fp32,
     make_input=_random_fp32,

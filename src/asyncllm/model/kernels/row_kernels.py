@@ -69,11 +69,25 @@ SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
 # compiled together; with the headers, in the cache key
 SOURCES = tuple(
     SOURCE.with_name(name)
-    for name in ("row_kernels.cpp", "packed_gemm.cpp", "paged_attention.cpp", "block_quant.cpp", "int8_gemm.cpp")
+    for name in (
+        "row_kernels.cpp",
+        "packed_gemm.cpp",
+        "paged_attention.cpp",
+        "block_quant.cpp",
+        "int8_gemm.cpp",
+        "fp32_gemv.cpp",
+    )
 )
 HEADERS = tuple(
     SOURCE.with_name(name)
-    for name in ("packed_gemm.h", "paged_attention.h", "block_quant.h", "int8_gemm.h", "vec_capability.h")
+    for name in (
+        "packed_gemm.h",
+        "paged_attention.h",
+        "block_quant.h",
+        "int8_gemm.h",
+        "fp32_gemv.h",
+        "vec_capability.h",
+    )
 )
 ENV_SWITCH = "ASYNCLLM_FUSED_KERNELS"
 STALE_LOCK_S = 600.0  # seconds; a build takes about 20
@@ -309,6 +323,17 @@ class RowKernels(Protocol):
         is released meanwhile. Raises RuntimeError on wrong shapes or dtypes or without the AVX2 path."""
         ...
 
+    def fp32_gemv_available(self) -> bool:
+        """Whether this build has the float32 GEMV (`csrc/fp32_gemv.h`: AVX2 and FMA)."""
+        ...
+
+    def fp32_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x @ weight` for `[rows, in]` float32 contiguous `x` and the plain `[in, out]` float32 contiguous weight ->
+        `[rows, out]` float32, streaming the weight once per 8 rows (`csrc/fp32_gemv.cpp`: float32 sums in a fixed
+        order that does not depend on the thread count); the GIL is released meanwhile. Raises RuntimeError on wrong
+        shapes, dtypes or layouts, or without the vector path."""
+        ...
+
     def sgemm_packed(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, num_threads: int) -> torch.Tensor:
         """`x @ W`: `[rows, in]` float32 contiguous times a packed `[in, out_features]` weight -> `[rows, out_features]`
         (MKL's kernel, float32 arithmetic in its own summation order), its column chunks handed out on demand to
@@ -439,6 +464,8 @@ KERNELS = (
     "int8_avx2_available",
     "int8_pack_avx2",
     "int8_gemm_avx2",
+    "fp32_gemv_available",
+    "fp32_gemv",
 )
 
 

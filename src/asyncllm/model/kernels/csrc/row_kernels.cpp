@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "block_quant.h"
+#include "fp32_gemv.h"
 #include "int8_gemm.h"
 #include "packed_gemm.h"
 #include "paged_attention.h"
@@ -604,6 +605,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_avx2_available", &int8_avx2_available);
   m.def("int8_pack_avx2", &int8_pack_avx2);
   m.def("int8_gemm_avx2", &int8_gemm_avx2);
+  m.def("fp32_gemv_available", &fp32_gemv_available);
+  m.def("fp32_gemv", &fp32_gemv);
   pybind11::class_<BlockDecodeStack>(m, "BlockDecodeStack")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, int64_t, int64_t, int64_t,
                           double, std::string>())
