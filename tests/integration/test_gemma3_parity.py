@@ -11,7 +11,6 @@ and printed with `-s`). A missing window changes the logits past position 512 by
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from asyncllm.config import ModelConfig
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.tokenizer import Tokenizer
+from tests.conftest import load_hf_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,9 +70,14 @@ def tokenizer(gemma_path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gemma_path: str) -> Any:
-    path = pathlib.Path(gemma_path)
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def hf_reference_gemma(gemma_path: str) -> tuple[Any, Any]:
+    """HF transformers' Gemma 3 tokenizer and fp32 model from the same GGUF file, loaded together (one parse)."""
+    return load_hf_reference(gemma_path)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(hf_reference_gemma: tuple[Any, Any]) -> Any:
+    return hf_reference_gemma[0]
 
 
 def test_tokenizer_ids_match_transformers(tokenizer: Tokenizer, hf_tokenizer: Any) -> None:
@@ -107,11 +112,10 @@ def test_special_tokens_and_byte_fallback(tokenizer: Tokenizer) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_model(gemma_path: str) -> Any:
-    path = pathlib.Path(gemma_path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+def hf_model(hf_reference_gemma: tuple[Any, Any]) -> Any:
+    ref = hf_reference_gemma[1]
     assert type(ref).__name__ == "Gemma3ForCausalLM"
-    return ref.eval()
+    return ref
 
 
 @pytest.fixture(scope="module")
