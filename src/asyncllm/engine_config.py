@@ -29,7 +29,7 @@ DataParallelBackend = Literal["mp", "ray"]
 # The kernels each kind of linear product can run on (`model/kernels/choice.py`; docs/kernels.md), in the order
 # they are preferred on a tie.
 LINEAR_KERNEL_NAMES: dict[str, tuple[str, ...]] = {
-    "int8": ("onednn", "int_mm", "avx2"),
+    "int8": ("onednn", "int_mm", "avx2", "vnni"),
     "fp32": ("mkl_packed", "matmul", "onednn", "gemv"),
 }
 LINEAR_KERNEL_ENV = "ASYNCLLM_LINEAR_KERNELS"

@@ -7,8 +7,10 @@ column, symmetric (`scale = max |w[:, j]| / 127`), prepared for the kernels the 
 weight scale; the caller applies each row's own scale. The candidates (`INT8_PRODUCT`): oneDNN's int8 matmul on
 weights prepacked once (`torch.ops.onednn.qlinear_pointwise`, the kernel behind torch's x86 int8 inference; VNNI/AMX
 where the CPU has them), with the activation scale passed as 1; `torch._int_mm` on the plain `[in, out]` int8
-weight; and asyncllm's own AVX2 kernel (`csrc/int8_gemm.cpp`, "avx2": for CPUs without VNNI, where the other two are
-wrong or 15-45x slower than float32; docs/kernels.md). Integer accumulation is exact and each scales it by the
+weight; asyncllm's own AVX2 kernel (`csrc/int8_gemm.cpp`, "avx2": for CPUs without VNNI, where the other two are
+wrong or 15-45x slower than float32; docs/kernels.md); and its AVX-512 VNNI kernel (same file, "vnni": `vpdpbusd` on
+`x + 128` less an exact per-column correction, for CPUs with VNNI but no AMX, where oneDNN's int8 linear runs its
+reference kernel). Integer accumulation is exact and each scales it by the
 weight scale in the same order, so all give the same values (the chooser's start-up check drops one that does not).
 
 Every row has its own activation scale, so a row's products never depend on which rows share its batch (fbgemm's
@@ -130,6 +132,30 @@ def _run_avx2(qx: torch.Tensor, operand: Avx2Int8) -> torch.Tensor:
     return kernels.int8_gemm_avx2(qx, *operand)
 
 
+@functools.cache
+def vnni_int8_available() -> bool:
+    """Whether the fused kernel module loaded here with its AVX-512 VNNI int8 product."""
+    kernels = load_kernels()
+    return kernels is not None and kernels.int8_vnni_available()
+
+
+VnniInt8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]  # (packed, correction, scales, in, out)
+
+
+def _pack_vnni(weight: Int8Weight) -> VnniInt8:
+    kernels = load_kernels()
+    assert kernels is not None  # (only offered where `vnni_int8_available()`)
+    in_features, out_features = weight.qweight.shape
+    packed, correction = kernels.int8_pack_vnni(weight.qweight)
+    return packed, correction, weight.scale, in_features, out_features
+
+
+def _run_vnni(qx: torch.Tensor, operand: VnniInt8) -> torch.Tensor:
+    kernels = load_kernels()
+    assert kernels is not None
+    return kernels.int8_gemm_vnni(qx, *operand)
+
+
 def _run_int_mm(qx: torch.Tensor, operand: Int8Weight) -> torch.Tensor:
     acc = torch._int_mm(qx, operand.qweight)  # int32 [rows, out]
     return acc.float().mul_(operand.scale)  # (a mixed int32 * float32 mul is slower)
@@ -165,6 +191,7 @@ INT8_PRODUCT = ProductKind[Int8Weight](
         Candidate("onednn", onednn_int8_available, _prepack_onednn, _run_onednn_s8),
         Candidate("int_mm", lambda: hasattr(torch, "_int_mm"), lambda weight: weight, _run_int_mm, copies_weight=False),
         Candidate("avx2", avx2_int8_available, _pack_avx2, _run_avx2),
+        Candidate("vnni", vnni_int8_available, _pack_vnni, _run_vnni),
     ),
     make_weight=_random_int8_weight,
     make_input=_random_int8_input,

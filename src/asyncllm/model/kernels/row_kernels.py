@@ -323,6 +323,30 @@ class RowKernels(Protocol):
         is released meanwhile. Raises RuntimeError on wrong shapes or dtypes or without the AVX2 path."""
         ...
 
+    def int8_vnni_available(self) -> bool:
+        """Whether this build has the AVX-512 VNNI int8 product (`csrc/int8_gemm.h`)."""
+        ...
+
+    def int8_pack_vnni(self, qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[in, out]` int8 weight -> (its packed copy, `[ceil(out / 16), ceil(in / 4), 16, 4]` uint8; its `[out]`
+        int32 correction, `128 * sum_k qweight[k, n]`) (`csrc/int8_gemm.h`). Raises RuntimeError on a wrong dtype or
+        shape."""
+        ...
+
+    def int8_gemm_vnni(
+        self,
+        qx: torch.Tensor,
+        packed: torch.Tensor,
+        correction: torch.Tensor,
+        scale: torch.Tensor,
+        in_features: int,
+        out_features: int,
+    ) -> torch.Tensor:
+        """As `int8_gemm_avx2`, on `int8_pack_vnni`'s packed weight and correction: `[rows, out_features]` float32,
+        `torch._int_mm(qx, qweight).float() * scale` bit for bit; the GIL is released meanwhile. Raises RuntimeError
+        on wrong shapes or dtypes or without the VNNI path."""
+        ...
+
     def fp32_gemv_available(self) -> bool:
         """Whether this build has the float32 GEMV (`csrc/fp32_gemv.h`: AVX2 and FMA)."""
         ...
@@ -464,6 +488,9 @@ KERNELS = (
     "int8_avx2_available",
     "int8_pack_avx2",
     "int8_gemm_avx2",
+    "int8_vnni_available",
+    "int8_pack_vnni",
+    "int8_gemm_vnni",
     "fp32_gemv_available",
     "fp32_gemv",
 )

@@ -13,6 +13,15 @@
 // our own code). A register tile of up to 4 rows x 2 panels reuses each weight load across rows and each broadcast
 // activation quad across panels. Integer sums are exact in any order; the scaling after them is one int32 -> float32
 // conversion and one float32 multiply, as in torch.
+//
+// The VNNI path (CPUs with AVX-512 VNNI; torch's `_int_mm` reaches half their int8 peak at decode's 8-64 rows): panels
+// of 16 columns, each quad 64 bytes, so one 512-bit load feeds 16 columns. `vpdpbusd` multiplies unsigned bytes by
+// signed ones and adds each 4-term dot product into an int32 lane (no saturation). AVX-512 has no byte sign
+// instruction, so the activations go in as `x + 128` (0..255) and each column's sum loses `128 * sum_k w[k, n]`,
+// computed once at packing: integer arithmetic throughout, so the result is the exact sum, as on the AVX2 path (int32
+// lanes wrap, but the exact sum fits and the correction is made modulo 2^32 too). oneDNN subtracts the same
+// correction after a trip through float32, which is why asyncllm does not offer its uint8 route (docs/kernels.md).
+// A register tile of up to 4 rows x 4 panels (16 accumulators).
 #include "int8_gemm.h"
 
 #include <ATen/Parallel.h>
@@ -84,6 +93,74 @@ void row_tiles(const int8_t* x, int64_t rows, int64_t x_stride, const int8_t* w,
 }
 #endif
 
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ASYNCLLM_INT8_VNNI 1
+constexpr int64_t kVnniCols = 16;  // columns per panel: one 512-bit vector of int32 sums
+constexpr int64_t kVnniQuadBytes = kVnniCols * kQuad;
+constexpr int kVnniTileRows = 4;
+constexpr int kVnniTilePanels = 4;
+
+// Sums of rows [r0, r0 + R) of the offset activations `xu` (x + 128) with panels [p0, p0 + P) over every quad, less
+// the columns' corrections, scaled into out [rows, out_features].
+template <int R, int P>
+void vnni_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w, int64_t quads, int64_t p0,
+               const int32_t* correction, const float* scale, float* out, int64_t out_features) {
+  __m512i acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_si512();
+  const int8_t* panel[P];
+  for (int p = 0; p < P; ++p) panel[p] = w + (p0 + p) * quads * kVnniQuadBytes;
+  for (int64_t q = 0; q < quads; ++q) {
+    __m512i wv[P];
+    for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_si512(panel[p] + q * kVnniQuadBytes);
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, xu + r * x_stride + q * kQuad, sizeof(quad));
+      const __m512i xv = _mm512_set1_epi32(quad);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], xv, wv[p]);
+    }
+  }
+  for (int p = 0; p < P; ++p) {
+    const int64_t col0 = (p0 + p) * kVnniCols;
+    const int64_t columns = std::min<int64_t>(kVnniCols, out_features - col0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1u);
+    const __m512i correction_v = _mm512_maskz_loadu_epi32(mask, correction + col0);
+    const __m512 scale_v = _mm512_maskz_loadu_ps(mask, scale + col0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][p], correction_v));
+      _mm512_mask_storeu_ps(out + r * out_features + col0, mask, _mm512_mul_ps(sums, scale_v));
+    }
+  }
+}
+
+template <int P>
+void vnni_row_tiles(const uint8_t* xu, int64_t rows, int64_t x_stride, const int8_t* w, int64_t quads, int64_t p0,
+                    const int32_t* correction, const float* scale, float* out, int64_t out_features) {
+  int64_t r = 0;
+  for (; r + kVnniTileRows <= rows; r += kVnniTileRows)
+    vnni_tile<kVnniTileRows, P>(xu + r * x_stride, x_stride, w, quads, p0, correction, scale,
+                                out + r * out_features, out_features);
+  const int64_t left = rows - r;
+  const uint8_t* xr = xu + r * x_stride;
+  float* o = out + r * out_features;
+  if (left == 3) vnni_tile<3, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+  if (left == 2) vnni_tile<2, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+  if (left == 1) vnni_tile<1, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+}
+
+// Panels [p0, p0 + count) (count <= kVnniTilePanels) for every row.
+void vnni_panels(const uint8_t* xu, int64_t rows, int64_t x_stride, const int8_t* w, int64_t quads, int64_t p0,
+                 int64_t count, const int32_t* correction, const float* scale, float* out, int64_t out_features) {
+  switch (count) {
+    case 4: return vnni_row_tiles<4>(xu, rows, x_stride, w, quads, p0, correction, scale, out, out_features);
+    case 3: return vnni_row_tiles<3>(xu, rows, x_stride, w, quads, p0, correction, scale, out, out_features);
+    case 2: return vnni_row_tiles<2>(xu, rows, x_stride, w, quads, p0, correction, scale, out, out_features);
+    default: return vnni_row_tiles<1>(xu, rows, x_stride, w, quads, p0, correction, scale, out, out_features);
+  }
+}
+#endif
+
 }  // namespace
 
 bool int8_avx2_available() {
@@ -144,6 +221,80 @@ at::Tensor int8_gemm_avx2(const at::Tensor& qx, const at::Tensor& packed, const 
         row_tiles<kTilePanels>(xp, rows, stride, wp, quads, p0, sp, op, out_features);
       else
         row_tiles<1>(xp, rows, stride, wp, quads, p0, sp, op, out_features);
+    }
+  });
+#endif
+  return out;
+}
+
+bool int8_vnni_available() {
+#ifdef ASYNCLLM_INT8_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor> int8_pack_vnni(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar, "int8_pack_vnni: expected a 2-D int8 weight");
+  const auto w = qweight.contiguous();
+  const int64_t in = w.size(0), out = w.size(1);
+  const int64_t panels = (out + kVnniCols - 1) / kVnniCols, quads = (in + kQuad - 1) / kQuad;
+  auto packed = at::zeros({panels, quads, kVnniCols, kQuad}, w.options().dtype(at::kByte));
+  const int8_t* src = w.data_ptr<int8_t>();
+  auto* dst = reinterpret_cast<int8_t*>(packed.data_ptr<uint8_t>());
+  for (int64_t k = 0; k < in; ++k)
+    for (int64_t n = 0; n < out; ++n)
+      dst[((n / kVnniCols * quads + k / kQuad) * kVnniCols + n % kVnniCols) * kQuad + k % kQuad] = src[k * out + n];
+  // 128 * sum_k w[k, n]: at most 128 * 127 * in in magnitude, exact in int64; kept modulo 2^32 as the sums are
+  auto correction = (w.sum(0, /*keepdim=*/false, at::kLong) * 128).to(at::kInt).contiguous();
+  return {packed, correction};
+}
+
+at::Tensor int8_gemm_vnni(const at::Tensor& qx, const at::Tensor& packed, const at::Tensor& correction,
+                          const at::Tensor& scale, int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(int8_vnni_available(), "int8_gemm_vnni: this build has no AVX-512 VNNI path");
+  TORCH_CHECK(qx.dim() == 2 && qx.scalar_type() == at::kChar, "int8_gemm_vnni: expected 2-D int8 activations");
+  TORCH_CHECK(out_features >= 1, "int8_gemm_vnni: out_features must be >= 1");
+  TORCH_CHECK(qx.size(1) == in_features, "int8_gemm_vnni: activations of ", qx.size(1), " features for a weight of ",
+              in_features, " input features");
+  const int64_t rows = qx.size(0), in = in_features;
+  const int64_t panels = (out_features + kVnniCols - 1) / kVnniCols, quads = (in + kQuad - 1) / kQuad;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({panels, quads, kVnniCols, kQuad}),
+              "int8_gemm_vnni: the packed weight is not int8_pack_vnni's for ", in, " x ", out_features);
+  TORCH_CHECK(correction.scalar_type() == at::kInt && correction.is_contiguous() && correction.numel() == out_features,
+              "int8_gemm_vnni: the correction must be int8_pack_vnni's int32 one of ", out_features, " values");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == out_features,
+              "int8_gemm_vnni: scale must be float32 with ", out_features, " values");
+  auto out = at::empty({rows, out_features}, qx.options().dtype(at::kFloat));
+  if (rows == 0) return out;
+#ifdef ASYNCLLM_INT8_VNNI
+  // x + 128 as unsigned bytes (flipping the sign bit), rows padded to whole quads with 128: the padded weights are 0
+  const int64_t stride = quads * kQuad;
+  auto xu = at::full({rows, stride}, 128, qx.options().dtype(at::kByte));
+  const auto x = qx.contiguous();
+  {
+    const auto* src = reinterpret_cast<const uint8_t*>(x.data_ptr<int8_t>());
+    uint8_t* dst = xu.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < in; ++k) dst[r * stride + k] = src[r * in + k] ^ 0x80u;
+  }
+  pybind11::gil_scoped_release no_gil;
+  const uint8_t* xp = xu.data_ptr<uint8_t>();
+  const int8_t* wp = reinterpret_cast<const int8_t*>(packed.data_ptr<uint8_t>());
+  const int32_t* cp = correction.data_ptr<int32_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t groups = (panels + kVnniTilePanels - 1) / kVnniTilePanels;
+  // about 256 K multiply-adds per task: a 1-row product of SmolLM2's shapes splits over both threads
+  const int64_t grain =
+      std::max<int64_t>(1, 262144 / std::max<int64_t>(1, rows * in * kVnniCols * kVnniTilePanels));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * kVnniTilePanels;
+      vnni_panels(xp, rows, stride, wp, quads, p0, std::min<int64_t>(kVnniTilePanels, panels - p0), cp, sp, op,
+                  out_features);
     }
   });
 #endif

@@ -605,6 +605,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_avx2_available", &int8_avx2_available);
   m.def("int8_pack_avx2", &int8_pack_avx2);
   m.def("int8_gemm_avx2", &int8_gemm_avx2);
+  m.def("int8_vnni_available", &int8_vnni_available);
+  m.def("int8_pack_vnni", &int8_pack_vnni);
+  m.def("int8_gemm_vnni", &int8_gemm_vnni);
   m.def("fp32_gemv_available", &fp32_gemv_available);
   m.def("fp32_gemv", &fp32_gemv);
   pybind11::class_<BlockDecodeStack>(m, "BlockDecodeStack")
