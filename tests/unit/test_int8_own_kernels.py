@@ -50,13 +50,14 @@ def _packed_product(name: str, qweight: torch.Tensor, scale: torch.Tensor) -> Pr
     ("in_features", "out_features"), [(576, 1536), (577, 13), (3, 8), (1536, 9), (64, 200), (576, 80), (40, 49)]
 )
 def test_values_are_the_exact_sums_scaled(name: str, in_features: int, out_features: int) -> None:
-    """Row counts around the 4-row tile, column counts around the panels (8 / 16 columns) and the 4-panel groups."""
+    """Row counts around the 4-row tiles and the VNNI path's 48-row blocks, column counts around the panels (8 / 16
+    columns) and the 4-panel groups."""
     gen = torch.Generator().manual_seed(in_features + out_features)
     qweight = torch.randint(-127, 128, (in_features, out_features), generator=gen, dtype=torch.int8)
     qweight[:, 0], qweight[:, -1] = 127, -127  # against rows of -128 / 127 the largest pair sums (32512, no saturation)
     scale = torch.rand(out_features, generator=gen) + 0.01
     product = _packed_product(name, qweight, scale)
-    for rows in (1, 2, 3, 4, 5, 8, 9, 33):
+    for rows in (1, 2, 3, 4, 5, 8, 9, 33, 101):  # 101: three blocks of rows on the VNNI path
         qx = torch.randint(-128, 128, (rows, in_features), generator=gen, dtype=torch.int8)
         qx[0], qx[-1] = -128, 127
         got = product(qx)

@@ -21,7 +21,7 @@
 // computed once at packing: integer arithmetic throughout, so the result is the exact sum, as on the AVX2 path (int32
 // lanes wrap, but the exact sum fits and the correction is made modulo 2^32 too). oneDNN subtracts the same
 // correction after a trip through float32, which is why asyncllm does not offer its uint8 route (docs/kernels.md).
-// A register tile of up to 4 rows x 4 panels (16 accumulators).
+// A register tile of up to 6 rows x 4 panels (24 accumulators).
 #include "int8_gemm.h"
 
 #include <ATen/Parallel.h>
@@ -100,6 +100,7 @@ constexpr int64_t kVnniCols = 16;  // columns per panel: one 512-bit vector of i
 constexpr int64_t kVnniQuadBytes = kVnniCols * kQuad;
 constexpr int kVnniTileRows = 4;
 constexpr int kVnniTilePanels = 4;
+constexpr int64_t kVnniRowBlock = 48;  // rows per task: many-row products share out rows as well as columns
 
 // Sums of rows [r0, r0 + R) of the offset activations `xu` (x + 128) with panels [p0, p0 + P) over every quad, less
 // the columns' corrections, scaled into out [rows, out_features].
@@ -141,12 +142,16 @@ void vnni_row_tiles(const uint8_t* xu, int64_t rows, int64_t x_stride, const int
   for (; r + kVnniTileRows <= rows; r += kVnniTileRows)
     vnni_tile<kVnniTileRows, P>(xu + r * x_stride, x_stride, w, quads, p0, correction, scale,
                                 out + r * out_features, out_features);
-  const int64_t left = rows - r;
   const uint8_t* xr = xu + r * x_stride;
   float* o = out + r * out_features;
-  if (left == 3) vnni_tile<3, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
-  if (left == 2) vnni_tile<2, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
-  if (left == 1) vnni_tile<1, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+  switch (rows - r) {
+    case 5: return vnni_tile<5, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+    case 4: return vnni_tile<4, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+    case 3: return vnni_tile<3, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+    case 2: return vnni_tile<2, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+    case 1: return vnni_tile<1, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+    default: return;
+  }
 }
 
 // Panels [p0, p0 + count) (count <= kVnniTilePanels) for every row.
@@ -287,14 +292,17 @@ at::Tensor int8_gemm_vnni(const at::Tensor& qx, const at::Tensor& packed, const 
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t groups = (panels + kVnniTilePanels - 1) / kVnniTilePanels;
-  // about 256 K multiply-adds per task: a 1-row product of SmolLM2's shapes splits over both threads
+  const int64_t row_blocks = (rows + kVnniRowBlock - 1) / kVnniRowBlock;
+  // a task: one group of panels for one block of rows (a thread's tasks run the same group's blocks in turn); about
+  // 256 K multiply-adds per task, so a 1-row product of SmolLM2's shapes splits over both threads
+  const int64_t task_rows = std::min(rows, kVnniRowBlock);
   const int64_t grain =
-      std::max<int64_t>(1, 262144 / std::max<int64_t>(1, rows * in * kVnniCols * kVnniTilePanels));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * kVnniTilePanels;
-      vnni_panels(xp, rows, stride, wp, quads, p0, std::min<int64_t>(kVnniTilePanels, panels - p0), cp, sp, op,
-                  out_features);
+      std::max<int64_t>(1, 262144 / std::max<int64_t>(1, task_rows * in * kVnniCols * kVnniTilePanels));
+  at::parallel_for(0, groups * row_blocks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p0 = t / row_blocks * kVnniTilePanels, r0 = t % row_blocks * kVnniRowBlock;
+      vnni_panels(xp + r0 * stride, std::min(kVnniRowBlock, rows - r0), stride, wp, quads, p0,
+                  std::min<int64_t>(kVnniTilePanels, panels - p0), cp, sp, op + r0 * out_features, out_features);
     }
   });
 #endif
