@@ -98,70 +98,97 @@ void row_tiles(const int8_t* x, int64_t rows, int64_t x_stride, const int8_t* w,
 #define ASYNCLLM_INT8_VNNI 1
 constexpr int64_t kVnniCols = 16;  // columns per panel: one 512-bit vector of int32 sums
 constexpr int64_t kVnniQuadBytes = kVnniCols * kQuad;
-constexpr int kVnniTileRows = 4;
+constexpr int64_t kVnniTileRows = 4;
 constexpr int kVnniTilePanels = 4;
 constexpr int64_t kVnniRowBlock = 48;  // rows per task: many-row products share out rows as well as columns
+constexpr int64_t kVnniGroupCols = kVnniTilePanels * kVnniCols;
+constexpr int64_t kVnniQuadChunk = 32;  // quads per chunk of the inputs: 4 panels' chunk is 8 KB
 
-// Sums of rows [r0, r0 + R) of the offset activations `xu` (x + 128) with panels [p0, p0 + P) over every quad, less
-// the columns' corrections, scaled into out [rows, out_features].
+// One VNNI product's operands: the offset activations `xu` (x + 128, rows padded to whole quads), the packed weight,
+// its corrections and scales, and the output [rows, out_features].
+struct VnniOperands {
+  const uint8_t* xu;
+  int64_t x_stride;
+  const int8_t* w;
+  int64_t quads;
+  const int32_t* correction;
+  const float* scale;
+  float* out;
+  int64_t out_features;
+};
+
+// Sums of rows [r, r + R) with panels [p0, p0 + P) over quads [q0, q1): started from zero (q0 == 0) or from `partial`
+// (R rows of kVnniGroupCols int32), and kept there, or on the last quad corrected, scaled and written out.
 template <int R, int P>
-void vnni_tile(const uint8_t* xu, int64_t x_stride, const int8_t* w, int64_t quads, int64_t p0,
-               const int32_t* correction, const float* scale, float* out, int64_t out_features) {
+void vnni_tile(const VnniOperands& a, int64_t r, int64_t p0, int64_t q0, int64_t q1, int32_t* partial) {
   __m512i acc[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_si512();
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < P; ++p)
+      acc[i][p] = q0 == 0 ? _mm512_setzero_si512() : _mm512_loadu_si512(partial + i * kVnniGroupCols + p * kVnniCols);
   const int8_t* panel[P];
-  for (int p = 0; p < P; ++p) panel[p] = w + (p0 + p) * quads * kVnniQuadBytes;
-  for (int64_t q = 0; q < quads; ++q) {
+  for (int p = 0; p < P; ++p) panel[p] = a.w + (p0 + p) * a.quads * kVnniQuadBytes;
+  const uint8_t* x = a.xu + r * a.x_stride;
+  for (int64_t q = q0; q < q1; ++q) {
     __m512i wv[P];
     for (int p = 0; p < P; ++p) wv[p] = _mm512_loadu_si512(panel[p] + q * kVnniQuadBytes);
-    for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < R; ++i) {
       int32_t quad;
-      std::memcpy(&quad, xu + r * x_stride + q * kQuad, sizeof(quad));
+      std::memcpy(&quad, x + i * a.x_stride + q * kQuad, sizeof(quad));
       const __m512i xv = _mm512_set1_epi32(quad);
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], xv, wv[p]);
+      for (int p = 0; p < P; ++p) acc[i][p] = _mm512_dpbusd_epi32(acc[i][p], xv, wv[p]);
     }
+  }
+  if (q1 < a.quads) {
+    for (int i = 0; i < R; ++i)
+      for (int p = 0; p < P; ++p) _mm512_storeu_si512(partial + i * kVnniGroupCols + p * kVnniCols, acc[i][p]);
+    return;
   }
   for (int p = 0; p < P; ++p) {
     const int64_t col0 = (p0 + p) * kVnniCols;
-    const int64_t columns = std::min<int64_t>(kVnniCols, out_features - col0);
+    const int64_t columns = std::min<int64_t>(kVnniCols, a.out_features - col0);
     const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1u);
-    const __m512i correction_v = _mm512_maskz_loadu_epi32(mask, correction + col0);
-    const __m512 scale_v = _mm512_maskz_loadu_ps(mask, scale + col0);
-    for (int r = 0; r < R; ++r) {
-      const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][p], correction_v));
-      _mm512_mask_storeu_ps(out + r * out_features + col0, mask, _mm512_mul_ps(sums, scale_v));
+    const __m512i correction_v = _mm512_maskz_loadu_epi32(mask, a.correction + col0);
+    const __m512 scale_v = _mm512_maskz_loadu_ps(mask, a.scale + col0);
+    for (int i = 0; i < R; ++i) {
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][p], correction_v));
+      _mm512_mask_storeu_ps(a.out + (r + i) * a.out_features + col0, mask, _mm512_mul_ps(sums, scale_v));
     }
   }
 }
 
+// Rows [r0, r0 + rows) (rows <= kVnniRowBlock) with panels [p0, p0 + P) over quads [q0, q1).
 template <int P>
-void vnni_row_tiles(const uint8_t* xu, int64_t rows, int64_t x_stride, const int8_t* w, int64_t quads, int64_t p0,
-                    const int32_t* correction, const float* scale, float* out, int64_t out_features) {
-  int64_t r = 0;
-  for (; r + kVnniTileRows <= rows; r += kVnniTileRows)
-    vnni_tile<kVnniTileRows, P>(xu + r * x_stride, x_stride, w, quads, p0, correction, scale,
-                                out + r * out_features, out_features);
-  const uint8_t* xr = xu + r * x_stride;
-  float* o = out + r * out_features;
-  switch (rows - r) {
-    case 5: return vnni_tile<5, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
-    case 4: return vnni_tile<4, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
-    case 3: return vnni_tile<3, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
-    case 2: return vnni_tile<2, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
-    case 1: return vnni_tile<1, P>(xr, x_stride, w, quads, p0, correction, scale, o, out_features);
+void vnni_row_tiles(const VnniOperands& a, int64_t r0, int64_t rows, int64_t p0, int64_t q0, int64_t q1,
+                    int32_t* partial) {
+  int64_t i = 0;
+  for (; i + kVnniTileRows <= rows; i += kVnniTileRows)
+    vnni_tile<kVnniTileRows, P>(a, r0 + i, p0, q0, q1, partial + i * kVnniGroupCols);
+  int32_t* rest = partial + i * kVnniGroupCols;
+  switch (rows - i) {
+    case 3: return vnni_tile<3, P>(a, r0 + i, p0, q0, q1, rest);
+    case 2: return vnni_tile<2, P>(a, r0 + i, p0, q0, q1, rest);
+    case 1: return vnni_tile<1, P>(a, r0 + i, p0, q0, q1, rest);
     default: return;
   }
 }
 
-// Panels [p0, p0 + count) (count <= kVnniTilePanels) for every row.
-void vnni_panels(const uint8_t* xu, int64_t rows, int64_t x_stride, const int8_t* w, int64_t quads, int64_t p0,
-                 int64_t count, const int32_t* correction, const float* scale, float* out, int64_t out_features) {
+// Rows [r0, r0 + rows) (rows <= kVnniRowBlock) with panels [p0, p0 + count) (count <= kVnniTilePanels). More than
+// one tile of rows takes the inputs in chunks of kVnniQuadChunk quads, each chunk of the panels (8 KB) read from L1
+// by every row tile while the sums wait in `partial`; a single tile reads each weight byte once anyway.
+template <int P>
+void vnni_block(const VnniOperands& a, int64_t r0, int64_t rows, int64_t p0) {
+  alignas(64) int32_t partial[kVnniRowBlock * kVnniGroupCols];
+  const int64_t chunk = rows <= kVnniTileRows ? a.quads : kVnniQuadChunk;
+  for (int64_t q0 = 0; q0 < a.quads; q0 += chunk)
+    vnni_row_tiles<P>(a, r0, rows, p0, q0, std::min(a.quads, q0 + chunk), partial);
+}
+
+void vnni_panels(const VnniOperands& a, int64_t r0, int64_t rows, int64_t p0, int64_t count) {
   switch (count) {
-    case 4: return vnni_row_tiles<4>(xu, rows, x_stride, w, quads, p0, correction, scale, out, out_features);
-    case 3: return vnni_row_tiles<3>(xu, rows, x_stride, w, quads, p0, correction, scale, out, out_features);
-    case 2: return vnni_row_tiles<2>(xu, rows, x_stride, w, quads, p0, correction, scale, out, out_features);
-    default: return vnni_row_tiles<1>(xu, rows, x_stride, w, quads, p0, correction, scale, out, out_features);
+    case 4: return vnni_block<4>(a, r0, rows, p0);
+    case 3: return vnni_block<3>(a, r0, rows, p0);
+    case 2: return vnni_block<2>(a, r0, rows, p0);
+    default: return vnni_block<1>(a, r0, rows, p0);
   }
 }
 #endif
@@ -298,11 +325,11 @@ at::Tensor int8_gemm_vnni(const at::Tensor& qx, const at::Tensor& packed, const 
   const int64_t task_rows = std::min(rows, kVnniRowBlock);
   const int64_t grain =
       std::max<int64_t>(1, 262144 / std::max<int64_t>(1, task_rows * in * kVnniCols * kVnniTilePanels));
+  const VnniOperands operands{xp, stride, wp, quads, cp, sp, op, out_features};
   at::parallel_for(0, groups * row_blocks, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p0 = t / row_blocks * kVnniTilePanels, r0 = t % row_blocks * kVnniRowBlock;
-      vnni_panels(xp + r0 * stride, std::min(kVnniRowBlock, rows - r0), stride, wp, quads, p0,
-                  std::min<int64_t>(kVnniTilePanels, panels - p0), cp, sp, op + r0 * out_features, out_features);
+      vnni_panels(operands, r0, std::min(kVnniRowBlock, rows - r0), p0, std::min<int64_t>(kVnniTilePanels, panels - p0));
     }
   });
 #endif
