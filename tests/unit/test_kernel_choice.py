@@ -17,6 +17,7 @@ import torch
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.engine_config import LINEAR_KERNEL_NAMES, parse_linear_kernels
 from asyncllm.errors import ConfigError
+from asyncllm.model.kernels import choice as choice_module
 from asyncllm.model.kernels.choice import (
     ROW_CLASSES,
     Candidate,
@@ -149,6 +150,21 @@ def test_the_cache_is_keyed_by_host(tmp_path) -> None:  # type: ignore[no-untype
     stored = json.loads(files[0].read_text())
     assert stored["key"]["candidates"] == "slow,wrong,right"  # the available ones, not "missing"
     assert list(stored["choices"]) == ["fp32 64x48"]
+
+
+def test_changed_kernel_sources_are_measured_again(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A cached choice was timed with the C++ kernels' code of its day: the VNNI int8 kernel, rewritten, kept its
+    first version's losing times until the cache file was removed (2026-12-05)."""
+    calls: dict[str, int] = {}
+    monkeypatch.setattr(choice_module, "kernel_sources_digest", lambda: "old code")
+    assert _chooser(tmp_path, calls, slow_s=0.001).choose(64, 48).how == "measured"
+    assert _chooser(tmp_path, calls, slow_s=0.001).choose(64, 48).how == "cached"
+    monkeypatch.setattr(choice_module, "kernel_sources_digest", lambda: "new code")
+    before = calls["right"]
+    assert _chooser(tmp_path, calls, slow_s=0.001).choose(64, 48).how == "measured"
+    assert calls["right"] > before
+    stored = [json.loads(f.read_text())["key"]["kernel_sources"] for f in tmp_path.glob("linear-kernels-*.json")]
+    assert sorted(stored) == ["new code", "old code"]
 
 
 def test_a_measurement_on_a_busy_machine_is_measured_again_when_quiet(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -20,8 +20,9 @@ float32 (docs/kernels.md). So, for each weight shape, the first time it is asked
    `ONE_ROW_COPY_GAIN` faster (batch-1 decoding).
 
 Choices are kept in a JSON file beside the built kernels (`$XDG_CACHE_HOME/asyncllm/kernels/`), one file per host
-fingerprint (CPU model and flags, torch, oneDNN and MKL versions, torch threads, the kind's available candidates), so
-later starts on the same host measure nothing and a different CPU or library measures again. A choice measured
+fingerprint (CPU model and flags, torch, oneDNN and MKL versions, torch threads, the kind's available candidates, a
+digest of asyncllm's C++ kernel sources), so later starts on the same host measure nothing and a different CPU,
+library or kernel code measures again. A choice measured
 while other processes kept the CPUs busy (timings then say little) is measured again at a start that finds the
 machine quiet. A user forces one
 kernel per kind with `EngineArgs(linear_kernels={"int8": "int_mm"})` or `ASYNCLLM_LINEAR_KERNELS="int8=int_mm"`
@@ -45,6 +46,7 @@ import torch
 from asyncllm.engine_config import LINEAR_KERNEL_ENV, parse_linear_kernels
 from asyncllm.errors import ConfigError
 from asyncllm.model.kernels.choice_cache import ChoiceCache, host_fingerprint, kernel_cache_dir
+from asyncllm.model.kernels.row_kernels import kernel_sources_digest
 from asyncllm.utils.cpu_load import OtherCpuLoad
 
 logger = logging.getLogger(__name__)
@@ -232,6 +234,7 @@ class KernelChooser(Generic[W]):
             )
         key = {**(fingerprint or host_fingerprint()), "kind": kind.name}
         key["candidates"] = ",".join(c.name for c in self.available)
+        key["kernel_sources"] = kernel_sources_digest()  # our C++ kernels' code: changed code is timed again
         self.cache = ChoiceCache(cache_dir or kernel_cache_dir(), key)
         self.choices: dict[tuple[int, int], KernelChoice] = {}
         self._busy_now: bool | None = None  # the machine's load at a look before using a busy measurement

@@ -366,6 +366,13 @@ class RowKernels(Protocol):
         ...
 
 
+@functools.cache
+def kernel_sources_digest() -> str:
+    """A short digest of the C++ kernels' sources (`SOURCES`, `HEADERS`): the kernel chooser keys its cached
+    timings by it, so a changed kernel is measured again rather than judged by its old code's speed."""
+    return hashlib.sha256("".join(p.read_text() for p in (*SOURCES, *HEADERS)).encode()).hexdigest()[:12]
+
+
 def _cpu_tag() -> str:
     """A short digest of this CPU's model and feature flags (Linux `/proc/cpuinfo`), of the source, and of the
     source's and torch's paths and torch's version."""
