@@ -31,11 +31,11 @@ from asyncllm.engine.core import EngineCore
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.tokenizer import Tokenizer
 from tests.integration.conftest import EngineFactory
-from tests.integration.executor_helpers import EXECUTOR_OVERRIDES, MAX_TOKENS, PROMPTS, greedy_ids
+from tests.integration.executor_helpers import EXECUTOR_OVERRIDES, PROMPTS, greedy_ids
 from tests.integration.test_engine_core import _assert_all_free, _requests, _run
 from tests.integration.test_model_parity import CHATS, _Runner
 from tests.kernel_checks import require_kernels
-from tests.reference import clear_prefix_len, dense_greedy, greedy_margins, next_token_logits
+from tests.reference import greedy_margins, next_token_logits
 
 HELD_OUT_CHATS = [  # topics and words the calibration text (model/loading/loader.py CALIBRATION_MESSAGES) does not have
     "How do bees make honey?",
@@ -71,7 +71,7 @@ CORPORA = {
     "held_out_prose": (HELD_OUT_PROSE, False, Bounds(last=0.17, mean=0.18, max=0.55, min_top1=0.72)),
 }
 CLEAR_MARGIN = 1.0  # logits; int8 flips fp32's greedy choice only below 0.42 (measured)
-TP_MARGIN = 0.5  # logits: TP shards quantize partial rows of o_proj/down_proj inputs with their own scales
+TP_TOLERANCE = 1.0  # logits: TP shards quantize partial rows of o_proj/down_proj inputs with their own scales
 
 
 @pytest.fixture(scope="module")
@@ -213,17 +213,22 @@ def test_int8_batched_matches_alone_where_greedy_choice_is_clear(model_path: str
 
 @pytest.mark.slow
 @pytest.mark.mp
-async def test_int8_tp3_equals_tp1_where_the_choice_is_clear(make_llm: EngineFactory, models: tuple[Any, Any]) -> None:
-    """The TP=1 side is the module's int8 model run densely (the weights a TP=1 engine loads), so only the
-    TP=3 engine (3 worker processes) starts here."""
+async def test_int8_tp3_follows_tp1_within_the_shards_quantization_noise(
+    make_llm: EngineFactory, models: tuple[Any, Any]
+) -> None:
+    """Every token the TP=3 engine (3 worker processes) picks is TP=1's greedy choice, or within `TP_TOLERANCE`
+    logits of it, given the same prefix: TP=1's logits are computed along TP=3's own tokens (teacher forcing), so
+    the check goes on after a near-tie sent the two apart. The TP=1 side is the module's int8 model run densely (the
+    weights a TP=1 engine loads). (It compared the two sequences up to the first margin below 0.5 logits; on an AMD
+    EPYC with AVX-512 VNNI a choice of margin 0.52 flipped, 2026-12-05.)"""
     llm = make_llm(**EXECUTOR_OVERRIDES, quantization="int8", distributed_executor_backend="mp", tensor_parallel_size=3)
     prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     tp3 = await greedy_ids(llm, PROMPTS)
     _, int8 = models
-    tp1 = [dense_greedy(int8, prompt, MAX_TOKENS) for prompt in prompt_ids]
-    num_compared = 0
-    for prompt, expected, got in zip(prompt_ids, tp1, tp3, strict=True):
-        clear = clear_prefix_len(greedy_margins(int8, prompt, expected), TP_MARGIN)
-        assert got[:clear] == expected[:clear]
-        num_compared += clear
-    assert num_compared >= 6  # the comparison covered real tokens (measured: 9 of 36 are clear at 0.5)
+    gaps: list[float] = []
+    for prompt, got in zip(prompt_ids, tp3, strict=True):
+        logits = next_token_logits(int8, prompt + got)[len(prompt) - 1 : -1]  # row i predicts got[i]
+        gaps += (logits.max(dim=-1).values - logits[torch.arange(len(got)), got]).tolist()
+    print("TP=3 tokens' gaps below TP=1's greedy logit:", [round(g, 2) for g in gaps])
+    assert max(gaps) <= TP_TOLERANCE
+    assert sum(g == 0.0 for g in gaps) >= 0.75 * len(gaps)  # mostly TP=1's own choice
