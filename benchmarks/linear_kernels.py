@@ -4,9 +4,11 @@ The model's linear layers and LM head alone (SmolLM2-135M's fused shapes, 30 dis
 stream from memory as in a real step, random values), at 1-128 rows per step, with every kernel asyncllm can run:
 float32 `x @ W` (MKL sgemm on the plain weight), oneDNN's inner product on a weight reordered once
 (`torch.ops.mkldnn._linear_pointwise`) and MKL's packed GEMM on a weight packed once (`cblas_sgemm_compute`, through
-the row-kernel module); int8 weights with per-row int8 activations through `torch._int_mm` and oneDNN's prepacked
-int8 kernel (`torch.ops.onednn.qlinear_pointwise`); and "chosen", the kernels `model/kernels/choice.py` picks on this
-host per row class (printed). tok/s = rows / wall time of one pass, best of `--repeats` interleaved passes, torch's
+the row-kernel module) and our GEMV; int8 weights with per-row int8 activations through `torch._int_mm`, oneDNN's
+prepacked int8 kernel (`torch.ops.onednn.qlinear_pointwise`) and our AVX2 and AVX-512 VNNI kernels
+(`csrc/int8_gemm.cpp`); and "chosen", the kernels `model/kernels/choice.py` picks on this host per row class
+(printed). A kernel 20x slower than the fastest at one row (oneDNN's reference int8 kernel on AVX-512 CPUs without
+AMX) is dropped after one pass, and the JSON says so. tok/s = rows / wall time of one pass, best of `--repeats` interleaved passes, torch's
 default threads.
 
     .venv/bin/python benchmarks/linear_kernels.py [--json PATH]
