@@ -8,8 +8,8 @@ the row-kernel module) and our GEMV; int8 weights with per-row int8 activations 
 prepacked int8 kernel (`torch.ops.onednn.qlinear_pointwise`) and our AVX2 and AVX-512 VNNI kernels
 (`csrc/int8_gemm.cpp`); and "chosen", the kernels `model/kernels/choice.py` picks on this host per row class
 (printed). A kernel 20x slower than the fastest at one row (oneDNN's reference int8 kernel on AVX-512 CPUs without
-AMX) is dropped after one pass, and the JSON says so. tok/s = rows / wall time of one pass, best of `--repeats` interleaved passes, torch's
-default threads.
+AMX) is dropped after one pass, and the JSON says so. tok/s = rows / wall time of one pass, best of `--repeats`
+interleaved passes, torch's default threads.
 
     .venv/bin/python benchmarks/linear_kernels.py [--json PATH]
 """
