@@ -94,9 +94,10 @@ void row_tiles(const int8_t* x, int64_t rows, int64_t x_stride, const int8_t* w,
 #endif
 
 
+constexpr int64_t kVnniCols = 16;  // columns per panel of the VNNI path: one 512-bit vector of int32 sums
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define ASYNCLLM_INT8_VNNI 1
-constexpr int64_t kVnniCols = 16;  // columns per panel: one 512-bit vector of int32 sums
 constexpr int64_t kVnniQuadBytes = kVnniCols * kQuad;
 constexpr int64_t kVnniTileRows = 4;
 constexpr int kVnniTilePanels = 4;
@@ -193,6 +194,22 @@ void vnni_panels(const VnniOperands& a, int64_t r0, int64_t rows, int64_t p0, in
 }
 #endif
 
+// The checks both products make of their operands: `name` is the product's, `pack` the packing function's name,
+// `cols` its panel width.
+void check_operands(const char* name, const char* pack, const at::Tensor& qx, const at::Tensor& packed,
+                    const at::Tensor& scale, int64_t in_features, int64_t out_features, int64_t cols) {
+  TORCH_CHECK(qx.dim() == 2 && qx.scalar_type() == at::kChar, name, ": expected 2-D int8 activations");
+  TORCH_CHECK(out_features >= 1, name, ": out_features must be >= 1");
+  TORCH_CHECK(qx.size(1) == in_features, name, ": activations of ", qx.size(1), " features for a weight of ",
+              in_features, " input features");
+  const int64_t panels = (out_features + cols - 1) / cols, quads = (in_features + kQuad - 1) / kQuad;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef({panels, quads, cols, kQuad}),
+              name, ": the packed weight is not ", pack, "'s for ", in_features, " x ", out_features);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == out_features, name,
+              ": scale must be float32 with ", out_features, " values");
+}
+
 }  // namespace
 
 bool int8_avx2_available() {
@@ -221,17 +238,9 @@ at::Tensor int8_pack_avx2(const at::Tensor& qweight) {
 at::Tensor int8_gemm_avx2(const at::Tensor& qx, const at::Tensor& packed, const at::Tensor& scale,
                           int64_t in_features, int64_t out_features) {
   TORCH_CHECK(int8_avx2_available(), "int8_gemm_avx2: this build has no AVX2 path");
-  TORCH_CHECK(qx.dim() == 2 && qx.scalar_type() == at::kChar, "int8_gemm_avx2: expected 2-D int8 activations");
-  TORCH_CHECK(out_features >= 1, "int8_gemm_avx2: out_features must be >= 1");
-  TORCH_CHECK(qx.size(1) == in_features, "int8_gemm_avx2: activations of ", qx.size(1), " features for a weight of ",
-              in_features, " input features");
+  check_operands("int8_gemm_avx2", "int8_pack_avx2", qx, packed, scale, in_features, out_features, kCols);
   const int64_t rows = qx.size(0), in = in_features;
   const int64_t panels = (out_features + kCols - 1) / kCols, quads = (in + kQuad - 1) / kQuad;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.sizes() == at::IntArrayRef({panels, quads, kCols, kQuad}),
-              "int8_gemm_avx2: the packed weight is not int8_pack_avx2's for ", in, " x ", out_features);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == out_features,
-              "int8_gemm_avx2: scale must be float32 with ", out_features, " values");
   // rows padded with zeros to whole quads where `in` is not a multiple of 4
   const auto x = in % kQuad == 0 ? qx.contiguous() : at::constant_pad_nd(qx, {0, quads * kQuad - in}).contiguous();
   auto out = at::empty({rows, out_features}, qx.options().dtype(at::kFloat));
@@ -286,19 +295,11 @@ std::tuple<at::Tensor, at::Tensor> int8_pack_vnni(const at::Tensor& qweight) {
 at::Tensor int8_gemm_vnni(const at::Tensor& qx, const at::Tensor& packed, const at::Tensor& correction,
                           const at::Tensor& scale, int64_t in_features, int64_t out_features) {
   TORCH_CHECK(int8_vnni_available(), "int8_gemm_vnni: this build has no AVX-512 VNNI path");
-  TORCH_CHECK(qx.dim() == 2 && qx.scalar_type() == at::kChar, "int8_gemm_vnni: expected 2-D int8 activations");
-  TORCH_CHECK(out_features >= 1, "int8_gemm_vnni: out_features must be >= 1");
-  TORCH_CHECK(qx.size(1) == in_features, "int8_gemm_vnni: activations of ", qx.size(1), " features for a weight of ",
-              in_features, " input features");
-  const int64_t rows = qx.size(0), in = in_features;
-  const int64_t panels = (out_features + kVnniCols - 1) / kVnniCols, quads = (in + kQuad - 1) / kQuad;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.sizes() == at::IntArrayRef({panels, quads, kVnniCols, kQuad}),
-              "int8_gemm_vnni: the packed weight is not int8_pack_vnni's for ", in, " x ", out_features);
+  check_operands("int8_gemm_vnni", "int8_pack_vnni", qx, packed, scale, in_features, out_features, kVnniCols);
   TORCH_CHECK(correction.scalar_type() == at::kInt && correction.is_contiguous() && correction.numel() == out_features,
               "int8_gemm_vnni: the correction must be int8_pack_vnni's int32 one of ", out_features, " values");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == out_features,
-              "int8_gemm_vnni: scale must be float32 with ", out_features, " values");
+  const int64_t rows = qx.size(0), in = in_features;
+  const int64_t panels = (out_features + kVnniCols - 1) / kVnniCols, quads = (in + kQuad - 1) / kQuad;
   auto out = at::empty({rows, out_features}, qx.options().dtype(at::kFloat));
   if (rows == 0) return out;
 #ifdef ASYNCLLM_INT8_VNNI
