@@ -194,6 +194,20 @@ void vnni_panels(const VnniOperands& a, int64_t r0, int64_t rows, int64_t p0, in
 }
 #endif
 
+// A contiguous [in, out] int8 weight -> uint8 [ceil(out / cols), ceil(in / 4), cols, 4]: panels of `cols` columns,
+// each a run of 4-input quads of those columns (column-major within the quad), zero-padded.
+at::Tensor pack_panels(const at::Tensor& w, int64_t cols) {
+  const int64_t in = w.size(0), out = w.size(1);
+  const int64_t panels = (out + cols - 1) / cols, quads = (in + kQuad - 1) / kQuad;
+  auto packed = at::zeros({panels, quads, cols, kQuad}, w.options().dtype(at::kByte));
+  const int8_t* src = w.data_ptr<int8_t>();
+  auto* dst = reinterpret_cast<int8_t*>(packed.data_ptr<uint8_t>());
+  for (int64_t k = 0; k < in; ++k)
+    for (int64_t n = 0; n < out; ++n)
+      dst[((n / cols * quads + k / kQuad) * cols + n % cols) * kQuad + k % kQuad] = src[k * out + n];
+  return packed;
+}
+
 // The checks both products make of their operands: `name` is the product's, `pack` the packing function's name,
 // `cols` its panel width.
 void check_operands(const char* name, const char* pack, const at::Tensor& qx, const at::Tensor& packed,
@@ -223,16 +237,7 @@ bool int8_avx2_available() {
 at::Tensor int8_pack_avx2(const at::Tensor& qweight) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar, "int8_pack_avx2: expected a 2-D int8 weight");
   TORCH_CHECK(qweight.min().item<int>() > -128, "int8_pack_avx2: the weight holds -128 (symmetric int8 never does)");
-  const auto w = qweight.contiguous();
-  const int64_t in = w.size(0), out = w.size(1);
-  const int64_t panels = (out + kCols - 1) / kCols, quads = (in + kQuad - 1) / kQuad;
-  auto packed = at::zeros({panels, quads, kCols, kQuad}, w.options().dtype(at::kByte));
-  const int8_t* src = w.data_ptr<int8_t>();
-  auto* dst = reinterpret_cast<int8_t*>(packed.data_ptr<uint8_t>());
-  for (int64_t k = 0; k < in; ++k)
-    for (int64_t n = 0; n < out; ++n)
-      dst[((n / kCols * quads + k / kQuad) * kCols + n % kCols) * kQuad + k % kQuad] = src[k * out + n];
-  return packed;
+  return pack_panels(qweight.contiguous(), kCols);
 }
 
 at::Tensor int8_gemm_avx2(const at::Tensor& qx, const at::Tensor& packed, const at::Tensor& scale,
@@ -279,14 +284,7 @@ bool int8_vnni_available() {
 std::tuple<at::Tensor, at::Tensor> int8_pack_vnni(const at::Tensor& qweight) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar, "int8_pack_vnni: expected a 2-D int8 weight");
   const auto w = qweight.contiguous();
-  const int64_t in = w.size(0), out = w.size(1);
-  const int64_t panels = (out + kVnniCols - 1) / kVnniCols, quads = (in + kQuad - 1) / kQuad;
-  auto packed = at::zeros({panels, quads, kVnniCols, kQuad}, w.options().dtype(at::kByte));
-  const int8_t* src = w.data_ptr<int8_t>();
-  auto* dst = reinterpret_cast<int8_t*>(packed.data_ptr<uint8_t>());
-  for (int64_t k = 0; k < in; ++k)
-    for (int64_t n = 0; n < out; ++n)
-      dst[((n / kVnniCols * quads + k / kQuad) * kVnniCols + n % kVnniCols) * kQuad + k % kQuad] = src[k * out + n];
+  auto packed = pack_panels(w, kVnniCols);
   // 128 * sum_k w[k, n]: at most 128 * 127 * in in magnitude, exact in int64; kept modulo 2^32 as the sums are
   auto correction = (w.sum(0, /*keepdim=*/false, at::kLong) * 128).to(at::kInt).contiguous();
   return {packed, correction};
