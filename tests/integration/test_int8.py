@@ -28,6 +28,7 @@ import torch
 from asyncllm import SamplingParams
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.engine.core import EngineCore
+from asyncllm.model.layers import attention
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.tokenizer import Tokenizer
 from tests.integration.conftest import EngineFactory
@@ -100,16 +101,27 @@ def test_int8_logit_error_against_fp32(model_path: str, models: tuple[Any, Any],
         assert top1 >= bounds.min_top1, (prompt, measured)
 
 
-def test_fused_kernels_give_the_eager_logits_bit_for_bit(model_path: str, models: tuple[Any, Any]) -> None:
+def test_fused_kernels_give_the_eager_logits_bit_for_bit(
+    model_path: str, models: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fused row kernels (`model/kernels/row_kernels.py`), where they build, change speed only: the real model's
-    logits over a chat prompt, fp32 and int8, are the same with the eager ops."""
+    logits over a chat prompt, fp32 and int8, are the same with the eager ops. The attention kernels that read the
+    cache sum in another order than SDPA: with them the logits stay within float32 rounding (fp32), while int8's
+    per-row activation quantization turns those last bits into a rounding step here and there, which later layers
+    carry on (measured on the AMD EPYC with AVX-512: fp32 2e-6, int8 0.072 of the largest logit, where int8 itself
+    is 0.17 from fp32 on this prompt; the next token here is a near-tie, 0.08 logits apart in fp32, and may flip).
+    int8's error against fp32 with the kernels is held to its bounds by `test_int8_logit_error_against_fp32`."""
     tokenizer = Tokenizer.load(model_path)
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": CHATS[0]}]))
     require_kernels()  # fails under CI where they do not build, skips elsewhere (tests/kernel_checks.py)
-    for model in models:
+    for model, bound in zip(models, (1e-4, 0.1), strict=True):
         kernels = model.fused_kernels
         assert kernels is not None
-        fused = next_token_logits(model, ids)
+        with_attention_kernels = next_token_logits(model, ids)
+        with monkeypatch.context() as patch:  # the row kernels alone: bit for bit
+            patch.setattr(attention, "decode_reads_cache", lambda kernels, head_dim: False)
+            patch.setattr(attention, "prefill_reads_cache", lambda kernels, group, head_dim: False)
+            fused = next_token_logits(model, ids)
         modules = (model, *model.layers)
         try:
             for module in modules:
@@ -119,6 +131,8 @@ def test_fused_kernels_give_the_eager_logits_bit_for_bit(model_path: str, models
             for module in modules:
                 module.fused_kernels = kernels
         assert torch.equal(fused, eager)
+        scale = float(eager.abs().max())
+        assert float((with_attention_kernels - eager).abs().max()) <= bound * scale
 
 
 def test_int8_chunked_prefill_then_decode_is_close_to_one_prefill(model_path: str, models: tuple[Any, Any]) -> None:

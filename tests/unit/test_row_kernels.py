@@ -250,14 +250,16 @@ def test_models_give_the_same_logits_with_and_without_them(
     with_cache_attention = _logits(model, chunks)
     with monkeypatch.context() as patch:  # the row kernels alone: bit for bit
         patch.setattr(attention, "decode_reads_cache", lambda kernels, head_dim: False)
+        patch.setattr(attention, "prefill_reads_cache", lambda kernels, group, head_dim: False)
         fused = _logits(model, chunks)
     for module in (model, *model.layers):
         module.fused_kernels = None
     eager = _logits(model, chunks)
     assert eager.abs().max() > 0.1  # the random weights give logits that are not all zero
     assert torch.equal(fused, eager)
-    # decode attention read from the cache sums in another order than SDPA: equal within float32 rounding
+    # decode and prefill attention read from the cache sum in another order than SDPA: equal within float32 rounding
     assert attention.decode_reads_cache(kernels, model.arch.head_dim)
+    assert kernels.paged_prefill_attention_available()
     torch.testing.assert_close(with_cache_attention, eager, rtol=1e-5, atol=1e-5)
 
 

@@ -22,6 +22,11 @@ megabytes of weights evict from the caches what the next op needs; `benchmarks/o
   cache, widened to float32 in registers), instead of gathering every cached token into a dense copy per layer
   and step. Not bit-exact with SDPA (another summation order):
   `self_check` compares it with SDPA within `ATTENTION_TOLERANCE`.
+- `paged_prefill_attention_(out, query, kv_cache, block_tables, query_starts, query_lens, seq_lens, scale,
+  window)`: prefill (and chunked-prefill) attention read the same way (`csrc/paged_prefill_attention.cpp`: flash
+  attention's online softmax over tiles of the cache, the cached prefix and the chunk's own keys in one pass),
+  instead of a gather of the cached prefix and two ATen flash calls merged per sequence and layer; checked against
+  SDPA the same way.
 - block-quantized products (`block_linear`, `csrc/block_quant.cpp`): Q8_0 / Q4_0 / Q4_1 weights times int8
   activation blocks, checked and used by `model/kernels/block_quant.py`.
 - float32 products with a weight packed once by MKL in column chunks (`sgemm_pack`, `sgemm_packed`, in
@@ -73,6 +78,7 @@ SOURCES = tuple(
         "row_kernels.cpp",
         "packed_gemm.cpp",
         "paged_attention.cpp",
+        "paged_prefill_attention.cpp",
         "block_quant.cpp",
         "int8_gemm.cpp",
         "fp32_gemv.cpp",
@@ -83,6 +89,7 @@ HEADERS = tuple(
     for name in (
         "packed_gemm.h",
         "paged_attention.h",
+        "paged_prefill_attention.h",
         "block_quant.h",
         "int8_gemm.h",
         "fp32_gemv.h",
@@ -215,6 +222,34 @@ class RowKernels(Protocol):
         own included). `window` > 0: only the last `window` tokens are seen. Returns [num_seqs, num_heads *
         head_dim] float32. Raises RuntimeError on a wrong dtype/shape/layout, IndexError on a block outside the
         cache or a table too short."""
+        ...
+
+    def paged_prefill_attention_available(self) -> bool:
+        """Whether this build has the prefill attention kernel's vector code (AVX-512 or AVX2 with FMA)."""
+        ...
+
+    def paged_prefill_attention_(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_starts: torch.Tensor,
+        query_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int,
+    ) -> None:
+        """In place: `out[query_starts[s] + i]` = attention of sequence s's query token i, at position `seq_lens[s] -
+        query_lens[s] + i`, over its cached tokens up to that position (`window` > 0: the last `window` of them only),
+        read through its block table; this step's keys and values are already in the cache. Other rows of `out` are
+        left as they are; the GIL is released meanwhile.
+
+        `out` [>= num_tokens, num_heads * head_dim] float32; `query` [num_tokens, num_heads, head_dim] float32;
+        `kv_cache` [num_blocks, 2, block_size, num_kv_heads, head_dim] float32 or bfloat16 (num_heads a multiple of
+        num_kv_heads: GQA; head_dim a multiple of 8); `block_tables` [num_seqs, max_blocks] int64; `query_starts`,
+        `query_lens`, `seq_lens` [num_seqs] int64; all contiguous. Raises RuntimeError on a wrong dtype, shape or
+        layout, IndexError on a span outside the query rows, a block outside the cache or a table too short."""
         ...
 
     def has_packed_sgemm(self) -> bool:
@@ -481,6 +516,8 @@ KERNELS = (
     "store_kv_cache_",
     "store_kv_rows_",
     "paged_decode_attention",
+    "paged_prefill_attention_available",
+    "paged_prefill_attention_",
     "has_packed_sgemm",
     "sgemm_pack",
     "sgemm_packed",
@@ -505,8 +542,8 @@ KERNELS = (
 
 def self_check(kernels: RowKernels) -> str:
     """Compare every kernel with the eager ops it replaces, on rows of 70, 576 and 2048 columns (with a row of
-    zeros); returns "" when all are equal bit for bit (decode attention: within `ATTENTION_TOLERANCE` of SDPA),
-    else which kernel differs."""
+    zeros); returns "" when all are equal bit for bit (decode and prefill attention: within `ATTENTION_TOLERANCE` of
+    SDPA), else which kernel differs."""
     gen = torch.Generator().manual_seed(0)
     for cols in (70, 576, 2048):
         x = torch.randn(3, cols, generator=gen) * 4
@@ -514,7 +551,11 @@ def self_check(kernels: RowKernels) -> str:
         problem = _compare(kernels, x, torch.rand(cols, generator=gen) + 0.5, torch.randn(3, cols, generator=gen))
         if problem:
             return f"{problem} ({cols} columns)"
-    return _compare_argmax(kernels, gen) or _compare_decode_attention(kernels, gen)
+    return (
+        _compare_argmax(kernels, gen)
+        or _compare_decode_attention(kernels, gen)
+        or _compare_prefill_attention(kernels, gen)
+    )
 
 
 def argmax_check_rows(gen: torch.Generator) -> torch.Tensor:
@@ -632,4 +673,57 @@ def _compare_decode_attention(kernels: RowKernels, gen: torch.Generator) -> str:
             want = decode_attention_reference(query, kv_cache, block_tables, seq_lens, window)
             if got.shape != want.shape or float((got - want).abs().max()) > bound:
                 return f"paged_decode_attention differs from SDPA (window {window}, {kv_cache.dtype} cache)"
+    return ""
+
+
+def prefill_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    spans: list[tuple[int, int, int]],
+    window: int = 0,
+) -> torch.Tensor:
+    """What `paged_prefill_attention_` computes, by torch ops one sequence at a time: the cached tokens gathered
+    through the block table (a bfloat16 cache widened to float32, exactly), SDPA in float64 over the query heads (GQA
+    by repeating K/V heads) with the causal (and window) mask of each query's position. `spans`: (first query row,
+    query tokens, tokens in the cache) per sequence. `[num_tokens, num_heads * head_dim]` float32; rows of no span
+    are 0."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = query.new_zeros(num_tokens, num_heads * head_dim)
+    for s, (start, query_len, seq_len) in enumerate(spans):
+        blocks = block_tables[s, : -(-seq_len // block_size)]
+        key, value = (
+            kv_cache[blocks, i].double().reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1) for i in (0, 1)
+        )
+        key, value = (t.repeat_interleave(num_heads // num_kv_heads, dim=0) for t in (key, value))
+        positions = torch.arange(seq_len - query_len, seq_len)[:, None]
+        keys = torch.arange(seq_len)[None, :]
+        allowed = (keys <= positions) & ((keys > positions - window) if window > 0 else True)
+        q = query[start : start + query_len].transpose(0, 1).double()
+        o = F.scaled_dot_product_attention(q, key, value, attn_mask=allowed)  # [num_heads, query_len, head_dim]
+        out[start : start + query_len] = o.transpose(0, 1).reshape(query_len, -1).float()
+    return out
+
+
+def _compare_prefill_attention(kernels: RowKernels, gen: torch.Generator) -> str:
+    """Prefill attention on a shuffled float32 and bfloat16 cache: GQA (8 query heads over 2 K/V heads), a fresh
+    chunk of 5 tokens, 13 tokens after 21 cached (partial blocks at both ends) and one token after 6, with and
+    without a window."""
+    block_size, head_dim = 4, 16
+    float_cache = torch.randn(40, 2, block_size, 2, head_dim, generator=gen)
+    spans = [(0, 5, 5), (5, 13, 34), (18, 1, 7)]
+    block_tables = torch.randperm(40, generator=gen)[:27].view(3, 9).contiguous()
+    query = torch.randn(19, 8, head_dim, generator=gen)
+    starts, query_lens, seq_lens = (torch.tensor(column) for column in zip(*spans, strict=True))
+    for kv_cache in (float_cache, float_cache.to(torch.bfloat16)):
+        bound = ATTENTION_TOLERANCE * float(kv_cache[:, 1].abs().max())
+        for window in (0, 6):
+            got = torch.zeros(19, 8 * head_dim)
+            kernels.paged_prefill_attention_(
+                got, query, kv_cache, block_tables, starts, query_lens, seq_lens, head_dim**-0.5, window
+            )
+            want = prefill_attention_reference(query, kv_cache, block_tables, spans, window)
+            if float((got - want).abs().max()) > bound:
+                return f"paged_prefill_attention_ differs from SDPA (window {window}, {kv_cache.dtype} cache)"
     return ""

@@ -16,6 +16,12 @@ layers; Beltagy et al., 2020) uses the same gather with the keys before its wind
 step's K/V, run one sequence at a time instead (`prefill_attention.py`: no padding, no mask, no gather of a fresh
 chunk's keys, the masked triangle skipped after a cached prefix).
 
+With the C++ kernels loaded (`model/kernels/row_kernels.py`) none of that runs for float32 or bfloat16 caches
+without soft-capping: decodes read the cache through the block tables (`csrc/paged_attention.cpp`), and so do
+prefill chunks, full or windowed (`csrc/paged_prefill_attention.cpp`: one pass of flash attention's online softmax
+over the cached prefix and the chunk, in float32; 1.5-3.6x ATen's flash kernel on SmolLM2's shapes, AMD EPYC with
+AVX-512, `docs/kernels.md`). The torch paths above are the fallback and the reference.
+
 Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 grouped-query attention (Ainslie et al., 2023).
 """
@@ -131,6 +137,9 @@ def paged_attention(
         if one_token and kernels is not None and decode_reads_cache(kernels, head_dim):
             rows = group.query_index[:, 0]  # the decodes of a mixed step: straight from the cache too
             out[rows] = _cache_decode_attention(query[rows], kv_cache, group, scale, kernels, window)
+        elif softcap is None and prefill_reads_cache(kernels, group, head_dim):
+            assert kernels is not None
+            _cache_prefill_attention(query, kv_cache, group, scale, kernels, window, out)
         elif per_sequence_prefill(group, new_kv, window, softcap):
             assert new_kv is not None
             sequence_prefill_attention(query, kv_cache, group, new_kv, scale, out)
@@ -151,6 +160,47 @@ def per_sequence_prefill(
     the cached-prefix split needs."""
     full = window is None or group.max_seq_len <= window
     return full and softcap is None and new_kv is not None and prefix_split_available()
+
+
+def prefill_reads_cache(kernels: RowKernels | None, group: AttentionGroup, head_dim: int) -> bool:
+    """Whether a group of multi-token queries runs on the prefill kernel, which reads the cache through the block
+    tables (`csrc/paged_prefill_attention.cpp`): with the kernels loaded and its vector code built, a head_dim that
+    is a multiple of 8, and a group built with query positions."""
+    return (
+        kernels is not None
+        and head_dim % 8 == 0
+        and group.query_positions is not None
+        and kernels.paged_prefill_attention_available()
+    )
+
+
+def _cache_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    group: AttentionGroup,
+    scale: float | None,
+    kernels: RowKernels,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Attention of a group of multi-token queries (`[num_tokens, num_heads, head_dim]`, the step's flat queries)
+    over their sequences' cached tokens, this step's included, causal (and within the last `window` tokens when
+    given), read from the cache by the kernel; written into the group's rows of `out` (`[>= num_tokens, num_heads *
+    head_dim]` float32, contiguous)."""
+    head_dim = query.shape[-1]
+    softmax_scale = head_dim**-0.5 if scale is None else scale
+    starts, query_lens = group.span_tensors
+    kernels.paged_prefill_attention_(
+        out,
+        query.contiguous(),
+        kv_cache,
+        group.block_tables,
+        starts,
+        query_lens,
+        group.seq_lens,
+        softmax_scale,
+        window or 0,
+    )
 
 
 def _decode_attention(

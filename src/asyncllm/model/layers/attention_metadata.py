@@ -100,6 +100,17 @@ class AttentionGroup:
         prefixes = self.query_positions[:, 0].tolist()
         return [(a, s - p, s) for a, s, p in zip(starts, self.seq_lens.tolist(), prefixes, strict=True)]
 
+    @functools.cached_property
+    def span_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`spans` as the prefill kernel takes them: (first flat token index, query tokens) of each sequence,
+        [num_seqs] int64 each (the tokens in the cache are `seq_lens`). Made once per step, shared by the layers.
+
+        Raises:
+            ValueError: the group was built without `query_positions`.
+        """
+        starts, query_lens, _ = zip(*self.spans, strict=True)
+        return torch.tensor(starts, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64)
+
 
 @dataclass
 class AttentionMetadata:

@@ -28,6 +28,7 @@
 #include "int8_gemm.h"
 #include "packed_gemm.h"
 #include "paged_attention.h"
+#include "paged_prefill_attention.h"
 
 namespace {
 
@@ -595,6 +596,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgemm_pack", &sgemm_pack);
   m.def("sgemm_packed", &sgemm_packed);
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("paged_prefill_attention_available", &paged_prefill_attention_available);
+  m.def("paged_prefill_attention_", &paged_prefill_attention_);
   m.def("block_quant_paths", &block_quant_paths);
   m.def("block_quant_amx_status", &block_quant_amx_status);
   m.def("block_quantize_rows", &block_quantize_rows);
