@@ -4,7 +4,7 @@ The cache of one layer is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` 
 or bfloat16 (`EngineArgs.kv_cache_dtype`). With a bfloat16 cache, K/V are rounded to bfloat16 (nearest even) as
 they are written; SDPA runs on bfloat16 query/key/value (a fresh chunk's own K/V rounded the same way, so a
 result does not depend on whether a prefix came from the cache) and its output goes back to float32; the decode
-kernel widens the cached rows to float32 and computes in float32. The rest of the model stays float32.
+and prefill kernels widen the cached rows to float32 and compute in float32. The rest of the model stays float32.
 
 A token's slot is `block_id * block_size + offset`. For each `AttentionGroup` (decodes, prefills), the keys/values
 of every sequence are gathered through its block table into `[num_seqs, max_seq_len, num_kv_heads, head_dim]` and
@@ -19,8 +19,8 @@ chunk's keys, the masked triangle skipped after a cached prefix).
 With the C++ kernels loaded (`model/kernels/row_kernels.py`) none of that runs for float32 or bfloat16 caches
 without soft-capping: decodes read the cache through the block tables (`csrc/paged_attention.cpp`), and so do
 prefill chunks, full or windowed (`csrc/paged_prefill_attention.cpp`: one pass of flash attention's online softmax
-over the cached prefix and the chunk, in float32; 1.5-3.6x ATen's flash kernel on SmolLM2's shapes, AMD EPYC with
-AVX-512, `docs/kernels.md`). The torch paths above are the fallback and the reference.
+over the cached prefix and the chunk, in float32; per layer 1.3-2.6x the ATen flash path on SmolLM2's heads, AMD EPYC
+with AVX-512, `benchmarks/prefill_attention.py`). The torch paths above are the fallback and the reference.
 
 Source: scaled dot-product attention (Vaswani et al., 2017); paged KV cache (Kwon et al., 2023, vLLM);
 grouped-query attention (Ainslie et al., 2023).
