@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncllm.model.kernels.row_kernels import RowKernels, prefill_attention_reference
+from asyncllm.model.kernels.attention_checks import prefill_attention_reference
+from asyncllm.model.kernels.row_kernels import RowKernels
 from tests.kernel_checks import require_kernels
 
 # (query tokens, tokens in the cache) per sequence: a fresh chunk of one token, a partial block, a chunk that

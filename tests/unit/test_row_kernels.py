@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.model.kernels import row_kernels
+from asyncllm.model.kernels.attention_checks import decode_attention_reference
 from asyncllm.model.kernels.rotary import apply_rotary
-from asyncllm.model.kernels.row_kernels import RowKernels, decode_attention_reference, load_kernels
+from asyncllm.model.kernels.row_kernels import RowKernels, load_kernels
 from asyncllm.model.kernels.row_quant import quantize_rows
 from asyncllm.model.layers import attention
 from asyncllm.model.layers.attention import write_kv_cache

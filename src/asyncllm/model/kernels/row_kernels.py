@@ -21,7 +21,7 @@ megabytes of weights evict from the caches what the next op needs; `benchmarks/o
   straight from the paged KV cache through the block tables (`csrc/paged_attention.cpp`; a float32 or bfloat16
   cache, widened to float32 in registers), instead of gathering every cached token into a dense copy per layer
   and step. Not bit-exact with SDPA (another summation order):
-  `self_check` compares it with SDPA within `ATTENTION_TOLERANCE`.
+  `self_check` compares it with SDPA within a tolerance (`model/kernels/attention_checks.py`).
 - `paged_prefill_attention_(out, query, kv_cache, block_tables, query_starts, query_lens, seq_lens, scale,
   window)`: prefill (and chunked-prefill) attention read the same way (`csrc/paged_prefill_attention.cpp`: flash
   attention's online softmax over tiles of the cache, the cached prefix and the chunk's own keys in one pass),
@@ -66,6 +66,7 @@ from typing import Protocol, cast
 import torch
 import torch.nn.functional as F
 
+from asyncllm.model.kernels.attention_checks import compare_decode_attention, compare_prefill_attention
 from asyncllm.model.kernels.rotary import apply_rotary
 from asyncllm.model.kernels.row_quant import quantize_rows
 
@@ -90,6 +91,7 @@ HEADERS = tuple(
         "packed_gemm.h",
         "paged_attention.h",
         "paged_prefill_attention.h",
+        "paged_kv_checks.h",
         "block_quant.h",
         "int8_gemm.h",
         "fp32_gemv.h",
@@ -103,8 +105,6 @@ SLOW_FALLBACK = (
     "an int8 decode step, README 'Speed'). Install a C++ compiler (e.g. g++) and reinstall asyncllm (brings ninja)"
 )
 MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to this many columns
-# |paged_decode_attention - SDPA| at most this x max |value| (float32 sums in another order: ~1e-7 relative seen)
-ATTENTION_TOLERANCE = 1e-5
 
 
 class BlockDecodeStack(Protocol):
@@ -542,8 +542,8 @@ KERNELS = (
 
 def self_check(kernels: RowKernels) -> str:
     """Compare every kernel with the eager ops it replaces, on rows of 70, 576 and 2048 columns (with a row of
-    zeros); returns "" when all are equal bit for bit (decode and prefill attention: within `ATTENTION_TOLERANCE` of
-    SDPA), else which kernel differs."""
+    zeros); returns "" when all are equal bit for bit (decode and prefill attention: within
+    `attention_checks.ATTENTION_TOLERANCE` of SDPA), else which kernel differs."""
     gen = torch.Generator().manual_seed(0)
     for cols in (70, 576, 2048):
         x = torch.randn(3, cols, generator=gen) * 4
@@ -553,8 +553,8 @@ def self_check(kernels: RowKernels) -> str:
             return f"{problem} ({cols} columns)"
     return (
         _compare_argmax(kernels, gen)
-        or _compare_decode_attention(kernels, gen)
-        or _compare_prefill_attention(kernels, gen)
+        or compare_decode_attention(kernels, gen)
+        or compare_prefill_attention(kernels, gen)
     )
 
 
@@ -636,94 +636,3 @@ def _compare_kv_stores(kernels: RowKernels, x: torch.Tensor) -> str:
     kernels.store_kv_rows_(got[0], got[1], key, value, offsets)
     want[0][torch.arange(rows), offsets], want[1][torch.arange(rows), offsets] = key, value
     return "" if torch.equal(got, want) else "store_kv_rows_ differs from indexed row writes"
-
-
-def decode_attention_reference(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, window: int = 0
-) -> torch.Tensor:
-    """What `paged_decode_attention` computes, by torch ops one sequence at a time: the cached tokens gathered
-    through the block table (a bfloat16 cache widened to float32, exactly), SDPA over the query heads (GQA by
-    repeating K/V heads). `[num_seqs, num_heads * head_dim]` float32."""
-    num_seqs, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    rows = []
-    for s in range(num_seqs):
-        length = int(seq_lens[s])
-        first = max(0, length - window) if window > 0 else 0
-        blocks = block_tables[s, : -(-length // block_size)]
-        key, value = (kv_cache[blocks, i].float().reshape(-1, num_kv_heads, head_dim)[first:length] for i in (0, 1))
-        key, value = (t.transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0) for t in (key, value))
-        out = F.scaled_dot_product_attention(query[s].unsqueeze(1), key, value)  # [num_heads, 1, head_dim]
-        rows.append(out.reshape(-1))
-    return torch.stack(rows)
-
-
-def _compare_decode_attention(kernels: RowKernels, gen: torch.Generator) -> str:
-    """Decode attention on a shuffled float32 and bfloat16 cache: GQA (8 query heads over 2 K/V heads), sequences
-    of 1, 5 and 37 tokens (a partial last block), with and without a window."""
-    block_size, head_dim = 4, 16
-    float_cache = torch.randn(32, 2, block_size, 2, head_dim, generator=gen)
-    seq_lens = torch.tensor([1, 5, 37])
-    block_tables = torch.randperm(32, generator=gen)[:30].view(3, 10).contiguous()
-    query = torch.randn(3, 8, head_dim, generator=gen)
-    for kv_cache in (float_cache, float_cache.to(torch.bfloat16)):
-        bound = ATTENTION_TOLERANCE * float(kv_cache[:, 1].abs().max())
-        for window in (0, 6):
-            got = kernels.paged_decode_attention(query, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
-            want = decode_attention_reference(query, kv_cache, block_tables, seq_lens, window)
-            if got.shape != want.shape or float((got - want).abs().max()) > bound:
-                return f"paged_decode_attention differs from SDPA (window {window}, {kv_cache.dtype} cache)"
-    return ""
-
-
-def prefill_attention_reference(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    spans: list[tuple[int, int, int]],
-    window: int = 0,
-) -> torch.Tensor:
-    """What `paged_prefill_attention_` computes, by torch ops one sequence at a time: the cached tokens gathered
-    through the block table (a bfloat16 cache widened to float32, exactly), SDPA in float64 over the query heads (GQA
-    by repeating K/V heads) with the causal (and window) mask of each query's position. `spans`: (first query row,
-    query tokens, tokens in the cache) per sequence. `[num_tokens, num_heads * head_dim]` float32; rows of no span
-    are 0."""
-    num_tokens, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    out = query.new_zeros(num_tokens, num_heads * head_dim)
-    for s, (start, query_len, seq_len) in enumerate(spans):
-        blocks = block_tables[s, : -(-seq_len // block_size)]
-        key, value = (
-            kv_cache[blocks, i].double().reshape(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1) for i in (0, 1)
-        )
-        key, value = (t.repeat_interleave(num_heads // num_kv_heads, dim=0) for t in (key, value))
-        positions = torch.arange(seq_len - query_len, seq_len)[:, None]
-        keys = torch.arange(seq_len)[None, :]
-        allowed = (keys <= positions) & ((keys > positions - window) if window > 0 else True)
-        q = query[start : start + query_len].transpose(0, 1).double()
-        o = F.scaled_dot_product_attention(q, key, value, attn_mask=allowed)  # [num_heads, query_len, head_dim]
-        out[start : start + query_len] = o.transpose(0, 1).reshape(query_len, -1).float()
-    return out
-
-
-def _compare_prefill_attention(kernels: RowKernels, gen: torch.Generator) -> str:
-    """Prefill attention on a shuffled float32 and bfloat16 cache: GQA (8 query heads over 2 K/V heads), a fresh
-    chunk of 5 tokens, 13 tokens after 21 cached (partial blocks at both ends) and one token after 6, with and
-    without a window."""
-    block_size, head_dim = 4, 16
-    float_cache = torch.randn(40, 2, block_size, 2, head_dim, generator=gen)
-    spans = [(0, 5, 5), (5, 13, 34), (18, 1, 7)]
-    block_tables = torch.randperm(40, generator=gen)[:27].view(3, 9).contiguous()
-    query = torch.randn(19, 8, head_dim, generator=gen)
-    starts, query_lens, seq_lens = (torch.tensor(column) for column in zip(*spans, strict=True))
-    for kv_cache in (float_cache, float_cache.to(torch.bfloat16)):
-        bound = ATTENTION_TOLERANCE * float(kv_cache[:, 1].abs().max())
-        for window in (0, 6):
-            got = torch.zeros(19, 8 * head_dim)
-            kernels.paged_prefill_attention_(
-                got, query, kv_cache, block_tables, starts, query_lens, seq_lens, head_dim**-0.5, window
-            )
-            want = prefill_attention_reference(query, kv_cache, block_tables, spans, window)
-            if float((got - want).abs().max()) > bound:
-                return f"paged_prefill_attention_ differs from SDPA (window {window}, {kv_cache.dtype} cache)"
-    return ""

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "paged_kv_checks.h"
 
 namespace {
 
@@ -387,17 +388,9 @@ void attend_all(const float* qp, const T* cache, const int64_t* tables, const in
 // longer than its table.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t window) {
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
-              "query must be a contiguous float32 [num_seqs, num_heads, head_dim] tensor");
-  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && (kv_cache.scalar_type() == at::kFloat || bf16) &&
-                  kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous float32 or bfloat16 [num_blocks, 2, block_size, num_kv_heads, head_dim] "
-              "tensor");
+  const bool bf16 = check_query_and_kv_cache(query, kv_cache, "num_seqs");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(0), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "query heads must be a multiple of the cache's K/V heads, with the same head_dim");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && block_tables.scalar_type() == at::kLong &&
                   block_tables.is_contiguous(),
               "block_tables must be a contiguous int64 [num_seqs, max_blocks] tensor");

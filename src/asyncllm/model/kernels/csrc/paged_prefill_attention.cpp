@@ -37,6 +37,7 @@
 #include <limits>
 #include <vector>
 
+#include "paged_kv_checks.h"
 #include "paged_prefill_attention.h"
 
 namespace {
@@ -228,17 +229,9 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& query, const at
                               const at::Tensor& block_tables, const at::Tensor& query_starts,
                               const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale,
                               int64_t window) {
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.is_contiguous(),
-              "query must be a contiguous float32 [num_tokens, num_heads, head_dim] tensor");
-  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && (kv_cache.scalar_type() == at::kFloat || bf16) &&
-                  kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous float32 or bfloat16 [num_blocks, 2, block_size, num_kv_heads, head_dim] "
-              "tensor");
+  const bool bf16 = check_query_and_kv_cache(query, kv_cache, "num_tokens");
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(0), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == head_dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "query heads must be a multiple of the cache's K/V heads, with the same head_dim");
   TORCH_CHECK(head_dim % 8 == 0, "head_dim ", head_dim, " is not a multiple of 8");  // of kValueColumns on any build
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                   out.size(1) == num_heads * head_dim && out.size(0) >= num_tokens,
