@@ -6,13 +6,10 @@ the same bits.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from asyncllm.model.kernels.row_kernels import RowKernels
 
 # |kernel - SDPA| at most this x max |value| (float32 sums in another order: ~1e-7 relative seen)
 ATTENTION_TOLERANCE = 1e-5
@@ -38,9 +35,10 @@ def decode_attention_reference(
     return torch.stack(rows)
 
 
-def compare_decode_attention(kernels: RowKernels, gen: torch.Generator) -> str:
-    """Decode attention on a shuffled float32 and bfloat16 cache: GQA (8 query heads over 2 K/V heads), sequences
-    of 1, 5 and 37 tokens (a partial last block), with and without a window."""
+def compare_decode_attention(decode: Callable[..., torch.Tensor], gen: torch.Generator) -> str:
+    """`decode` (the kernel's `paged_decode_attention`) against `decode_attention_reference` on a shuffled float32 and
+    bfloat16 cache: GQA (8 query heads over 2 K/V heads), sequences of 1, 5 and 37 tokens (a partial last block), with
+    and without a window. Returns "" when every result is within `ATTENTION_TOLERANCE`, else what differs."""
     block_size, head_dim = 4, 16
     float_cache = torch.randn(32, 2, block_size, 2, head_dim, generator=gen)
     seq_lens = torch.tensor([1, 5, 37])
@@ -49,7 +47,7 @@ def compare_decode_attention(kernels: RowKernels, gen: torch.Generator) -> str:
     for kv_cache in (float_cache, float_cache.to(torch.bfloat16)):
         bound = ATTENTION_TOLERANCE * float(kv_cache[:, 1].abs().max())
         for window in (0, 6):
-            got = kernels.paged_decode_attention(query, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
+            got = decode(query, kv_cache, block_tables, seq_lens, head_dim**-0.5, window)
             want = decode_attention_reference(query, kv_cache, block_tables, seq_lens, window)
             if got.shape != want.shape or float((got - want).abs().max()) > bound:
                 return f"paged_decode_attention differs from SDPA (window {window}, {kv_cache.dtype} cache)"
@@ -86,10 +84,11 @@ def prefill_attention_reference(
     return out
 
 
-def compare_prefill_attention(kernels: RowKernels, gen: torch.Generator) -> str:
-    """Prefill attention on a shuffled float32 and bfloat16 cache: GQA (8 query heads over 2 K/V heads), a fresh
-    chunk of 5 tokens, 13 tokens after 21 cached (partial blocks at both ends) and one token after 6, with and
-    without a window."""
+def compare_prefill_attention(prefill_: Callable[..., None], gen: torch.Generator) -> str:
+    """`prefill_` (the kernel's `paged_prefill_attention_`) against `prefill_attention_reference` on a shuffled float32
+    and bfloat16 cache: GQA (8 query heads over 2 K/V heads), a fresh chunk of 5 tokens, 13 tokens after 21 cached
+    (partial blocks at both ends) and one token after 6, with and without a window. Returns "" when every result is
+    within `ATTENTION_TOLERANCE`, else what differs."""
     block_size, head_dim = 4, 16
     float_cache = torch.randn(40, 2, block_size, 2, head_dim, generator=gen)
     spans = [(0, 5, 5), (5, 13, 34), (18, 1, 7)]
@@ -100,9 +99,7 @@ def compare_prefill_attention(kernels: RowKernels, gen: torch.Generator) -> str:
         bound = ATTENTION_TOLERANCE * float(kv_cache[:, 1].abs().max())
         for window in (0, 6):
             got = torch.zeros(19, 8 * head_dim)
-            kernels.paged_prefill_attention_(
-                got, query, kv_cache, block_tables, starts, query_lens, seq_lens, head_dim**-0.5, window
-            )
+            prefill_(got, query, kv_cache, block_tables, starts, query_lens, seq_lens, head_dim**-0.5, window)
             want = prefill_attention_reference(query, kv_cache, block_tables, spans, window)
             if float((got - want).abs().max()) > bound:
                 return f"paged_prefill_attention_ differs from SDPA (window {window}, {kv_cache.dtype} cache)"

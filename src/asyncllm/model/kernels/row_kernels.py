@@ -553,8 +553,8 @@ def self_check(kernels: RowKernels) -> str:
             return f"{problem} ({cols} columns)"
     return (
         _compare_argmax(kernels, gen)
-        or compare_decode_attention(kernels, gen)
-        or compare_prefill_attention(kernels, gen)
+        or compare_decode_attention(kernels.paged_decode_attention, gen)
+        or compare_prefill_attention(kernels.paged_prefill_attention_, gen)
     )
 
 
