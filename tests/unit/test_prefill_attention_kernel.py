@@ -1,14 +1,16 @@
 """The prefill attention kernel (`csrc/paged_prefill_attention.cpp`): reads the paged KV cache through the block
 tables like gathered float64 SDPA with the causal (and sliding-window) mask, on the head shapes of the models asyncllm
-runs, fresh chunks and chunks after a cached prefix, float32 and bfloat16 caches; a sequence's rows do not depend on
-the batch or the thread count; rows outside the spans are left alone; bad inputs raise."""
+runs, fresh chunks and chunks after a cached prefix, float32 and bfloat16 caches (a bfloat16 cache with bfloat16
+products where the CPU has AVX512_BF16: within `BF16_DOT_TOLERANCE` of SDPA on the same rounded queries); a
+sequence's rows do not depend on the batch or the thread count; rows outside the spans are left alone; bad inputs
+raise."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from asyncllm.model.kernels.attention_checks import prefill_attention_reference
+from asyncllm.model.kernels.attention_checks import BF16_DOT_TOLERANCE, prefill_attention_reference
 from asyncllm.model.kernels.row_kernels import RowKernels
 from tests.kernel_checks import require_kernels
 
@@ -69,17 +71,34 @@ def test_prefill_attention_reads_the_cache_like_masked_sdpa(
     query, kv_cache, tables, spans = make_case(SPANS, num_heads, num_kv_heads, head_dim, 16, head_dim + window)
     kv_cache = kv_cache.to(dtype)
     got = run(kernels, query, kv_cache, tables, spans, window)
+    widened = run(kernels, query, kv_cache.float(), tables, spans, window)
+    if uses_bf16_products(kernels, kv_cache):
+        want = prefill_attention_reference(query, kv_cache, tables, spans, window, bf16_queries=True)
+        assert float((got - want).abs().max()) <= (BF16_DOT_TOLERANCE + 1e-5) * float(kv_cache[:, 1].abs().max())
+        if window != 1:  # (a window of 1 is the value itself either way) the bfloat16 products ran
+            assert not torch.equal(got, widened)
+        return
     want = prefill_attention_reference(query, kv_cache, tables, spans, window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if dtype == torch.bfloat16:  # widening in registers is exact: the same bits as the widened float32 cache
-        assert torch.equal(got, run(kernels, query, kv_cache.float(), tables, spans, window))
+        assert torch.equal(got, widened)
 
 
+def uses_bf16_products(kernels: RowKernels, kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel multiplies this cache in bfloat16 (`paged_prefill_attention_bf16_dot`)."""
+    head_dim = kv_cache.shape[-1]
+    return kv_cache.dtype == torch.bfloat16 and kernels.paged_prefill_attention_bf16_dot() and head_dim % 32 == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 23])
-def test_a_sequences_rows_do_not_depend_on_its_batch_or_the_thread_count(kernels: RowKernels, window: int) -> None:
+def test_a_sequences_rows_do_not_depend_on_its_batch_or_the_thread_count(
+    kernels: RowKernels, window: int, dtype: torch.dtype
+) -> None:
     """Blocks of 5 tokens (tiles of keys straddle them); every sequence alone, and the batch at 1 and 2 threads,
     give the same bits."""
     query, kv_cache, tables, spans = make_case(SPANS, 9, 3, 64, 5, 11)
+    kv_cache = kv_cache.to(dtype)
     threads = torch.get_num_threads()
     try:
         results = []
@@ -93,8 +112,10 @@ def test_a_sequences_rows_do_not_depend_on_its_batch_or_the_thread_count(kernels
             assert torch.equal(alone, results[0][start : start + query_len])
     finally:
         torch.set_num_threads(threads)
-    want = prefill_attention_reference(query, kv_cache, tables, spans, window)
-    torch.testing.assert_close(results[0], want, rtol=1e-5, atol=1e-5)
+    bf16_products = uses_bf16_products(kernels, kv_cache)
+    want = prefill_attention_reference(query, kv_cache, tables, spans, window, bf16_queries=bf16_products)
+    tolerance = BF16_DOT_TOLERANCE * float(kv_cache[:, 1].abs().max()) if bf16_products else 0.0
+    torch.testing.assert_close(results[0], want, rtol=1e-5, atol=1e-5 + tolerance)
 
 
 def test_rows_outside_the_spans_are_left_alone(kernels: RowKernels) -> None:

@@ -26,7 +26,9 @@ megabytes of weights evict from the caches what the next op needs; `benchmarks/o
   window)`: prefill (and chunked-prefill) attention read the same way (`csrc/paged_prefill_attention.cpp`: flash
   attention's online softmax over tiles of the cache, the cached prefix and the chunk's own keys in one pass),
   instead of a gather of the cached prefix and two ATen flash calls merged per sequence and layer; checked against
-  SDPA the same way.
+  SDPA the same way. With a bfloat16 cache on a CPU with AVX512_BF16 it multiplies in bfloat16 (`vdpbf16ps`: the
+  queries and softmax weights rounded to bfloat16, float32 sums), as SDPA in bfloat16 does;
+  `paged_prefill_attention_bf16_dot()` says whether this build does.
 - block-quantized products (`block_linear`, `csrc/block_quant.cpp`): Q8_0 / Q4_0 / Q4_1 weights times int8
   activation blocks, checked and used by `model/kernels/block_quant.py`.
 - float32 products with a weight packed once by MKL in column chunks (`sgemm_pack`, `sgemm_packed`, in
@@ -226,6 +228,14 @@ class RowKernels(Protocol):
 
     def paged_prefill_attention_available(self) -> bool:
         """Whether this build has the prefill attention kernel's vector code (AVX-512 or AVX2 with FMA)."""
+        ...
+
+    def paged_prefill_attention_bf16_dot(self) -> bool:
+        """Whether the prefill attention kernel multiplies a bfloat16 cache's keys and values in bfloat16 (AVX512_BF16's
+        `vdpbf16ps`; for head_dim a multiple of 32): queries (times the scale) and softmax weights rounded to
+        bfloat16, float32 sums, about 2^-8 of the values' magnitude from float32 arithmetic
+        (`attention_checks.BF16_DOT_TOLERANCE`). False: a bfloat16 cache is widened to float32 (exact) and the
+        arithmetic is the float32 cache's."""
         ...
 
     def paged_prefill_attention_(
@@ -517,6 +527,7 @@ KERNELS = (
     "store_kv_rows_",
     "paged_decode_attention",
     "paged_prefill_attention_available",
+    "paged_prefill_attention_bf16_dot",
     "paged_prefill_attention_",
     "has_packed_sgemm",
     "sgemm_pack",
@@ -554,7 +565,9 @@ def self_check(kernels: RowKernels) -> str:
     return (
         _compare_argmax(kernels, gen)
         or compare_decode_attention(kernels.paged_decode_attention, gen)
-        or compare_prefill_attention(kernels.paged_prefill_attention_, gen)
+        or compare_prefill_attention(
+            kernels.paged_prefill_attention_, gen, bf16_dot=kernels.paged_prefill_attention_bf16_dot()
+        )
     )
 
 

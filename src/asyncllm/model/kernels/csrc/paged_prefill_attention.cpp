@@ -21,6 +21,15 @@
 // count. Not bit-exact with SDPA (another summation order and exponential): row_kernels.py checks it against SDPA
 // at start-up with a tolerance.
 //
+// A bfloat16 cache on a CPU with AVX512_BF16 (and head_dim a multiple of 32) takes bfloat16 products instead, as
+// SDPA in bfloat16 does: the queries (times the scale) and each tile's softmax weights are rounded to bfloat16
+// (nearest even) and multiplied with the cached keys and values by `vdpbf16ps`, two products per instruction, summed
+// in float32. The softmax itself (max, exp, sums) stays float32; the sum of weights is taken over the rounded
+// weights, so a row's output is a convex combination of its values. Each product pairs two elements: queries are
+// held as (d, d + 1) pairs per row, `qp[d / 2][row]`, and a tile's weights and values as (key, key + 1) pairs. The
+// error against float32 arithmetic is about 2^-8 of the values' largest magnitude (BF16_DOT_TOLERANCE in
+// attention_checks.py); elsewhere a bfloat16 cache is widened to float32 and the arithmetic is the float32 cache's.
+//
 // Sources: flash attention's online softmax (Dao et al., 2022; Milakov & Gimelshein, 2018); paged KV cache (Kwon et
 // al., 2023, vLLM); grouped-query attention (Ainslie et al., 2023).
 #include "vec_capability.h"
@@ -34,7 +43,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "paged_kv_checks.h"
@@ -47,6 +58,10 @@ using BF16 = c10::BFloat16;
 constexpr int64_t W = Vec::size();         // query rows per task
 constexpr int kKeys = W >= 16 ? 16 : 8;    // keys per tile: one score vector each, all in registers
 constexpr int kValueColumns = W >= 16 ? 8 : 4;  // output columns per pass over a tile's values (registers: kKeys + this)
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define ASYNCLLM_BF16_DOT
+#endif
 
 inline float widen(float x) { return x; }
 inline float widen(BF16 x) { return static_cast<float>(x); }
@@ -72,6 +87,11 @@ struct SeqSpan {
 // position (as float: the mask compares lanes).
 struct Scratch {
   std::vector<float> qt, ot;
+#if defined(ASYNCLLM_BF16_DOT)
+  std::vector<uint32_t> qp;      // bfloat16 queries in (d, d + 1) pairs per row: [head_dim / 2][W]
+  std::vector<uint32_t> vpairs;  // a tile's values in (key, key + 1) pairs per column: [kKeys / 2][head_dim]
+  std::vector<BF16> zeros;       // [head_dim]: the key and value row of a tile's missing keys
+#endif
 };
 
 // Scores of one tile: s[k][row] = sum_d qt[d][row] * key_k[d], for `count` keys (count == kKeys unless FULL is false).
@@ -106,6 +126,23 @@ inline void tile_values(const Vec* p, const T* const* values, int count, int64_t
   }
 }
 
+// keys[k] and values[k]: K/V head `g`'s rows of cached tokens t0 .. t0 + count - 1, read through the block table
+// (one division per tile).
+template <typename T>
+inline void tile_rows(const T* cache, const int64_t* table, const Shape& sh, int64_t g, int64_t t0, int count,
+                      const T** keys, const T** values) {
+  int64_t block = t0 / sh.block_size, offset = t0 % sh.block_size;
+  for (int k = 0; k < count; ++k) {
+    const T* row = cache + table[block] * sh.block_stride() + offset * sh.token_stride() + g * sh.head_dim;
+    keys[k] = row;
+    values[k] = row + sh.value_offset();
+    if (++offset == sh.block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
 template <typename T>
 void run_task(const Task& task, const SeqSpan& span, const float* query, const T* cache, const int64_t* table,
               const Shape& sh, float scale, int64_t window, Scratch& scratch, float* out) {
@@ -137,15 +174,9 @@ void run_task(const Task& task, const SeqSpan& span, const float* query, const T
   Vec m(-1e30f), sum(0.f);
   const T* keys[kKeys];
   const T* values[kKeys];
-  const int64_t head_offset = task.g * hd;
   for (int64_t t0 = first_key; t0 <= task.last_key; t0 += kKeys) {
     const int count = static_cast<int>(std::min<int64_t>(kKeys, task.last_key + 1 - t0));
-    for (int k = 0; k < count; ++k) {
-      const int64_t t = t0 + k;
-      const T* row = cache + table[t / sh.block_size] * sh.block_stride() + (t % sh.block_size) * sh.token_stride();
-      keys[k] = row + head_offset;
-      values[k] = row + sh.value_offset() + head_offset;
-    }
+    tile_rows(cache, table, sh, task.g, t0, count, keys, values);
     Vec s[kKeys];
     if (count == kKeys)
       tile_scores<true>(qt, keys, count, hd, s);
@@ -182,6 +213,160 @@ void run_task(const Task& task, const SeqSpan& span, const float* query, const T
   }
 }
 
+#if defined(ASYNCLLM_BF16_DOT)
+// Lanes 0-15 (widen_low) or 16-31 (widen_high) of 32 bfloat16, as float32 (exact).
+inline __m512 widen_low(__m512bh x) {
+  const __m256i half = _mm512_castsi512_si256(reinterpret_cast<__m512i>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 widen_high(__m512bh x) {
+  const __m256i half = _mm512_extracti64x4_epi64(reinterpret_cast<__m512i>(x), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Two bfloat16 from p (a K or V row), as the one 32-bit word `vdpbf16ps` pairs with a (d, d + 1) query pair.
+inline __m512bh broadcast_pair(const BF16* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(word)));
+}
+
+constexpr int kPairs = kKeys / 2;  // (key, key + 1) pairs per tile
+
+// Scores of one tile: acc[k][row] = sum over pairs (d, d + 1) of the row's two bfloat16 query elements (qp) times
+// key k's two, in float32.
+inline void bf16_tile_scores(const uint32_t* qp, const BF16* const* keys, int64_t head_dim, __m512* acc) {
+  for (int k = 0; k < kKeys; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 2) {
+    const __m512bh qd = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qp + d / 2 * W));
+#pragma GCC unroll 16
+    for (int k = 0; k < kKeys; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], qd, broadcast_pair(keys[k] + d));
+  }
+}
+
+// vpairs[k / 2][c] = (values[k][c], values[k + 1][c]) for every even k of the tile and column c (head_dim a multiple
+// of 32).
+inline void pair_values(const BF16* const* values, int64_t head_dim, uint32_t* vpairs) {
+  // column c of two value rows a, b: (a[c], b[c]) for c in [0, 16), then in [16, 32), of a 32-column stretch
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int k = 0; k < kKeys; k += 2)
+    for (int64_t c0 = 0; c0 < head_dim; c0 += 32) {
+      const __m512i a = _mm512_loadu_si512(values[k] + c0), b = _mm512_loadu_si512(values[k + 1] + c0);
+      _mm512_storeu_si512(vpairs + (k / 2) * head_dim + c0, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(vpairs + (k / 2) * head_dim + c0 + 16, _mm512_permutex2var_epi16(a, high, b));
+    }
+}
+
+// ot[c] = ot[c] * alpha + sum over key pairs of the rows' two weights times the keys' two values in column c, for
+// every column, 16 at a time.
+inline void bf16_tile_values(const __m512bh* weights, const uint32_t* vpairs, int64_t head_dim, const Vec& alpha,
+                             float* ot) {
+  constexpr int kColumns = 16;
+  for (int64_t c0 = 0; c0 < head_dim; c0 += kColumns) {
+    __m512 o[kColumns];
+    for (int i = 0; i < kColumns; ++i) o[i] = _mm512_mul_ps(_mm512_loadu_ps(ot + (c0 + i) * W), alpha);
+    for (int k = 0; k < kPairs; ++k) {
+      const uint32_t* pair = vpairs + k * head_dim + c0;
+#pragma GCC unroll 16
+      for (int i = 0; i < kColumns; ++i) {
+        const __m512bh value = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair[i])));
+        o[i] = _mm512_dpbf16_ps(o[i], weights[k], value);
+      }
+    }
+    for (int i = 0; i < kColumns; ++i) _mm512_storeu_ps(ot + (c0 + i) * W, o[i]);
+  }
+}
+
+// The task with bfloat16 products (the file's header). Same tiles, masks and online softmax as run_task.
+void run_task_bf16(const Task& task, const SeqSpan& span, const float* query, const BF16* cache, const int64_t* table,
+                   const Shape& sh, float scale, int64_t window, Scratch& scratch, float* out) {
+  static_assert(W == 16 && kKeys == 16, "the bfloat16 path is written for AVX-512");
+  const int64_t hd = sh.head_dim, per_kv = sh.per_kv, prefix = span.seq_len - span.query_len;
+  const int64_t rows = std::min<int64_t>(W, span.query_len * per_kv - task.row0);
+  scratch.qp.assign(hd / 2 * W, 0);
+  scratch.ot.assign(hd * W, 0.f);
+  scratch.vpairs.resize(kPairs * hd);
+  scratch.zeros.assign(hd, BF16(0.f));
+  uint32_t* qp = scratch.qp.data();
+  const __m512 vscale = _mm512_set1_ps(scale);
+  float* ot = scratch.ot.data();
+  uint32_t* vpairs = scratch.vpairs.data();
+  float pos[W];
+  for (int64_t j = 0; j < W; ++j) {
+    const int64_t r = task.row0 + std::min(j, rows - 1);  // padding lanes repeat the last row (never written out)
+    const int64_t token = r / per_kv, head = task.g * per_kv + r % per_kv;
+    pos[j] = static_cast<float>(prefix + token);
+    if (j >= rows) continue;
+    const float* q = query + ((span.query_start + token) * sh.num_heads + head) * hd;
+    for (int64_t d0 = 0; d0 < hd; d0 += 32) {  // 16 (d, d + 1) pairs of the row at a time, rounded to nearest even
+      const __m512 low = _mm512_mul_ps(_mm512_loadu_ps(q + d0), vscale);
+      const __m512 high = _mm512_mul_ps(_mm512_loadu_ps(q + d0 + 16), vscale);
+      uint32_t words[16];  // word i: the pair (d0 + 2i, d0 + 2i + 1)
+      _mm512_storeu_si512(words, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
+      for (int64_t i = 0; i < 16; ++i) qp[(d0 / 2 + i) * W + j] = words[i];
+    }
+  }
+  const Vec vpos = Vec::loadu(pos);
+  const int64_t first_pos = prefix + task.row0 / per_kv;
+  const int64_t first_masked = first_pos + 1;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t all_see = window > 0 ? task.last_key - window + 1 : 0;
+  const Vec vwindow_end = vpos - Vec(static_cast<float>(window));
+  const Vec minus_inf(-std::numeric_limits<float>::infinity());
+  // lane 2j of a weights pair = key 2k's weight of row j, lane 2j + 1 = key 2k + 1's
+  alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  Vec m(-1e30f), sum(0.f);
+  const BF16* keys[kKeys];
+  const BF16* values[kKeys];
+  for (int64_t t0 = first_key; t0 <= task.last_key; t0 += kKeys) {
+    const int count = static_cast<int>(std::min<int64_t>(kKeys, task.last_key + 1 - t0));
+    tile_rows(cache, table, sh, task.g, t0, count, keys, values);
+    for (int k = count; k < kKeys; ++k) keys[k] = values[k] = scratch.zeros.data();
+    __m512 acc[kKeys];
+    bf16_tile_scores(qp, keys, hd, acc);
+    Vec s[kKeys];
+    for (int k = 0; k < kKeys; ++k) s[k] = k < count ? Vec(acc[k]) : minus_inf;
+    if (t0 + count > first_masked)
+      for (int k = 0; k < count; ++k)
+        s[k] = Vec::blendv(s[k], minus_inf, vpos < Vec(static_cast<float>(t0 + k)));
+    if (t0 < all_see)
+      for (int k = 0; k < count; ++k)
+        s[k] = Vec::blendv(s[k], minus_inf, Vec(static_cast<float>(t0 + k)) <= vwindow_end);
+    Vec tile_max = s[0];
+    for (int k = 1; k < count; ++k) tile_max = at::vec::maximum(tile_max, s[k]);
+    const Vec m_new = at::vec::maximum(m, tile_max);
+    const Vec alpha = (m - m_new).exp_u20();
+    // weights rounded to bfloat16, in (key, key + 1) pairs per row; their sum is taken after the rounding
+    __m512bh weights[kPairs];
+    Vec tile_sum(0.f);
+    for (int k = 0; k < kKeys; k += 2) {
+      const __m512 even = (s[k] - m_new).exp_u20(), odd = (s[k + 1] - m_new).exp_u20();
+      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // even in lanes 0-15
+      weights[k / 2] = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(interleave, both));
+      const __m512bh rounded = reinterpret_cast<__m512bh>(both);
+      tile_sum = tile_sum + Vec(widen_low(rounded)) + Vec(widen_high(rounded));
+    }
+    sum = sum * alpha + tile_sum;
+    m = m_new;
+    pair_values(values, hd, vpairs);
+    bf16_tile_values(weights, vpairs, hd, alpha, ot);
+  }
+  float inv[W];
+  (Vec(1.f) / sum).store(inv);
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t r = task.row0 + j, token = r / per_kv, head = task.g * per_kv + r % per_kv;
+    float* o = out + (span.query_start + token) * sh.num_heads * hd + head * hd;
+    for (int64_t d = 0; d < hd; ++d) o[d] = ot[d * W + j] * inv[j];
+  }
+}
+#endif
+
 // Every task of the call, grouped by (sequence, K/V head) so that a thread's consecutive tasks reuse the keys and
 // values it just read, the latest rows (the most keys) first in each group.
 std::vector<Task> make_tasks(const std::vector<SeqSpan>& spans, const Shape& sh) {
@@ -209,6 +394,15 @@ void attend_all(const float* query, const T* cache, const int64_t* tables, const
     Scratch scratch;
     for (int64_t i = next.fetch_add(1); i < num_tasks; i = next.fetch_add(1)) {
       const Task& task = tasks[i];
+#if defined(ASYNCLLM_BF16_DOT)
+      if constexpr (std::is_same_v<T, BF16>) {
+        if (sh.head_dim % 32 == 0) {
+          run_task_bf16(task, spans[task.seq], query, cache, tables + task.seq * sh.max_blocks, sh, scale, window,
+                        scratch, out);
+          continue;
+        }
+      }
+#endif
       run_task(task, spans[task.seq], query, cache, tables + task.seq * sh.max_blocks, sh, scale, window, scratch,
                out);
     }
@@ -216,6 +410,14 @@ void attend_all(const float* query, const T* cache, const int64_t* tables, const
 }
 
 }  // namespace
+
+bool paged_prefill_attention_bf16_dot() {
+#if defined(ASYNCLLM_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool paged_prefill_attention_available() {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)

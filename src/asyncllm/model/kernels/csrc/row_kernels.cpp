@@ -597,6 +597,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sgemm_packed", &sgemm_packed);
   m.def("paged_decode_attention", &paged_decode_attention);
   m.def("paged_prefill_attention_available", &paged_prefill_attention_available);
+  m.def("paged_prefill_attention_bf16_dot", &paged_prefill_attention_bf16_dot);
   m.def("paged_prefill_attention_", &paged_prefill_attention_);
   m.def("block_quant_paths", &block_quant_paths);
   m.def("block_quant_amx_status", &block_quant_amx_status);
