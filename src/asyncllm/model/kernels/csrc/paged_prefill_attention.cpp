@@ -126,6 +126,39 @@ inline void tile_values(const Vec* p, const T* const* values, int count, int64_t
   }
 }
 
+// Which keys a task's rows see: the causal mask (a key after a row's position) and the window (a key at or before
+// the row's position - window), as lane-wise compares against each row's position.
+struct TaskMasks {
+  Vec position;    // each row's position (padding lanes repeat the last row's)
+  Vec window_end;  // a key at or before this is outside a row's window
+  int64_t first_key;     // the first key any row sees (0 without a window)
+  int64_t first_masked;  // from this key on, some row of the task is causally masked
+  int64_t all_see;       // from this key on, every row sees every key up to its own position
+
+  TaskMasks(const Task& task, const float* pos, int64_t prefix, int64_t per_kv, int64_t window)
+      : position(Vec::loadu(pos)), window_end(position - Vec(static_cast<float>(window))) {
+    const int64_t first_pos = prefix + task.row0 / per_kv;  // of the task's first row
+    first_masked = first_pos + 1;
+    first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+    all_see = window > 0 ? task.last_key - window + 1 : 0;
+  }
+
+  // Scores s[0 .. count) of keys t0 .. t0 + count - 1 set to -inf where a row does not see the key; returns the
+  // tile's maximum per row.
+  Vec mask(Vec* s, int count, int64_t t0) const {
+    const Vec minus_inf(-std::numeric_limits<float>::infinity());
+    if (t0 + count > first_masked)
+      for (int k = 0; k < count; ++k)
+        s[k] = Vec::blendv(s[k], minus_inf, position < Vec(static_cast<float>(t0 + k)));
+    if (t0 < all_see)
+      for (int k = 0; k < count; ++k)
+        s[k] = Vec::blendv(s[k], minus_inf, Vec(static_cast<float>(t0 + k)) <= window_end);
+    Vec tile_max = s[0];
+    for (int k = 1; k < count; ++k) tile_max = at::vec::maximum(tile_max, s[k]);
+    return tile_max;
+  }
+};
+
 // keys[k] and values[k]: K/V head `g`'s rows of cached tokens t0 .. t0 + count - 1, read through the block table
 // (one division per tile).
 template <typename T>
@@ -161,20 +194,13 @@ void run_task(const Task& task, const SeqSpan& span, const float* query, const T
     const float* q = query + ((span.query_start + token) * sh.num_heads + head) * hd;
     for (int64_t d = 0; d < hd; ++d) qt[d * W + j] = q[d] * scale;
   }
-  const Vec vpos = Vec::loadu(pos);
-  const int64_t first_pos = prefix + task.row0 / per_kv;  // of the task's first row
-  const int64_t first_masked = first_pos + 1;  // from this key on, some row of the task is causally masked
-  // with a window, the keys the first row sees start here, and every row sees all keys from `all_see` on
-  const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  const int64_t all_see = window > 0 ? task.last_key - window + 1 : 0;
-  const Vec vwindow_end = vpos - Vec(static_cast<float>(window));  // a key at or before this is outside the window
-  const Vec minus_inf(-std::numeric_limits<float>::infinity());
+  const TaskMasks masks(task, pos, prefix, per_kv, window);
   // The running maximum starts finite, so a tile whose keys are all masked for a row (a window not reached yet)
   // leaves that row's sums as they are instead of computing exp(-inf - -inf).
   Vec m(-1e30f), sum(0.f);
   const T* keys[kKeys];
   const T* values[kKeys];
-  for (int64_t t0 = first_key; t0 <= task.last_key; t0 += kKeys) {
+  for (int64_t t0 = masks.first_key; t0 <= task.last_key; t0 += kKeys) {
     const int count = static_cast<int>(std::min<int64_t>(kKeys, task.last_key + 1 - t0));
     tile_rows(cache, table, sh, task.g, t0, count, keys, values);
     Vec s[kKeys];
@@ -182,15 +208,7 @@ void run_task(const Task& task, const SeqSpan& span, const float* query, const T
       tile_scores<true>(qt, keys, count, hd, s);
     else
       tile_scores<false>(qt, keys, count, hd, s);
-    if (t0 + count > first_masked)
-      for (int k = 0; k < count; ++k)
-        s[k] = Vec::blendv(s[k], minus_inf, vpos < Vec(static_cast<float>(t0 + k)));
-    if (t0 < all_see)
-      for (int k = 0; k < count; ++k)
-        s[k] = Vec::blendv(s[k], minus_inf, Vec(static_cast<float>(t0 + k)) <= vwindow_end);
-    Vec tile_max = s[0];
-    for (int k = 1; k < count; ++k) tile_max = at::vec::maximum(tile_max, s[k]);
-    const Vec m_new = at::vec::maximum(m, tile_max);
+    const Vec m_new = at::vec::maximum(m, masks.mask(s, count, t0));
     const Vec alpha = (m - m_new).exp_u20();
     Vec tile_sum(0.f);
     for (int k = 0; k < count; ++k) {
@@ -310,13 +328,7 @@ void run_task_bf16(const Task& task, const SeqSpan& span, const float* query, co
       for (int64_t i = 0; i < 16; ++i) qp[(d0 / 2 + i) * W + j] = words[i];
     }
   }
-  const Vec vpos = Vec::loadu(pos);
-  const int64_t first_pos = prefix + task.row0 / per_kv;
-  const int64_t first_masked = first_pos + 1;
-  const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
-  const int64_t all_see = window > 0 ? task.last_key - window + 1 : 0;
-  const Vec vwindow_end = vpos - Vec(static_cast<float>(window));
-  const Vec minus_inf(-std::numeric_limits<float>::infinity());
+  const TaskMasks masks(task, pos, prefix, per_kv, window);
   // lane 2j of a weights pair = key 2k's weight of row j, lane 2j + 1 = key 2k + 1's
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -324,23 +336,15 @@ void run_task_bf16(const Task& task, const SeqSpan& span, const float* query, co
   Vec m(-1e30f), sum(0.f);
   const BF16* keys[kKeys];
   const BF16* values[kKeys];
-  for (int64_t t0 = first_key; t0 <= task.last_key; t0 += kKeys) {
+  for (int64_t t0 = masks.first_key; t0 <= task.last_key; t0 += kKeys) {
     const int count = static_cast<int>(std::min<int64_t>(kKeys, task.last_key + 1 - t0));
     tile_rows(cache, table, sh, task.g, t0, count, keys, values);
     for (int k = count; k < kKeys; ++k) keys[k] = values[k] = scratch.zeros.data();
     __m512 acc[kKeys];
     bf16_tile_scores(qp, keys, hd, acc);
     Vec s[kKeys];
-    for (int k = 0; k < kKeys; ++k) s[k] = k < count ? Vec(acc[k]) : minus_inf;
-    if (t0 + count > first_masked)
-      for (int k = 0; k < count; ++k)
-        s[k] = Vec::blendv(s[k], minus_inf, vpos < Vec(static_cast<float>(t0 + k)));
-    if (t0 < all_see)
-      for (int k = 0; k < count; ++k)
-        s[k] = Vec::blendv(s[k], minus_inf, Vec(static_cast<float>(t0 + k)) <= vwindow_end);
-    Vec tile_max = s[0];
-    for (int k = 1; k < count; ++k) tile_max = at::vec::maximum(tile_max, s[k]);
-    const Vec m_new = at::vec::maximum(m, tile_max);
+    for (int k = 0; k < kKeys; ++k) s[k] = k < count ? Vec(acc[k]) : Vec(-std::numeric_limits<float>::infinity());
+    const Vec m_new = at::vec::maximum(m, masks.mask(s, count, t0));
     const Vec alpha = (m - m_new).exp_u20();
     // weights rounded to bfloat16, in (key, key + 1) pairs per row; their sum is taken after the rounding
     __m512bh weights[kPairs];
