@@ -126,6 +126,39 @@ inline void tile_values(const Vec* p, const T* const* values, int count, int64_t
   }
 }
 
+// Row j of a task: the chunk's token r / per_kv at query head g * per_kv + r % per_kv (r = row0 + j).
+struct TaskRow {
+  int64_t token, head;
+  TaskRow(const Task& task, int64_t j, int64_t per_kv)
+      : token((task.row0 + j) / per_kv), head(task.g * per_kv + (task.row0 + j) % per_kv) {}
+};
+
+// The task's query rows (rows of them, at most W) handed to `take(j, q)` one at a time (q: the row's head_dim
+// query elements), and each lane's position in `pos` (padding lanes repeat the last row's; they are never written
+// out).
+template <typename Take>
+inline void load_rows(const Task& task, const SeqSpan& span, const float* query, const Shape& sh, int64_t rows,
+                      float* pos, Take take) {
+  const int64_t prefix = span.seq_len - span.query_len;
+  for (int64_t j = 0; j < W; ++j) {
+    const TaskRow row(task, std::min(j, rows - 1), sh.per_kv);
+    pos[j] = static_cast<float>(prefix + row.token);
+    if (j < rows) take(j, query + ((span.query_start + row.token) * sh.num_heads + row.head) * sh.head_dim);
+  }
+}
+
+// out's rows of the task = the transposed sums ot[d][row] divided by each row's sum of weights.
+inline void store_rows(const Task& task, const SeqSpan& span, const Shape& sh, int64_t rows, const float* ot,
+                       const Vec& sum, float* out) {
+  float inv[W];
+  (Vec(1.f) / sum).store(inv);
+  for (int64_t j = 0; j < rows; ++j) {
+    const TaskRow row(task, j, sh.per_kv);
+    float* o = out + ((span.query_start + row.token) * sh.num_heads + row.head) * sh.head_dim;
+    for (int64_t d = 0; d < sh.head_dim; ++d) o[d] = ot[d * W + j] * inv[j];
+  }
+}
+
 // Which keys a task's rows see: the causal mask (a key after a row's position) and the window (a key at or before
 // the row's position - window), as lane-wise compares against each row's position.
 struct TaskMasks {
@@ -186,14 +219,9 @@ void run_task(const Task& task, const SeqSpan& span, const float* query, const T
   float* qt = scratch.qt.data();
   float* ot = scratch.ot.data();
   float pos[W];
-  for (int64_t j = 0; j < W; ++j) {
-    const int64_t r = task.row0 + std::min(j, rows - 1);  // padding lanes repeat the last row (never written out)
-    const int64_t token = r / per_kv, head = task.g * per_kv + r % per_kv;
-    pos[j] = static_cast<float>(prefix + token);
-    if (j >= rows) continue;
-    const float* q = query + ((span.query_start + token) * sh.num_heads + head) * hd;
+  load_rows(task, span, query, sh, rows, pos, [&](int64_t j, const float* q) {
     for (int64_t d = 0; d < hd; ++d) qt[d * W + j] = q[d] * scale;
-  }
+  });
   const TaskMasks masks(task, pos, prefix, per_kv, window);
   // The running maximum starts finite, so a tile whose keys are all masked for a row (a window not reached yet)
   // leaves that row's sums as they are instead of computing exp(-inf - -inf).
@@ -222,13 +250,7 @@ void run_task(const Task& task, const SeqSpan& span, const float* query, const T
     else
       tile_values<false>(s, values, count, hd, alpha, ot);
   }
-  float inv[W];
-  (Vec(1.f) / sum).store(inv);
-  for (int64_t j = 0; j < rows; ++j) {
-    const int64_t r = task.row0 + j, token = r / per_kv, head = task.g * per_kv + r % per_kv;
-    float* o = out + (span.query_start + token) * sh.num_heads * hd + head * hd;
-    for (int64_t d = 0; d < hd; ++d) o[d] = ot[d * W + j] * inv[j];
-  }
+  store_rows(task, span, sh, rows, ot, sum, out);
 }
 
 #if defined(ASYNCLLM_BF16_DOT)
@@ -314,12 +336,7 @@ void run_task_bf16(const Task& task, const SeqSpan& span, const float* query, co
   float* ot = scratch.ot.data();
   uint32_t* vpairs = scratch.vpairs.data();
   float pos[W];
-  for (int64_t j = 0; j < W; ++j) {
-    const int64_t r = task.row0 + std::min(j, rows - 1);  // padding lanes repeat the last row (never written out)
-    const int64_t token = r / per_kv, head = task.g * per_kv + r % per_kv;
-    pos[j] = static_cast<float>(prefix + token);
-    if (j >= rows) continue;
-    const float* q = query + ((span.query_start + token) * sh.num_heads + head) * hd;
+  load_rows(task, span, query, sh, rows, pos, [&](int64_t j, const float* q) {
     for (int64_t d0 = 0; d0 < hd; d0 += 32) {  // 16 (d, d + 1) pairs of the row at a time, rounded to nearest even
       const __m512 low = _mm512_mul_ps(_mm512_loadu_ps(q + d0), vscale);
       const __m512 high = _mm512_mul_ps(_mm512_loadu_ps(q + d0 + 16), vscale);
@@ -327,7 +344,7 @@ void run_task_bf16(const Task& task, const SeqSpan& span, const float* query, co
       _mm512_storeu_si512(words, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low)));
       for (int64_t i = 0; i < 16; ++i) qp[(d0 / 2 + i) * W + j] = words[i];
     }
-  }
+  });
   const TaskMasks masks(task, pos, prefix, per_kv, window);
   // lane 2j of a weights pair = key 2k's weight of row j, lane 2j + 1 = key 2k + 1's
   alignas(64) static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
@@ -361,13 +378,7 @@ void run_task_bf16(const Task& task, const SeqSpan& span, const float* query, co
     pair_values(values, hd, vpairs);
     bf16_tile_values(weights, vpairs, hd, alpha, ot);
   }
-  float inv[W];
-  (Vec(1.f) / sum).store(inv);
-  for (int64_t j = 0; j < rows; ++j) {
-    const int64_t r = task.row0 + j, token = r / per_kv, head = task.g * per_kv + r % per_kv;
-    float* o = out + (span.query_start + token) * sh.num_heads * hd + head * hd;
-    for (int64_t d = 0; d < hd; ++d) o[d] = ot[d * W + j] * inv[j];
-  }
+  store_rows(task, span, sh, rows, ot, sum, out);
 }
 #endif
 
