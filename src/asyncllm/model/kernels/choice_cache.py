@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from asyncllm.utils.cpu_info import cpu_info
+
 logger = logging.getLogger(__name__)
 CACHE_VERSION = 5  # bump when the measuring or the choosing changes (2: passes over weight copies; 3: fp32 order;
 # 4: one packed copy per weight; 5: but the 1-row class's own where it is 15% faster)
@@ -71,24 +73,16 @@ def kernel_cache_dir() -> pathlib.Path:
 
 @functools.cache
 def host_fingerprint() -> dict[str, str]:
-    """What makes a kernel's speed differ between hosts: CPU model and ISA flags (Linux `/proc/cpuinfo`), torch,
+    """What makes a kernel's speed differ between hosts: CPU model and ISA flags (`utils/cpu_info.py`), torch,
     oneDNN and MKL versions (from `torch.__config__.show()`), and torch's thread count when first called."""
-    model, flags = platform.processor() or platform.machine(), ""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == (platform.processor() or platform.machine()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    info = cpu_info()
     config = torch.__config__.show()
     onednn = re.search(r"MKL-DNN (v[\d.]+)", config)
     mkl = re.search(r"Math Kernel Library Version ([\w.-]+)", config)
     return {
-        "cpu": model,
+        "cpu": info.model,
         "machine": platform.machine(),
-        "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "cpu_flags": hashlib.sha256(" ".join(sorted(info.flags)).encode()).hexdigest()[:16],
         "torch": torch.__version__,
         "onednn": onednn[1] if onednn else "none",
         "mkl": mkl[1] if mkl else "none",

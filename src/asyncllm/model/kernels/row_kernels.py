@@ -71,6 +71,7 @@ import torch.nn.functional as F
 from asyncllm.model.kernels.attention_checks import compare_decode_attention, compare_prefill_attention
 from asyncllm.model.kernels.rotary import apply_rotary
 from asyncllm.model.kernels.row_quant import quantize_rows
+from asyncllm.utils.cpu_info import cpu_info
 
 logger = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "row_kernels.cpp"
@@ -419,15 +420,10 @@ def kernel_sources_digest() -> str:
 
 
 def _cpu_tag() -> str:
-    """A short digest of this CPU's model and feature flags (Linux `/proc/cpuinfo`), of the source, and of the
+    """A short digest of this CPU's model and feature flags (`utils/cpu_info.py`), of the source, and of the
     source's and torch's paths and torch's version."""
-    cpu = platform.machine() + platform.processor()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
-                cpu += line
-    except OSError:
-        pass
+    info = cpu_info()
+    cpu = platform.machine() + info.model + " ".join(sorted(info.flags))
     # and where the sources and torch are: their paths are in build.ninja, so two checkouts or venvs sharing one
     # build directory would rebuild each other's build at every load (40-70 s each on a busy 2-core machine)
     cpu += str(SOURCE.resolve()) + torch.__file__ + torch.__version__
