@@ -101,7 +101,7 @@ class AsyncLLM:
             "block_size": str(config.cache.block_size),
             "num_gpu_blocks": str(info.num_kv_blocks),  # vLLM's label name; here CPU memory blocks
             "enable_prefix_caching": str(config.cache.enable_prefix_caching),
-            "cache_dtype": config.cache.cache_dtype,  # vLLM's label: "auto" or "bfloat16"
+            "cache_dtype": config.cache.cache_dtype,  # vLLM's label, resolved: "float32" or "bfloat16"
         }
         for stat_logger in self.stat_loggers:
             if isinstance(stat_logger, PrometheusStatLogger):

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.engine_config import (
     BLOCK_QUANTIZATIONS,
@@ -22,7 +22,6 @@ from asyncllm.engine_config import (
     CacheConfig,
     DataParallelBackend,
     EngineConfig,
-    KVCacheDtype,
     LoadFormat,
     LogprobsMode,
     LoRAConfig,
@@ -199,10 +198,13 @@ class EngineArgs:
         dtype: vLLM's model dtype: "auto", "float32" or "float" (torch.float32 too) run as asked: asyncllm
             computes in float32 on CPU. "bfloat16", "float16", "half" and other types raise ConfigError (use
             `quantization="int8"`, "q8_0", "q4_0" or "gguf" for smaller weights).
-        kv_cache_dtype: vLLM's KV cache element type: "auto" (default: the model's dtype, float32) or "bfloat16"
-            (K/V rounded to bfloat16 as they are cached: half the memory per block, so twice the blocks in the same
-            budget; prefill attention runs in bfloat16, decode attention widens the cached K/V to float32). Other
-            vLLM values ("fp8", "fp8_e4m3", "fp8_e5m2", ...) raise ConfigError. Accuracy: README "Memory".
+        kv_cache_dtype: vLLM's KV cache element type: "auto" (default), "bfloat16" (K/V rounded to bfloat16 as
+            they are cached: half the memory per block, so twice the blocks in the same budget; prefill attention
+            multiplies in bfloat16 on CPUs with AVX512_BF16, decode attention widens the cached K/V to float32), or
+            asyncllm's "float32". "auto" is float32 for float32 weights (vLLM's rule: the model's dtype) and
+            bfloat16 for quantized weights on a CPU with AVX512_BF16 (`model/loading/kv_cache_choice.py`; the
+            engine logs the choice and why). Other vLLM values ("fp8", "fp8_e4m3", "fp8_e5m2", ...) raise
+            ConfigError. Accuracy: README "Memory".
     Raises:
         ConfigError: from `from_dict` or `create_engine_config` for unknown keys or bad values.
     """
@@ -347,7 +349,7 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"EngineArgs.kv_cache_dtype={self.kv_cache_dtype!r} is not supported: must be one of "
-                f"{list(KV_CACHE_DTYPES)} ('auto' = the model's float32; fp8 and float16 caches are not implemented)"
+                f"{list(KV_CACHE_DTYPES)} (fp8 and float16 caches are not implemented)"
             )
         if self.metrics_prefix not in ("asyncllm", "vllm"):
             raise ConfigError(f"EngineArgs.metrics_prefix={self.metrics_prefix!r}: must be 'asyncllm' or 'vllm'")
@@ -414,7 +416,9 @@ class EngineArgs:
         from asyncllm.distributed.tp_sizes import check_tp_divides
         from asyncllm.model.loading.arch_config import check_max_model_len, max_prompt_len, read_arch_config
         from asyncllm.model.loading.gguf_config import read_checked_gguf_header
+        from asyncllm.model.loading.kv_cache_choice import choose_kv_cache_dtype
         from asyncllm.model.loading.resolve import resolve_model_path
+        from asyncllm.utils.cpu_info import cpu_info
 
         self.validate()
         model_path = resolve_model_path(self.model)
@@ -429,6 +433,13 @@ class EngineArgs:
                 f"EngineArgs.enable_lora is not supported for {arch.architecture} models (model/gemma3.py)"
             )
         quantization, quantization_reason = self._resolve_quantization(model_path, header)
+        kv_cache = choose_kv_cache_dtype(
+            self.kv_cache_dtype,
+            quantization,
+            head_dim=arch.head_dim,
+            attn_logit_softcapping=arch.attn_logit_softcapping,
+            cpu=cpu_info(),
+        )
         model = ModelConfig(
             max_logprobs=self.max_logprobs,
             logprobs_mode=self.logprobs_mode,
@@ -448,7 +459,8 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=bool(self.enable_prefix_caching),
-            cache_dtype=cast(KVCacheDtype, self.kv_cache_dtype),
+            cache_dtype=kv_cache.dtype,
+            cache_dtype_reason=kv_cache.reason,
         )
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

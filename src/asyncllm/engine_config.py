@@ -19,9 +19,11 @@ Quantization = Literal["int8", "q8_0", "q4_0", "gguf"]
 # What `EngineArgs.quantization` accepts: a `Quantization`, "auto" (the default: blocks for a GGUF that is already
 # block-quantized, else float32; `model/loading/quant_choice.py`), or "none" / None (float32 weights).
 QuantizationArg = Literal["auto", "none", "int8", "q8_0", "q4_0", "gguf"]
-KVCacheDtype = Literal["auto", "bfloat16"]  # "auto": the model's dtype (float32)
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
-KV_CACHE_ITEMSIZE = {"auto": 4, "bfloat16": 2}  # bytes per cached K or V element
+KVCacheDtype = Literal["float32", "bfloat16"]  # the cache's element type, once "auto" is resolved
+# What `EngineArgs.kv_cache_dtype` accepts: vLLM's "auto" (the default: by weights and CPU,
+# `model/loading/kv_cache_choice.py`) and "bfloat16", and asyncllm's "float32".
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+KV_CACHE_ITEMSIZE = {"float32": 4, "bfloat16": 2}  # bytes per cached K or V element
 BLOCK_QUANTIZATIONS = ("q8_0", "q4_0", "gguf")  # the modes storing weights in blocks (`model/kernels/block_quant.py`)
 SchedulingPolicy = Literal["fcfs", "priority"]
 DataParallelBackend = Literal["mp", "ray"]
@@ -116,19 +118,22 @@ class CacheConfig:
         kv_cache_memory_bytes: memory budget of the KV cache over all layers, in bytes; None = the default size
             (`max_num_seqs` sequences of `max_model_len` tokens, capped by a fraction of available memory).
         enable_prefix_caching: reuse the KV blocks of a prompt prefix another request computed.
-        cache_dtype: element type of the cached K/V (vLLM's `cache_dtype`): "auto" (the model's, float32) or
-            "bfloat16" (half the bytes per block; see `EngineArgs.kv_cache_dtype`).
+        cache_dtype: element type of the cached K/V (vLLM's `cache_dtype`, resolved): "float32" or "bfloat16" (half
+            the bytes per block; see `EngineArgs.kv_cache_dtype`).
+        cache_dtype_reason: why `cache_dtype` was chosen when `EngineArgs.kv_cache_dtype` was "auto" (the worker
+            logs it at start-up), else "".
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
-    cache_dtype: KVCacheDtype = "auto"
+    cache_dtype: KVCacheDtype = "float32"
+    cache_dtype_reason: str = ""
 
     @property
     def cache_itemsize(self) -> int:
-        """Bytes of one cached K or V element: 4 ("auto", float32) or 2 ("bfloat16")."""
+        """Bytes of one cached K or V element: 4 (float32) or 2 (bfloat16)."""
         return KV_CACHE_ITEMSIZE[self.cache_dtype]
 
 

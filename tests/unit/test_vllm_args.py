@@ -79,7 +79,7 @@ def test_other_dtypes_are_a_config_error_naming_them(dtype: object) -> None:
         EngineArgs(dtype=dtype).validate()
 
 
-@pytest.mark.parametrize("value", ["auto", "bfloat16"])
+@pytest.mark.parametrize("value", ["auto", "float32", "bfloat16"])
 def test_kv_cache_dtypes_implemented_are_accepted_and_reach_the_cache_config(value: str) -> None:
     EngineArgs(kv_cache_dtype=value).validate()
     parser = argparse.ArgumentParser()
@@ -88,10 +88,12 @@ def test_kv_cache_dtypes_implemented_are_accepted_and_reach_the_cache_config(val
     assert args.kv_cache_dtype == value
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "float16", "half", "float32", "bf16", "", None, 2])
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "fp8_e5m2", "float16", "half", "float", "bf16", "", None, 2])
 def test_other_kv_cache_dtypes_are_a_config_error_naming_them(value: object) -> None:
     """vLLM's fp8 kinds and anything else: refused before any engine starts, never a silent float32 cache."""
-    with pytest.raises(ConfigError, match=r"kv_cache_dtype=.* is not supported: must be one of \['auto', 'bfloat16'\]"):
+    with pytest.raises(
+        ConfigError, match=r"kv_cache_dtype=.* is not supported: must be one of \['auto', 'float32', 'bfloat16'\]"
+    ):
         EngineArgs(kv_cache_dtype=value).validate()  # type: ignore[arg-type]
 
 

@@ -27,7 +27,7 @@ from asyncllm.worker.model_runner import CausalLM, ModelRunner
 from asyncllm.worker.thread_policy import AdaptiveThreads, SystemIdleMeter
 
 logger = logging.getLogger(__name__)
-KV_CACHE_TORCH_DTYPES = {"auto": torch.float32, "bfloat16": torch.bfloat16}  # `CacheConfig.cache_dtype` -> torch
+KV_CACHE_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # `CacheConfig.cache_dtype` -> torch
 
 
 class Worker:
@@ -112,7 +112,7 @@ class Worker:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        """The KV cache's element type: float32 ("auto") or bfloat16 (`CacheConfig.cache_dtype`)."""
+        """The KV cache's element type: float32 or bfloat16 (`CacheConfig.cache_dtype`)."""
         return KV_CACHE_TORCH_DTYPES[self.config.cache.cache_dtype]
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
@@ -121,7 +121,7 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads / tp_size, head_dim] tensor per layer
-        (this rank's KV heads only; float32, or bfloat16 under `kv_cache_dtype="bfloat16"`), on lazily committed
+        (this rank's KV heads only; float32 or bfloat16, `CacheConfig.cache_dtype`), on lazily committed
         memory (`kv_cache_sizing.allocate_zeroed`). Logs its size at INFO.
 
         Raises:
@@ -148,6 +148,8 @@ class Worker:
             size / 2**20,
             self.rank,
         )
+        if self.config.cache.cache_dtype_reason and self.rank == 0:  # `kv_cache_dtype="auto"`: what and why
+            logger.info("%s", self.config.cache.cache_dtype_reason)
         self.warm_up()
 
     @torch.inference_mode()

@@ -1,10 +1,11 @@
 """Paged attention in plain torch: write K/V into the block cache, gather per group, run SDPA, scatter back.
 
 The cache of one layer is `[num_blocks, 2, block_size, num_kv_heads, head_dim]` (index 0 = K, 1 = V), float32
-or bfloat16 (`EngineArgs.kv_cache_dtype`). With a bfloat16 cache, K/V are rounded to bfloat16 (nearest even) as
+or bfloat16 (`CacheConfig.cache_dtype`). With a bfloat16 cache, K/V are rounded to bfloat16 (nearest even) as
 they are written; SDPA runs on bfloat16 query/key/value (a fresh chunk's own K/V rounded the same way, so a
 result does not depend on whether a prefix came from the cache) and its output goes back to float32; the decode
-and prefill kernels widen the cached rows to float32 and compute in float32. The rest of the model stays float32.
+kernel widens the cached rows to float32 and computes in float32; the prefill kernel multiplies in bfloat16 on CPUs
+with AVX512_BF16 (float32 sums and softmax) and widens elsewhere. The rest of the model stays float32.
 
 A token's slot is `block_id * block_size + offset`. For each `AttentionGroup` (decodes, prefills), the keys/values
 of every sequence are gathered through its block table into `[num_seqs, max_seq_len, num_kv_heads, head_dim]` and
