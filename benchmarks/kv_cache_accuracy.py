@@ -5,7 +5,7 @@ Teacher-forced prompt log-probabilities (`prompt_logprobs=1`) of fixed token seq
 default model's own Q4_1 blocks ("gguf") on a float32 and on a bfloat16 cache, each against float32 weights on a
 float32 cache: mean and largest |delta log-probability| of the sequence's own next token, and how often the most
 likely token agrees. The sequences: the held-out chat prompts of `block_quant.py` with 64 greedy tokens of the
-reference appended, and two long passages (about 400 and 700 tokens), so prefill reads long prefixes back from the
+reference appended, and two long passages (329 and 649 tokens), so prefill reads long prefixes back from the
 cache. Every sequence is prefilled in chunks of `--chunk` tokens (the default 1024: the long ones in one chunk).
 
 Not a speed benchmark: the numbers do not depend on the load. Which path the bfloat16 cache's prefill takes (the
