@@ -15,6 +15,7 @@ from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.core import EngineCore
 from asyncllm.model.loading.loader import read_arch_config
+from asyncllm.utils.cpu_info import cpu_info
 from asyncllm.worker import kv_cache_sizing
 from asyncllm.worker.kv_cache_sizing import allocate_zeroed, default_num_kv_blocks
 
@@ -116,8 +117,11 @@ async def test_real_engine_reports_block_size_and_cache_bytes(model_path: str) -
     async with AsyncLLM.create(args) as llm:
         stats = await llm.get_scheduler_stats()
         assert (stats.block_size, stats.num_total_blocks) == (16, 2 * 256 // 16)
-        per_block = read_arch_config(model_path).kv_cache_bytes_per_block(16)  # 30 layers, 3 KV heads of 64
-        assert stats.kv_cache_bytes == 32 * per_block == 32 * 737_280
+        # "auto" gives the default model's own blocks a bfloat16 cache on a CPU with avx512_bf16, else float32
+        itemsize = llm.config.cache.cache_itemsize
+        assert itemsize == (2 if cpu_info().has("avx512_bf16") else 4)
+        per_block = read_arch_config(model_path).kv_cache_bytes_per_block(16, itemsize)  # 30 layers, 3 KV heads of 64
+        assert stats.kv_cache_bytes == 32 * per_block == 32 * 737_280 * itemsize // 4
         out = await llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0)).collect()
         assert out.usage is not None
         assert out.usage.num_generated_tokens == 4
