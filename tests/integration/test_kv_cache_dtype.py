@@ -5,8 +5,8 @@ miss); twice the blocks in one memory budget; the setting crosses to an engine p
 Outputs of one bf16 engine are compared with another bf16 engine's as `test_scheduler_features` compares float32
 engines: identical token ids, except from a near-tie of the reference's greedy choice (a different batch shape or
 chunking changes float32 summation order). The bf16 cache against the float32 cache is a different model numerically
-(K/V rounded to 8 mantissa bits, bfloat16 prefill attention), so that comparison measures agreement instead:
-`AGREEMENT_BOUND` is below what was measured.
+(K/V rounded to 8 mantissa bits, bfloat16 prefill attention), so that comparison measures closeness instead:
+teacher-forced logprobs on the same token sequences within `TEACHER_FORCED_BOUND`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from tests.integration.test_scheduler_features import (
     SHORT_PROMPTS,
     assert_same_greedy,
     chat,
-    first_difference,
     run_all,
     run_one,
 )
@@ -32,35 +31,42 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 BF16 = {"kv_cache_dtype": "bfloat16", "engine_process": False}
 TOKENS = 32
-# Of the greedy tokens of the 8 prompts below (32 each, EOS ignored), the share the bf16 cache produces identically
-# before its first divergence from the float32 cache, by weights. Measured 2026-12-03: fp32 95.7% (7 of 8 prompts
-# identical); int8 57.0% (2 of 8; int8's per-row activation quantization amplifies small changes: int8 against fp32
-# weights, both with the float32 cache, agree on 48.8%, 0 of 8). With the prefill kernel's bfloat16 products (AMD EPYC
-# with AVX512_BF16, 2026-12-05): fp32 84.8% and 100% in two runs (6 and 8 of 8; the products' kernel choices differ
-# between runs), int8 56.2% (1 of 8). The bounds leave room for a loaded machine's kernel choices (another product
-# kernel changes summation order too).
-AGREEMENT_BOUND = {None: 0.8, "int8": 0.4}
+# Teacher-forced over the 8 prompts below with the float32 cache's 32 greedy tokens appended (EOS ignored): the bf16
+# cache's prompt logprobs against the float32 cache's, by weights: (largest mean |delta logprob| of the sequence's own
+# next token, smallest top-1 agreement). Measured 2026-12-05 on an AMD EPYC with AVX512_BF16 (the prefill kernel's
+# bfloat16 products), busy: fp32 weights 0.0053 and 98.8%, int8 weights 0.074 and 95.8% (int8's per-row activation
+# quantization amplifies small changes; these short chat sequences differ more than long prose does:
+# `benchmarks/kv_cache_accuracy.py`). The bounds leave about twice that (the tests below hold a cache that loses or
+# misplaces K/V to the same tokens). Greedy agreement up to the first divergence, asserted before, was a noisier
+# measure (fp32 weights 84.8% and 100% on the same code).
+TEACHER_FORCED_BOUND = {None: (0.012, 0.97), "int8": (0.15, 0.92)}
 
 
 def prompts() -> list:
     return [chat(q) for q in QUESTIONS] + SHORT_PROMPTS
 
 
-def agreement(expected: list, got: list) -> tuple[float, int]:
-    """(share of tokens equal up to each prompt's first difference, prompts identical throughout)."""
-    same = total = identical = 0
-    for want, have in zip(expected, got, strict=True):
-        ref_ids, got_ids = want.outputs[0].token_ids, have.outputs[0].token_ids
-        total += len(ref_ids)
-        index = first_difference(ref_ids, got_ids)
-        same += len(ref_ids) if index is None else index
-        identical += index is None
-    return same / total, identical
+async def prompt_logprobs(llm: AsyncLLM, sequences: list[list[int]]) -> list[list[tuple[float, int]]]:
+    """Per sequence, per position after the first: (logprob of the sequence's next token, the most likely token)."""
+    params = greedy(1, prompt_logprobs=1)
+    outs = await run_all(llm, [{"prompt_token_ids": ids} for ids in sequences], params)
+    rows = []
+    for ids, out in zip(sequences, outs, strict=True):
+        per = []
+        for token, logprobs in zip(ids[1:], out.prompt_logprobs[1:], strict=True):
+            per.append((logprobs[token].logprob, max(logprobs.items(), key=lambda item: item[1].logprob)[0]))
+        rows.append(per)
+    return rows
+
+
+def compare(expected: list, got: list) -> tuple[float, float]:
+    """(mean |delta logprob|, top-1 agreement) over every position."""
+    pairs = [(a, b) for want, have in zip(expected, got, strict=True) for a, b in zip(want, have, strict=True)]
+    return sum(abs(a[0] - b[0]) for a, b in pairs) / len(pairs), sum(a[1] == b[1] for a, b in pairs) / len(pairs)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 async def test_bf16_cache_agrees_with_the_float32_cache(make_llm, caplog, quantization: str | None) -> None:
-    params = greedy(TOKENS, ignore_eos=True)
     fp32 = make_llm(  # "float32" named: "auto" gives int8 weights a bfloat16 cache on CPUs with AVX512_BF16
         engine_process=False,
         max_num_batched_tokens=4096,
@@ -68,21 +74,26 @@ async def test_bf16_cache_agrees_with_the_float32_cache(make_llm, caplog, quanti
         quantization=quantization,
         kv_cache_dtype="float32",
     )
-    expected = await run_all(fp32, prompts(), params)
+    generated = await run_all(fp32, prompts(), greedy(TOKENS, ignore_eos=True))
+    sequences = [list(out.prompt_token_ids) + list(out.outputs[0].token_ids) for out in generated]
+    assert all(len(out.outputs[0].token_ids) == TOKENS for out in generated)
+    expected = await prompt_logprobs(fp32, sequences)
     fp32_stats = await fp32.get_scheduler_stats()
     await asyncio.to_thread(fp32.shutdown)
     with caplog.at_level(logging.INFO, logger="asyncllm.worker.worker"):
         bf16 = make_llm(max_num_batched_tokens=4096, enable_prefix_caching=False, quantization=quantization, **BF16)
     assert any("KV cache: 128 blocks" in r.message and "bfloat16" in r.message for r in caplog.records)
-    got = await run_all(bf16, prompts(), params)
+    got = await prompt_logprobs(bf16, sequences)
     stats = await bf16.get_scheduler_stats()
     assert stats.num_total_blocks == fp32_stats.num_total_blocks == 128  # num_kv_blocks fixed by the test defaults
     assert stats.kv_cache_bytes * 2 == fp32_stats.kv_cache_bytes  # half the bytes for the same blocks
-    share, identical = agreement(expected, got)
+    mean, top1 = compare(expected, got)
     weights = quantization or "fp32"
-    print(f"{weights} weights, bf16 vs float32 KV cache: {share:.1%} of tokens agree; {identical}/8 prompts identical")
-    assert share >= AGREEMENT_BOUND[quantization], f"only {share:.1%} of tokens agree ({identical}/8 prompts identical)"
-    assert all(len(out.outputs[0].token_ids) == TOKENS for out in got)
+    print(f"{weights} weights, bf16 vs float32 KV cache: mean |dlogprob| {mean:.4f}, top-1 agreement {top1:.2%}")
+    bound_mean, bound_top1 = TEACHER_FORCED_BOUND[quantization]
+    assert mean <= bound_mean, f"mean |delta logprob| {mean:.4f} > {bound_mean} (top-1 agreement {top1:.2%})"
+    assert top1 >= bound_top1, f"top-1 agreement {top1:.2%} < {bound_top1:.0%} (mean |delta logprob| {mean:.4f})"
+    assert mean > 0  # the caches really differ: the bf16 engine rounded K/V
 
 
 async def test_bf16_cache_batch_equals_solo(make_llm, reference_model) -> None:
