@@ -25,7 +25,9 @@ which). Without `.venv-vllm` the vLLM rows are skipped and the run says so.
     .venv/bin/python benchmarks/serving_shapes.py --quick --shapes chat --servers asyncllm-fp32 vllm-fp32
     .venv/bin/python benchmarks/serving_shapes.py --contended          # beside one CPU-bound process
 
-Measure on a quiet machine (the load average is printed before and after) and once more with `--contended`.
+Measure on a quiet machine (the load average is printed before and after) and once more with `--contended`. One run
+of a shape moves by 5-10% between runs on a 2-core host: `--rounds N` runs every server on every shape N times, in
+turn, and ends with each row's medians and the median of its same-round ratios to vLLM.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -108,6 +110,7 @@ class ShapeResult:
     p99_itl: float
     prefill_tok_s: float
     wall_s: float
+    round: int = 0  # which round of `--rounds` (every server runs every shape once per round)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -328,7 +331,13 @@ def warm_up(base_url: str) -> None:
 
 
 def bench_server(
-    server: str, model: str, hf_dir: Path | None, shapes: list[Shape], vocab: int, extra: tuple[str, ...] = ()
+    server: str,
+    model: str,
+    hf_dir: Path | None,
+    shapes: list[Shape],
+    vocab: int,
+    extra: tuple[str, ...] = (),
+    round_index: int = 0,
 ) -> list[ShapeResult]:
     results = []
     with running_server(server, model, hf_dir, extra) as base_url:
@@ -337,7 +346,7 @@ def bench_server(
             prompts = make_prompts(shape, vocab)
             start = time.perf_counter()
             timings = asyncio.run(run_shape(base_url, shape, prompts))
-            result = summarize(server, shape, timings, start)
+            result = replace(summarize(server, shape, timings, start), round=round_index)
             print(format_row(result, None), flush=True)
             results.append(result)
     return results
@@ -353,6 +362,29 @@ def format_row(r: ShapeResult, reference: ShapeResult | None) -> str:
 
 
 HEADER = "shape   server           done   out tok/s vs vLLM ttft(s) p99ttft tpot(ms) itl p50  itl p99 prefill/s"
+MEDIAN_HEADER = "shape   server           out tok/s (range)        vs vLLM (range, same round) ttft(s) tpot(ms)"
+
+
+def print_medians(shapes: list[Shape], results: list[ShapeResult], rounds: int) -> None:
+    """Per shape and server, the median over rounds of output tok/s, mean TTFT and mean TPOT, and the median of the
+    ratios to vLLM's output tok/s in the same round (each round runs every server once, so a drift of the host over
+    the run reaches every server alike)."""
+    print(f"\nmedians over {rounds} rounds")
+    print(MEDIAN_HEADER)
+    for shape in shapes:
+        vllm = {r.round: r for r in results if r.shape == shape.name and r.server == "vllm-fp32"}
+        for server in dict.fromkeys(r.server for r in results):
+            rows = [r for r in results if r.shape == shape.name and r.server == server]
+            if not rows:
+                continue
+            tok = [r.output_tok_s for r in rows]
+            ratios = [r.output_tok_s / vllm[r.round].output_tok_s for r in rows if r.round in vllm]
+            ratio = f"{statistics.median(ratios):5.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
+            print(
+                f"{shape.name:7} {server:16} {statistics.median(tok):8.1f} ({min(tok):.1f}-{max(tok):.1f})"
+                f"{'':4} {ratio:27} {statistics.median(r.mean_ttft for r in rows):7.2f}"
+                f" {statistics.median(r.mean_tpot for r in rows) * 1e3:8.1f}"
+            )
 
 
 def main() -> None:
@@ -369,6 +401,9 @@ def main() -> None:
     parser.add_argument("--contended", action="store_true", help="run beside one CPU-bound process")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--asyncllm-args", default="", help="more `asyncllm serve` flags, e.g. '--max-num-seqs 32'")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run every server on every shape this many times, in turn; medians"
+    )
     args = parser.parse_args()
 
     from asyncllm.model.loading.arch_config import read_arch_config
@@ -395,16 +430,21 @@ def main() -> None:
     results: list[ShapeResult] = []
     print(HEADER)
     with cpu_hog(args.contended):
-        for server in servers:
-            extra = tuple(args.asyncllm_args.split())
-            results += bench_server(server, model_path, hf_dir, shapes, vocab, extra)
+        for round_index in range(args.rounds):
+            for server in servers:
+                extra = tuple(args.asyncllm_args.split())
+                results += bench_server(server, model_path, hf_dir, shapes, vocab, extra, round_index)
     print(f"\nload average after: {os.getloadavg()}{' (one CPU-bound process beside)' if args.contended else ''}")
     print(HEADER)
     for shape in shapes:
-        reference = next((r for r in results if r.shape == shape.name and r.server == "vllm-fp32"), None)
         for r in results:
             if r.shape == shape.name:
+                reference = next(
+                    (v for v in results if (v.shape, v.server, v.round) == (shape.name, "vllm-fp32", r.round)), None
+                )
                 print(format_row(r, reference))
+    if args.rounds > 1:
+        print_medians(shapes, results, args.rounds)
     if args.json:
         record = {
             "machine": m,
@@ -414,6 +454,7 @@ def main() -> None:
             "load_after": list(os.getloadavg()),
             "vllm": vllm_settings(hf_dir) if hf_dir else None,
             "asyncllm_args": args.asyncllm_args,
+            "rounds": args.rounds,
             "shapes": {s.name: asdict(s) for s in shapes},
             "results": [asdict(r) for r in results],
         }
