@@ -65,7 +65,8 @@ def test_quantized_weights_keep_float32_where_the_bfloat16_products_do_not_run(
 @pytest.mark.parametrize("quantization", [None, "int8"])
 @pytest.mark.parametrize("cpu", [ZEN4, AVX2])
 def test_an_explicit_dtype_is_kept_as_asked_without_a_reason(requested: str, quantization: str | None, cpu) -> None:
-    assert (choose(requested, quantization, cpu).dtype, choose(requested, quantization, cpu).reason) == (requested, "")
+    choice = choose(requested, quantization, cpu)
+    assert (choice.dtype, choice.reason) == (requested, "")
 
 
 def test_the_default_model_resolves_by_this_hosts_cpu_flags(model_path: str) -> None:
