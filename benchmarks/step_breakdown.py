@@ -7,9 +7,9 @@ the share in the linear products (every `linear` / `int8_matmul` / `block_linear
 model makes from Python, activation quantization included; a fused call's RMSNorm or SiLU x mul and residual add
 count as products too; the wrappers add about 1 us per call); torch ops per step (all, and the top-level ones, per
 layer); Python-level calls per step (`sys.setprofile`: Python frames and C functions such as the row kernels, which
-the torch profiler does not see). Block modes are measured both ways in alternating rounds: with the per-layer
-kernel calls and with the decode stack (every layer of a decode-only step in one call,
-`LlamaForCausalLM.fuse_decode_layers`: its products are inside that call, so its "products" are the LM head's).
+the torch profiler does not see). Block and int8 modes are measured both ways in alternating rounds: with the
+per-layer kernel calls and with the decode stack (every layer of a decode-only step in one call,
+`model/decode_stack.py`: its products are inside that call, so its "products" are the LM head's).
 Then, unless `--no-wall`, the step's wall time at 2 threads (fastest and median of 40) beside the load average: on
 a shared machine only a quiet run's wall figures mean much. About a minute per mode.
 
@@ -133,9 +133,9 @@ def share_first_layer(model: Any) -> None:
 
 
 def measure(mode: str, path: str, rounds: int, wall: bool, shared: bool) -> str:
-    """One mode's lines: per variant (block modes: the per-layer calls, then the one-call decode stack), the step's
-    1-thread CPU time (best of 40 per round, `rounds` alternating rounds), its op and call counts, and with `wall`
-    the wall time at 2 threads (fastest and median of 40, beside the load average)."""
+    """One mode's lines: per variant (block and int8 modes: the per-layer calls, then the one-call decode stack),
+    the step's 1-thread CPU time (best of 40 per round, `rounds` alternating rounds), its op and call counts, and
+    with `wall` the wall time at 2 threads (fastest and median of 40, beside the load average)."""
     torch.set_num_threads(1)
     start = time.process_time()
     config = ModelConfig(model=path, model_path=path, quantization=None if mode == "fp32" else mode)
@@ -144,7 +144,7 @@ def measure(mode: str, path: str, rounds: int, wall: bool, shared: bool) -> str:
         share_first_layer(model)
     load_s = time.process_time() - start
     step = decode_step(model)
-    variants = {"per-layer calls": False, "decode stack": True} if mode not in ("fp32", "int8") else {"": True}
+    variants = {"per-layer calls": False, "decode stack": True} if mode != "fp32" else {"": True}
     cpu: dict[str, list[tuple[int, int]]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fused in variants.items():

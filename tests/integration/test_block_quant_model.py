@@ -25,6 +25,7 @@ import torch
 
 from asyncllm import AsyncLLM, SamplingParams
 from asyncllm.config import ModelConfig
+from asyncllm.model.decode_stack import DecodeStacks
 from asyncllm.model.kernels.block_quant import BlockQuantWeight
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.loading.loader import load_model
@@ -162,7 +163,7 @@ def test_a_decode_step_in_one_stack_call_equals_the_per_layer_calls_bit_for_bit(
         for window in (None, 24):
             for layer in model.layers:
                 monkeypatch.setattr(layer, "window", window)
-            monkeypatch.setattr(model, "_decode_stack_slot", llama._StackSlot())  # built again with the windows
+            monkeypatch.setattr(model, "_decode_stacks", DecodeStacks())  # built again with the windows
             for seq_lens in ([70], [41, 70, 57]):
                 monkeypatch.setattr(model, "fuse_decode_layers", False)
                 want_caches = [c.clone() for c in base]
@@ -174,7 +175,7 @@ def test_a_decode_step_in_one_stack_call_equals_the_per_layer_calls_bit_for_bit(
                     torch.set_num_threads(num_threads)
                     caches = [c.clone() for c in base]
                     got = _decode_rows(model, caches, seq_lens, block_size)
-                    assert model._decode_stack_slot.stack is not None  # the stack ran...
+                    assert model._decode_stacks.last is not None  # the stack ran...
                     assert not calls  # ...alone
                     assert torch.equal(got, want), (window, seq_lens, num_threads)
                     assert all(torch.equal(c, w) for c, w in zip(caches, want_caches, strict=True))

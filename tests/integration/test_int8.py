@@ -28,7 +28,10 @@ import torch
 from asyncllm import SamplingParams
 from asyncllm.config import EngineArgs, ModelConfig
 from asyncllm.engine.core import EngineCore
+from asyncllm.model.decode_stack import INT8_STACK_KERNELS
 from asyncllm.model.layers import attention
+from asyncllm.model.layers.attention_metadata import build_attention_metadata
+from asyncllm.model.llama_weights import LINEAR_WEIGHTS
 from asyncllm.model.loading.loader import load_model
 from asyncllm.model.loading.tokenizer import Tokenizer
 from tests.integration.conftest import EngineFactory
@@ -153,6 +156,36 @@ def test_int8_chunked_prefill_then_decode_is_close_to_one_prefill(model_path: st
         top2 = whole.topk(2).values
         if top2[0] - top2[1] > CLEAR_MARGIN:
             assert int(chunked.argmax()) == int(whole.argmax()), chat
+
+
+@pytest.mark.parametrize("seq_lens", [[70], [41, 70, 57], [33 + 7 * i for i in range(32)]])
+def test_int8_decode_stack_equals_the_per_layer_calls_bit_for_bit(
+    models: tuple[Any, Any], seq_lens: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the real model, a decode step of 1, 3 and 32 sequences over random bfloat16 cache contents in one stack call
+    (`model/decode_stack.py`) gives the per-layer calls' hidden states and caches bit for bit; it runs wherever this
+    host's kernel choices for that row count are the stack's C++ kernels (VNNI or AVX2)."""
+    _, int8 = models
+    require_kernels()
+    arch, block_size, rows = int8.arch, 16, len(seq_lens)
+    per_seq = -(-max(seq_lens) // block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(rows)]
+    meta = build_attention_metadata([1] * rows, seq_lens, tables, block_size)
+    gen = torch.Generator().manual_seed(5)
+    shape = (rows * per_seq, 2, block_size, arch.num_key_value_heads, arch.head_dim)
+    base = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(arch.num_hidden_layers)]
+    ids = torch.randint(0, arch.vocab_size, (rows,), generator=gen)
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(int8, "fuse_decode_layers", fused)
+        caches = [c.clone() for c in base]
+        with torch.inference_mode():
+            results.append((int8(ids, torch.tensor(seq_lens) - 1, caches, meta), caches))
+    weights = [getattr(layer, name) for layer in int8.layers for name in LINEAR_WEIGHTS]
+    stackable = all(w.choice.kernel_for(rows) in INT8_STACK_KERNELS for w in weights)
+    assert (int8._decode_stacks.last is not None) == stackable
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
 
 
 def test_int8_follows_fp32_greedy_answers_where_the_choice_is_clear(model_path: str, models: tuple[Any, Any]) -> None:

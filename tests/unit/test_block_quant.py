@@ -446,7 +446,7 @@ def test_the_decode_stack_adds_qkv_biases_as_the_layer_calls_do(tmp_path: pathli
         caches = [c.clone() for c in base]
         with torch.inference_mode():
             results.append((model(torch.tensor([5, 300]), torch.tensor([12, 28]), caches, meta), caches))
-    assert model._decode_stack_slot.stack is not None
+    assert model._decode_stacks.last is not None
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
     model.fuse_decode_layers = False

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -30,8 +29,8 @@ from torch import nn
 from asyncllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.model.arch import ModelArchConfig
+from asyncllm.model.decode_stack import DecodeStacks
 from asyncllm.model.kernels.block_quant import (
-    KIND_CODES,
     BlockQuantWeight,
     FileBlocks,
     block_kernels,
@@ -44,7 +43,7 @@ from asyncllm.model.kernels.fp32 import PackedFp32Weight, pack_fp32
 from asyncllm.model.kernels.int8 import Int8Weight, int8_matmul, quantize_int8
 from asyncllm.model.kernels.linear import Weight, linear, record_input_absmax
 from asyncllm.model.kernels.rotary import apply_rotary
-from asyncllm.model.kernels.row_kernels import MAX_NORM_COLUMNS, BlockDecodeStack, RowKernels, load_kernels
+from asyncllm.model.kernels.row_kernels import MAX_NORM_COLUMNS, DecodeStack, RowKernels, load_kernels
 from asyncllm.model.layers.attention import decode_reads_cache, paged_attention, write_kv_cache
 from asyncllm.model.layers.attention_metadata import AttentionMetadata, build_attention_metadata
 from asyncllm.model.layers.head_norm import head_rms_norm
@@ -247,18 +246,6 @@ class LlamaDecoderLayer(LayerWeights):
         return all_reduce(out if lora is None else lora.add(act, out, "down_proj"))
 
 
-@dataclass
-class _StackSlot:
-    """The model's `BlockDecodeStack` once built (`stack` None: its layers cannot take it). A deep copy of the
-    model gets an unbuilt slot: the compiled stack holds the original's weights and cannot be copied."""
-
-    built: bool = False
-    stack: BlockDecodeStack | None = None
-
-    def __deepcopy__(self, memo: dict[int, object]) -> _StackSlot:
-        return _StackSlot()
-
-
 class LlamaForCausalLM(nn.Module):
     """Decoder-only Llama-family language model.
 
@@ -269,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
     rope_cos: torch.Tensor  # [max_position_embeddings, head_dim] buffers: [cos, cos] and [-sin, sin] (rope.py)
     rope_sin: torch.Tensor
     head_file_blocks: FileBlocks | None = None  # the LM head as a GGUF file's blocks, until `quantize_blocks`
-    # Decode-only steps of a block-quantized model at TP=1 run every layer in one call (`BlockDecodeStack`; the
+    # Decode-only steps of a block or int8 model at TP=1 run every layer in one call (`model/decode_stack.py`; the
     # same bits as the per-layer calls). False: the per-layer calls (tests compare the two).
     fuse_decode_layers: bool = True
 
@@ -291,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Parameter | None = (
             None if arch.tie_word_embeddings else empty_param(arch.vocab_size, arch.hidden_size)
         )
-        self._decode_stack_slot = _StackSlot()
+        self._decode_stacks = DecodeStacks()
         cos, sin = arch_cos_sin(arch)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -324,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         if embeds_override is not None:
             rows, values = embeds_override
             hidden[rows] = values
-        stack = self._decode_stack(meta) if lora is None else None
+        stack = self._decode_stack(meta, input_ids.shape[0]) if lora is None else None
         if stack is not None and meta.slot_blocks is not None:
             group = meta.groups[0]
             blocks, offsets = meta.slot_blocks
@@ -339,44 +326,15 @@ class LlamaForCausalLM(nn.Module):
             return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
         return self.fused_kernels.rms_norm(hidden.contiguous(), self.norm, self.arch.rms_norm_eps)
 
-    def _decode_stack(self, meta: AttentionMetadata) -> BlockDecodeStack | None:
-        """The compiled stack of block layers for this step if it is decode-only and every layer's
-        `_forward_blocks` would run the fused calls with the decode kernel (`fuse_decode_layers`); else None."""
+    def _decode_stack(self, meta: AttentionMetadata, rows: int) -> DecodeStack | None:
+        """The compiled stack of layers for this step if it is decode-only (`rows` sequences) and every layer's
+        per-layer calls would read the cache with the decode kernel (`fuse_decode_layers`; `model/decode_stack.py`),
+        else None."""
         if not (self.fuse_decode_layers and self.decode_reads_cache and len(meta.groups) == 1):
             return None
         if meta.groups[0].max_query_len != 1:
             return None
-        if not self._decode_stack_slot.built:
-            self._decode_stack_slot = _StackSlot(True, self._build_decode_stack())
-        return self._decode_stack_slot.stack
-
-    def _build_decode_stack(self) -> BlockDecodeStack | None:
-        """`BlockDecodeStack` over the layers as they are now (built once, at the first decode-only step after
-        the weights are stored), or None where a layer would not take the fused block path: no checked block
-        kernels, TP > 1, weights that are not blocks, per-head q/k norms or partial rotary."""
-        checked = block_kernels()
-        if checked is None or self.fused_kernels is None:
-            return None
-        module, path = checked
-        tensors: list[torch.Tensor] = []
-        ints: list[int] = []
-        for layer in self.layers:
-            layer = cast(LlamaDecoderLayer, layer)
-            weights = [getattr(layer, name) for name in LINEAR_WEIGHTS]
-            if layer.tp_size != 1 or layer.q_norm is not None or layer.rotary_dim != self.arch.head_dim:
-                return None
-            if not all(isinstance(w, BlockQuantWeight) for w in weights):
-                return None
-            bias = layer.qkv_bias if layer.qkv_bias is not None else torch.empty(0)
-            tensors += [layer.input_norm, layer.post_attention_norm, bias]
-            for w in cast(list[BlockQuantWeight], weights):
-                tensors += [w.qs, w.d, w.m if w.m is not None else torch.empty(0, dtype=torch.float16)]
-            ints += [KIND_CODES[w.kind] for w in weights] + [w.out_features for w in weights] + [layer.window or 0]
-        layer0 = cast(LlamaDecoderLayer, self.layers[0])
-        d = self.arch.head_dim
-        return module.BlockDecodeStack(
-            tensors, ints, self.norm, self.arch.rms_norm_eps, d, layer0.q_size, layer0.kv_size, d**-0.5, path
-        )
+        return self._decode_stacks.for_rows(self, rows)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] int64 -> [num_tokens, hidden_size] float32 token embeddings."""
@@ -417,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             BlockShapeError: a weight's input features are not a multiple of 32 (at TP=N: of this rank's shard).
         """
-        self._decode_stack_slot = _StackSlot()  # the stack holds the weights: built again at the next decode step
+        self._decode_stacks = DecodeStacks()  # a stack holds the weights: built again at the next decode step
         hows: dict[str, int] = {}
         for layer in self.layers:
             for how in cast(LlamaDecoderLayer, layer).quantize_blocks(mode):
@@ -462,6 +420,7 @@ class LlamaForCausalLM(nn.Module):
         s = smoothing_scale(input_absmax[id(head)], head.abs().amax(1))
         self.norm.div_(s)
         head.mul_(s[:, None])
+        self._decode_stacks = DecodeStacks()  # a stack holds the weights: built again at the next decode step
         for layer in self.layers:
             cast(LlamaDecoderLayer, layer).quantize_int8(chooser)
         del self.lm_head

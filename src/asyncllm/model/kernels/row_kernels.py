@@ -110,10 +110,11 @@ SLOW_FALLBACK = (
 MAX_NORM_COLUMNS = 16384  # `rms_norm_quantize` equals F.rms_norm for rows up to this many columns
 
 
-class BlockDecodeStack(Protocol):
-    """The compiled `BlockDecodeStack` (`csrc/row_kernels.cpp`): a decode-only step over every layer of a
-    block-quantized model at TP=1 in one call, making the calls `LlamaDecoderLayer._forward_blocks` makes per layer
-    in the same order (the same bits), then the final RMSNorm."""
+class DecodeStack(Protocol):
+    """A compiled decode stack (`csrc/row_kernels.cpp`; `model/decode_stack.py` builds them): a decode-only step
+    over every layer of a model at TP=1 in one call, making the calls its layers make per layer in the same order
+    (the same bits), then the final RMSNorm. `BlockDecodeStack`: block weights, as
+    `LlamaDecoderLayer._forward_blocks`; `Int8DecodeStack`: int8 weights, as `LlamaDecoderLayer._forward_fused_int8`."""
 
     def num_layers(self) -> int:
         """Layers in the stack."""
@@ -344,11 +345,29 @@ class RowKernels(Protocol):
         kv_size: int,
         scale: float,
         path: str,
-    ) -> BlockDecodeStack:
-        """A stack of block layers for decode-only steps in one call (`BlockDecodeStack`; `model/llama.py` builds
-        it): per layer 15 tensors (input and post-attention norm weights, the qkv bias or an empty tensor, then
+    ) -> DecodeStack:
+        """A stack of block layers for decode-only steps in one call (`BlockDecodeStack`; `model/decode_stack.py`
+        builds it): per layer 15 tensors (input and post-attention norm weights, the qkv bias or an empty tensor, then
         `qs`, `d`, `m` of qkv, o, gate_up and down) and 9 ints (the four kinds, the four out_features, the sliding
         window or 0). Raises RuntimeError on lists of other lengths."""
+        ...
+
+    def Int8DecodeStack(  # the C++ class's name
+        self,
+        tensors: list[torch.Tensor],
+        ints: list[int],
+        final_norm: torch.Tensor,
+        eps: float,
+        head_dim: int,
+        q_size: int,
+        kv_size: int,
+        scale: float,
+    ) -> DecodeStack:
+        """A stack of int8 layers for decode-only steps in one call (`Int8DecodeStack`; `model/decode_stack.py`
+        builds it): per layer 15 tensors (input and post-attention norm weights, the qkv bias or an empty tensor,
+        then the packed weight, correction (empty for AVX2) and `[out]` scales of qkv, o, gate_up and down) and 13
+        ints (the four kernels, 0 VNNI or 1 AVX2; the four in_features; the four out_features; the sliding window or
+        0). Raises RuntimeError on lists of other lengths or a kernel this build lacks."""
         ...
 
     def int8_avx2_available(self) -> bool:
@@ -536,6 +555,7 @@ KERNELS = (
     "block_dequantize_columns",
     "argmax_rows",
     "BlockDecodeStack",
+    "Int8DecodeStack",
     "int8_avx2_available",
     "int8_pack_avx2",
     "int8_gemm_avx2",

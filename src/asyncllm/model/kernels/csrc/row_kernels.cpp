@@ -582,6 +582,89 @@ class BlockDecodeStack {
   std::string path_;
 };
 
+// A decode-only step over a stack of int8 layers at TP=1 in one call (model/llama.py `Int8DecodeStack`): per layer
+// the calls `LlamaDecoderLayer._forward_fused_int8` makes, in the same order on the same inputs, so the same bits:
+//   qx, s = rms_norm_quantize(x); qkv = product(qx); scale_bias_rotate_(qkv, s, bias, cos, sin); store_kv_cache_(k, v);
+//   attn = paged_decode_attention(q); qx, s = quantize_rows(attn); x = add_scaled_(x, o(qx), s);
+//   qx, s = rms_norm_quantize(x); qx, s = silu_mul_quantize(gate_up(qx), s); x = add_scaled_(x, down(qx), s)
+// then the final RMSNorm. A product runs the kernel the weight's choice names for this step's rows: VNNI (packed,
+// correction, scale) or AVX2 (packed, an empty tensor, scale); the stack is built per row class (`model/llama.py`).
+// What it saves is the Python around ~11 calls per layer, not work.
+class Int8DecodeStack {
+ public:
+  static constexpr int64_t kVnni = 0, kAvx2 = 1;
+
+  // Per layer, 15 tensors: input_norm, post_attention_norm, qkv bias (an empty tensor for none), then packed,
+  // correction (empty for AVX2) and scale of qkv, o, gate_up and down; 13 ints: the four kernels (kVnni, kAvx2), the
+  // four in_features, the four out_features, the window (0: none).
+  Int8DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, at::Tensor final_norm, double eps,
+                  int64_t head_dim, int64_t q_size, int64_t kv_size, double scale)
+      : tensors_(std::move(tensors)), ints_(std::move(ints)), final_norm_(std::move(final_norm)), eps_(eps),
+        head_dim_(head_dim), q_size_(q_size), kv_size_(kv_size), scale_(scale) {
+    TORCH_CHECK(!ints_.empty() && tensors_.size() % kTensors == 0 && ints_.size() % kInts == 0 &&
+                    tensors_.size() / kTensors == ints_.size() / kInts,
+                "Int8DecodeStack: ", kTensors, " tensors and ", kInts, " ints per layer");
+    TORCH_CHECK(head_dim > 0 && q_size % head_dim == 0 && kv_size % head_dim == 0, "Int8DecodeStack: head sizes");
+    for (size_t l = 0; l < ints_.size() / kInts; ++l)
+      for (size_t w = 0; w < 4; ++w) {
+        const int64_t kernel = ints_[l * kInts + w];
+        TORCH_CHECK(kernel == kVnni || kernel == kAvx2, "Int8DecodeStack: kernel ", kernel, " of layer ", l);
+        TORCH_CHECK(kernel != kVnni || int8_vnni_available(), "Int8DecodeStack: this build has no VNNI product");
+        TORCH_CHECK(kernel != kAvx2 || int8_avx2_available(), "Int8DecodeStack: this build has no AVX2 product");
+      }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(ints_.size() / kInts); }
+
+  // Arguments, result and errors as BlockDecodeStack::forward's.
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& rope_cos,
+                     const at::Tensor& rope_sin, std::vector<at::Tensor> kv_caches, const at::Tensor& blocks,
+                     const at::Tensor& offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "Int8DecodeStack: ", num_layers(),
+                " KV caches needed, got ", kv_caches.size());
+    const int64_t rows = hidden.size(0);
+    const at::Tensor cos = rope_cos.index_select(0, positions), sin = rope_sin.index_select(0, positions);
+    const std::vector<int64_t> heads{q_size_ / head_dim_, kv_size_ / head_dim_, kv_size_ / head_dim_};
+    at::Tensor x = hidden.contiguous();
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const at::Tensor* t = tensors_.data() + l * kTensors;
+      const int64_t* n = ints_.data() + l * kInts;
+      const std::optional<at::Tensor> bias = t[2].numel() ? std::optional<at::Tensor>(t[2]) : std::nullopt;
+      auto [qx, row_scale] = rms_norm_quantize(x, t[0], eps_);
+      at::Tensor qkv = product(qx, t + 3, n, 0);
+      scale_bias_rotate_(qkv, row_scale, bias, cos, sin, q_size_ + kv_size_);
+      const auto qkv_heads = qkv.view({rows, -1, head_dim_}).split_with_sizes(heads, 1);
+      store_kv_cache_(kv_caches[l], qkv_heads[1], qkv_heads[2], blocks, offsets);
+      const at::Tensor attn =
+          paged_decode_attention(qkv_heads[0].contiguous(), kv_caches[l], block_tables, seq_lens, scale_, n[12]);
+      std::tie(qx, row_scale) = quantize_rows(attn.contiguous());
+      at::Tensor o = product(qx, t + 6, n, 1);
+      x = add_scaled_(x, o, row_scale);
+      std::tie(qx, row_scale) = rms_norm_quantize(x, t[1], eps_);
+      std::tie(qx, row_scale) = silu_mul_quantize(product(qx, t + 9, n, 2), row_scale);
+      at::Tensor down = product(qx, t + 12, n, 3);
+      x = add_scaled_(x, down, row_scale);
+    }
+    return rms_norm(x, final_norm_, eps_);
+  }
+
+ private:
+  static constexpr size_t kTensors = 15, kInts = 13;
+
+  // Weight `w` (0 qkv, 1 o, 2 gate_up, 3 down) of a layer: `t` its packed, correction, scale; `n` the layer's ints.
+  static at::Tensor product(const at::Tensor& qx, const at::Tensor* t, const int64_t* n, int w) {
+    if (n[w] == kVnni) return int8_gemm_vnni(qx, t[0], t[1], t[2], n[4 + w], n[8 + w]);
+    return int8_gemm_avx2(qx, t[0], t[2], n[4 + w], n[8 + w]);
+  }
+
+  std::vector<at::Tensor> tensors_;
+  std::vector<int64_t> ints_;
+  at::Tensor final_norm_;
+  double eps_;
+  int64_t head_dim_, q_size_, kv_size_;
+  double scale_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_quantize", &rms_norm_quantize);
   m.def("silu_mul_quantize", &silu_mul_quantize);
@@ -619,4 +702,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           double, std::string>())
       .def("num_layers", &BlockDecodeStack::num_layers)
       .def("forward", &BlockDecodeStack::forward);
+  pybind11::class_<Int8DecodeStack>(m, "Int8DecodeStack")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, at::Tensor, double, int64_t, int64_t, int64_t,
+                          double>())
+      .def("num_layers", &Int8DecodeStack::num_layers)
+      .def("forward", &Int8DecodeStack::forward);
 }
