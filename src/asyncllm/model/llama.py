@@ -19,7 +19,7 @@ SwiGLU MLP (Shazeer, 2020); GQA (Ainslie et al., 2023).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 from asyncllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from asyncllm.distributed.tp_sizes import check_tp_divides
 from asyncllm.model.arch import ModelArchConfig
-from asyncllm.model.decode_stack import DecodeStacks
+from asyncllm.model.decode_stack import DecodeStacks, StackLayer
 from asyncllm.model.kernels.block_quant import (
     BlockQuantWeight,
     FileBlocks,
@@ -334,7 +334,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if meta.groups[0].max_query_len != 1:
             return None
-        return self._decode_stacks.for_rows(self, rows)
+        layers = cast("Sequence[StackLayer]", self.layers)
+        return self._decode_stacks.for_rows(rows, layers, self.norm, self.fused_kernels)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] int64 -> [num_tokens, hidden_size] float32 token embeddings."""
