@@ -4,14 +4,16 @@ Default size (no `num_kv_blocks`, no `kv_cache_memory_bytes`): enough blocks for
 use, `max_num_seqs` sequences of `max_model_len` tokens each, capped by `KV_CACHE_MEMORY_FRACTION` of the
 memory available when the engine starts (`MemAvailable` in /proc/meminfo, Linux `proc(5)`).
 
-The cache is allocated with an anonymous `mmap` (POSIX: zero-filled, pages committed on first write), so a
+The cache is allocated with a private anonymous `mmap` (POSIX: zero-filled, pages committed on first write), so a
 block costs resident memory only once a request first writes into it; `torch.zeros` would touch every page at
 start. Blocks are handed out least-recently-freed first (`sched/block_pool.py`), so under varied traffic the
 resident size grows towards the full cache over time.
 
 The mapping is advised for transparent huge pages (`madvise(MADV_HUGEPAGE)`, Linux; a no-op where the host's
-`/sys/kernel/mm/transparent_hugepage/enabled` says "never"): a sequence's blocks lie anywhere in the cache, and
-with 4 KiB pages the decode kernel's reads miss the TLB at almost every block. Measured on the decode kernel
+`/sys/kernel/mm/transparent_hugepage/enabled` says "never"). It must be private: a shared anonymous mapping is
+shmem, whose huge pages follow `shmem_enabled` instead ("never" by default), which left the cache on 4 KiB pages
+until 2026-12-05. A sequence's blocks lie anywhere in the cache, and with 4 KiB pages the decode kernel's reads
+miss the TLB at almost every block. Measured on the decode kernel
 alone (one thread, CPU time, 32 sequences at 300 tokens x 30 layers, blocks placed at random; busy host, three
 alternating runs): float32 cache 48-51 -> 44-45 ms, bfloat16 28-31 -> 26-28 ms (`benchmarks/analysis.md`). The
 cost: resident memory then grows in steps of up to 2 MiB per layer's mapping instead of 4 KiB.
@@ -66,7 +68,9 @@ def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) 
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes)  # the tensor keeps a reference to the buffer
+    # private: a shared anonymous mapping (mmap's default) is shmem, whose huge pages THP's `shmem_enabled` governs
+    # ("never" by default), so the advice below would give it none; the tensor keeps a reference to the buffer
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; an advice, never an error
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
