@@ -22,10 +22,11 @@ cost: resident memory then grows in steps of up to 2 MiB per layer's mapping ins
 from __future__ import annotations
 
 import math
-import mmap
 import os
 
 import torch
+
+from asyncllm.utils.huge_pages import huge_page_bytes
 
 KV_CACHE_MEMORY_FRACTION = 0.05  # of the memory available at start-up, for the default-sized KV cache
 
@@ -63,14 +64,9 @@ def default_num_kv_blocks(
 
 def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A zero-filled tensor of `shape` on anonymous mmap memory advised for huge pages: resident only where it has
-    been written (in pages of up to 2 MiB where the host grants transparent huge pages)."""
+    been written (in pages of up to 2 MiB where the host grants transparent huge pages; `utils/huge_pages.py`)."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # private: a shared anonymous mapping (mmap's default) is shmem, whose huge pages THP's `shmem_enabled` governs
-    # ("never" by default), so the advice below would give it none; the tensor keeps a reference to the buffer
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; an advice, never an error
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+    return huge_page_bytes(nbytes).view(dtype).view(shape)

@@ -32,6 +32,7 @@ from asyncllm.model.layouts import GGUF_TOP_NAMES, WeightLayout, layout_of
 from asyncllm.model.loading.arch_config import check_max_model_len, read_arch_config
 from asyncllm.model.loading.gguf_config import read_checked_gguf_header
 from asyncllm.model.loading.gguf_metadata import GGUFTensorInfo
+from asyncllm.model.loading.weight_placement import move_weights_to_huge_pages
 from asyncllm.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
         with `pack_weights` (what the worker asks for) they are prepared for the float32 kernels chosen on this host
         (`model/kernels/fp32.py`): faster, but the weights are no longer `nn.Parameter`s to edit. Which kernel runs each
         product (`model/kernels/choice.py`; forced by `model_config.linear_kernels`) is logged in one line per kind.
+        With `pack_weights` the weights then move onto huge pages where the host grants them
+        (`loading/weight_placement.py`).
 
         Returns:
             The model in eval mode, float32, with attributes `arch: ModelArchConfig` and `linear_kernels: str` (the
@@ -94,6 +97,8 @@ def load_model(model_config: ModelConfig, pack_weights: bool = False) -> nn.Modu
         kernels = fp32.describe()
     if kernels:
         logger.info("%s", kernels)
+    if pack_weights:
+        move_weights_to_huge_pages(model)  # the weights as they will run, on 2 MiB pages where the host grants them
     model.linear_kernels = kernels  # type: ignore[assignment]
     return model.eval()
 
