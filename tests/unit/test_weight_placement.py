@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncllm.config import ModelConfig
-from asyncllm.model.kernels.fp32 import PackedFp32Weight
+from asyncllm.model.kernels.fp32 import PackedFp32Weight, fp32_chooser, onednn_fp32_available
 from asyncllm.model.kernels.int8 import Int8Weight, int8_chooser
 from asyncllm.model.layers.attention_metadata import build_attention_metadata
 from asyncllm.model.llama_weights import LINEAR_WEIGHTS
@@ -24,13 +24,17 @@ from tests.unit.test_quant import TINY_LLAMA
 
 
 def _tiny(tmp_path: pathlib.Path, mode: str) -> Any:
-    """A 2-layer random Llama: "fp32" packed for the float32 kernels, "int8" on torch._int_mm and the first of our
-    kernels this CPU has, "q8_0" in blocks."""
+    """A 2-layer random Llama: "fp32" packed for the float32 kernels chosen here, "fp32-onednn" on oneDNN's reordered
+    (opaque) weights, "int8" on the int8 kernels chosen here, "q8_0" in blocks."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     model = load_model(ModelConfig("tiny", str(tmp_path), load_format="dummy"))
     randomize_matrices(model)
     if mode == "fp32":
         model.pack_fp32()
+    elif mode == "fp32-onednn":
+        if not onednn_fp32_available():
+            pytest.skip("this torch build has no oneDNN")
+        model.pack_fp32(fp32_chooser("onednn"))
     elif mode == "int8":
         model.quantize_int8(list(range(3, 99)), int8_chooser())
     else:
@@ -47,7 +51,7 @@ def _logits(model: Any) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "int8", "q8_0"])
+@pytest.mark.parametrize("mode", ["fp32", "fp32-onednn", "int8", "q8_0"])
 def test_moved_weights_give_the_same_logits_from_one_advised_private_mapping(
     tmp_path: pathlib.Path, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -59,7 +63,8 @@ def test_moved_weights_give_the_same_logits_from_one_advised_private_mapping(
     old = [t.data_ptr() for t in tensors]
     moving = {id(t) for t in tensors}
     operands = [op for w in _linear_weights(model, PackedFp32Weight) for op in w.operands.values()]
-    packed = [t for op in operands for t in _tensors(op) if id(t) not in moving]  # MKL's / oneDNN's copies
+    # MKL's packed copies (oneDNN's reordered weights are opaque tensors without a data pointer: they stay too)
+    packed = [t for op in operands for t in _tensors(op) if id(t) not in moving and t.layout == torch.strided]
     packed_ptrs = [t.data_ptr() for t in packed]
     moved = weight_placement.move_weights_to_huge_pages(model)
     assert moved >= sum(t.nbytes for t in tensors)
