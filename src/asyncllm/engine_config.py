@@ -118,6 +118,8 @@ class CacheConfig:
         kv_cache_memory_bytes: memory budget of the KV cache over all layers, in bytes; None = the default size
             (`max_num_seqs` sequences of `max_model_len` tokens, capped by a fraction of available memory).
         enable_prefix_caching: reuse the KV blocks of a prompt prefix another request computed.
+        populate: make the cache's memory resident at start-up rather than on first write
+            (`EngineArgs.populate_kv_cache`).
         cache_dtype: element type of the cached K/V (vLLM's `cache_dtype`, resolved): "float32" or "bfloat16" (half
             the bytes per block; see `EngineArgs.kv_cache_dtype`).
         cache_dtype_reason: why `cache_dtype` was chosen when `EngineArgs.kv_cache_dtype` was "auto" (the worker
@@ -128,6 +130,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    populate: bool = False
     cache_dtype: KVCacheDtype = "float32"
     cache_dtype_reason: str = ""
 

@@ -15,6 +15,7 @@ from asyncllm import AsyncLLM, EngineArgs, SamplingParams
 from asyncllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from asyncllm.engine.core import EngineCore
 from asyncllm.model.loading.loader import read_arch_config
+from asyncllm.utils import huge_pages
 from asyncllm.utils.cpu_info import cpu_info
 from asyncllm.worker import kv_cache_sizing
 from asyncllm.worker.kv_cache_sizing import allocate_zeroed, default_num_kv_blocks
@@ -112,6 +113,42 @@ def test_lazily_committed_cache_is_zero_and_costs_memory_only_where_written() ->
     assert float(cache[:64].sum()) == 64 * 16 * 1024
 
 
+def test_a_populated_cache_is_zero_and_resident_from_the_start() -> None:
+    """`populate=True` (what `asyncllm serve` asks for): every page is resident before anything is written, so the
+    first requests take no page faults; the bytes are still zeros."""
+    cache = allocate_zeroed((512, 16, 1024), populate=True)  # 32 MiB of float32
+    assert _resident_bytes(cache.data_ptr(), 32 << 20) == 32 << 20
+    assert torch.count_nonzero(cache) == 0
+    lazy = allocate_zeroed((512, 16, 1024))
+    assert _resident_bytes(lazy.data_ptr(), 32 << 20) == 0  # the control: nothing written, nothing resident
+
+
+def test_writing_every_page_makes_a_mapping_resident() -> None:
+    """The fallback where the kernel does not know `MADV_POPULATE_WRITE` (before Linux 5.14): one zero written per
+    page makes each page resident (a read would map the shared zero page only) and leaves the bytes zero."""
+    buffer = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    assert _resident_bytes(flat.data_ptr(), 8 << 20) == 0
+    huge_pages.write_every_page(flat)
+    assert _resident_bytes(flat.data_ptr(), 8 << 20) == 8 << 20
+    assert torch.count_nonzero(flat) == 0
+
+
+def test_real_engine_populates_its_cache_when_asked(model_path: str) -> None:
+    """`EngineArgs.populate_kv_cache`: the engine's per-layer caches are resident before the first request."""
+    args = EngineArgs(model=model_path, max_num_seqs=2, max_model_len=256, populate_kv_cache=True)
+    core = EngineCore(args.create_engine_config())
+    try:
+        caches = core.executor.worker.model_runner.kv_caches  # type: ignore[attr-defined]
+        assert len(caches) == 30
+        for cache in caches:
+            nbytes = cache.numel() * cache.element_size()
+            assert _resident_bytes(cache.data_ptr(), nbytes) == nbytes
+            assert torch.count_nonzero(cache) == 0
+    finally:
+        core.shutdown()
+
+
 async def test_real_engine_reports_block_size_and_cache_bytes(model_path: str) -> None:
     args = EngineArgs(model=model_path, max_num_seqs=2, max_model_len=256, engine_process=False)
     async with AsyncLLM.create(args) as llm:
@@ -144,6 +181,19 @@ def _smaps_fields(address: int) -> dict[str, list[str]]:
     if not fields:
         raise AssertionError(f"no mapping holds {address:#x}")
     return fields
+
+
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of [address, address + nbytes) of this process that are in memory: the "present" bit (63) of each
+    page's entry in /proc/self/pagemap (Linux `Documentation/admin-guide/mm/pagemap.rst`). Exact for the range,
+    where a mapping's `Rss:` would also count a neighbour the kernel merged it with."""
+    page = mmap.PAGESIZE
+    first, last = address // page, (address + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = f.read((last - first + 1) * 8)
+    present = sum(int.from_bytes(entries[i : i + 8], "little") >> 63 for i in range(0, len(entries), 8))
+    return present * page
 
 
 def _vm_flags(address: int) -> list[str]:

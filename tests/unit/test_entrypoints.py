@@ -142,3 +142,17 @@ def test_the_server_prebuilds_the_grammar_compiler_and_the_library_does_not() ->
     assert engine_args_from(opted_out, "m").prebuild_grammar_compiler is False
     generated = make_parser().parse_args(["generate", "hi"])
     assert engine_args_from(generated, "m").prebuild_grammar_compiler is False
+
+
+def test_the_server_populates_its_kv_cache_and_the_library_does_not() -> None:
+    from asyncllm.entrypoints.cli import make_parser
+
+    assert EngineArgs().populate_kv_cache is False
+    assert EngineArgs().create_engine_config().cache.populate is False
+    served = make_parser().parse_args(["serve"])
+    assert engine_args_from(served, "m").populate_kv_cache is True
+    assert dataclasses.replace(EngineArgs(), populate_kv_cache=True).create_engine_config().cache.populate is True
+    opted_out = make_parser().parse_args(["serve", "--no-populate-kv-cache"])
+    assert engine_args_from(opted_out, "m").populate_kv_cache is False
+    generated = make_parser().parse_args(["generate", "hi"])
+    assert engine_args_from(generated, "m").populate_kv_cache is False

@@ -112,7 +112,8 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
-    p.set_defaults(command="serve", run=_run_serve, prebuild_grammar_compiler=True)  # a server serves tools
+    # a server serves tools, and reserves its KV cache's memory up front as vLLM's does
+    p.set_defaults(command="serve", run=_run_serve, prebuild_grammar_compiler=True, populate_kv_cache=True)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:

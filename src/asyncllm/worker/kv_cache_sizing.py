@@ -7,7 +7,9 @@ memory available when the engine starts (`MemAvailable` in /proc/meminfo, Linux 
 The cache is allocated with a private anonymous `mmap` (POSIX: zero-filled, pages committed on first write), so a
 block costs resident memory only once a request first writes into it; `torch.zeros` would touch every page at
 start. Blocks are handed out least-recently-freed first (`sched/block_pool.py`), so under varied traffic the
-resident size grows towards the full cache over time.
+resident size grows towards the full cache over time. `EngineArgs.populate_kv_cache` (on in `asyncllm serve`)
+writes every page at start-up instead, as a server that reserves its cache would: the first requests then take no
+page faults, which on a VM cost 4-8% of a fresh server's first serving run (`benchmarks/analysis.md`, 2026-12-06).
 
 The mapping is advised for transparent huge pages (`madvise(MADV_HUGEPAGE)`, Linux; a no-op where the host's
 `/sys/kernel/mm/transparent_hugepage/enabled` says "never"). It must be private: a shared anonymous mapping is
@@ -62,11 +64,16 @@ def default_num_kv_blocks(
     return max(1, min(wanted, cap))
 
 
-def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, populate: bool = False) -> torch.Tensor:
     """A zero-filled tensor of `shape` on anonymous mmap memory advised for huge pages: resident only where it has
-    been written (in pages of up to 2 MiB where the host grants transparent huge pages; `utils/huge_pages.py`)."""
+    been written (in pages of up to 2 MiB where the host grants transparent huge pages; `utils/huge_pages.py`), or
+    with `populate` resident from the start.
+
+    Raises:
+        OSError: the operating system refuses the mapping or, with `populate`, the memory.
+    """
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return huge_page_bytes(nbytes).view(dtype).view(shape)
+    return huge_page_bytes(nbytes, populate=populate).view(dtype).view(shape)

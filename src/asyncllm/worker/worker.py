@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import cast
 
 import torch
@@ -122,7 +123,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one zeroed [num_blocks, 2, block_size, num_kv_heads / tp_size, head_dim] tensor per layer
         (this rank's KV heads only; float32 or bfloat16, `CacheConfig.cache_dtype`), on lazily committed
-        memory (`kv_cache_sizing.allocate_zeroed`). Logs its size at INFO.
+        memory (`kv_cache_sizing.allocate_zeroed`), or made resident at once with `CacheConfig.populate`. Logs
+        its size (and the seconds populating took) at INFO.
 
         Raises:
             ConfigError: the operating system refuses that much memory (names the size and what is available).
@@ -130,8 +132,12 @@ class Worker:
         arch, dtype = self.arch, self.kv_cache_dtype
         shape = self._kv_cache_shape(num_blocks)
         size = num_blocks * 2 * shape[2] * shape[3] * shape[4] * dtype.itemsize * arch.num_hidden_layers
+        populate = self.config.cache.populate
+        start = time.perf_counter()
         try:
-            self.model_runner.kv_caches = [allocate_zeroed(shape, dtype) for _ in range(arch.num_hidden_layers)]
+            self.model_runner.kv_caches = [
+                allocate_zeroed(shape, dtype, populate) for _ in range(arch.num_hidden_layers)
+            ]
         except (OSError, MemoryError, RuntimeError) as e:
             self.model_runner.kv_caches = []
             raise ConfigError(
@@ -139,14 +145,17 @@ class Worker:
                 f"({available_memory_bytes() / 2**30:.1f} GiB available): lower num_kv_blocks or "
                 f"kv_cache_memory_bytes ({type(e).__name__}: {e})"
             ) from e
+        seconds = time.perf_counter() - start
+        residency = f"resident: populated in {seconds:.2f} s" if populate else "reserved; resident where written"
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB on rank %d (reserved; resident where written)",
+            "KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB on rank %d (%s)",
             num_blocks,
             shape[2],
             num_blocks * shape[2],
             str(dtype).removeprefix("torch."),
             size / 2**20,
             self.rank,
+            residency,
         )
         if self.config.cache.cache_dtype_reason and self.rank == 0:  # `kv_cache_dtype="auto"`: what and why
             logger.info("%s", self.config.cache.cache_dtype_reason)
