@@ -520,26 +520,80 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// What the two decode stacks below share: each holds its layers' tensors and ints (a fixed count per layer), the
+// final norm and the attention geometry, and runs a layer's attention half with the same calls:
+//   scale_bias_rotate_(qkv, row_scale, bias, cos, sin); store_kv_cache_(k, v); paged_decode_attention(q).
+class DecodeStackBase {
+ public:
+  int64_t num_layers() const { return static_cast<int64_t>(ints_.size() / ints_per_layer_); }
+
+ protected:
+  // One decode-only step's rotary rows: cos / sin [rows, head_dim] of the tokens' positions.
+  struct Rotary {
+    at::Tensor cos, sin;
+  };
+
+  DecodeStackBase(const char* name, size_t tensors_per_layer, size_t ints_per_layer, std::vector<at::Tensor> tensors,
+                  std::vector<int64_t> ints, at::Tensor final_norm, double eps, int64_t head_dim, int64_t q_size,
+                  int64_t kv_size, double scale)
+      : name_(name), tensors_per_layer_(tensors_per_layer), ints_per_layer_(ints_per_layer),
+        tensors_(std::move(tensors)), ints_(std::move(ints)), final_norm_(std::move(final_norm)), eps_(eps),
+        head_dim_(head_dim), q_size_(q_size), kv_size_(kv_size), scale_(scale) {
+    TORCH_CHECK(!ints_.empty() && tensors_.size() % tensors_per_layer == 0 && ints_.size() % ints_per_layer == 0 &&
+                    tensors_.size() / tensors_per_layer == ints_.size() / ints_per_layer,
+                name_, ": ", tensors_per_layer, " tensors and ", ints_per_layer, " ints per layer");
+    TORCH_CHECK(head_dim > 0 && q_size % head_dim == 0 && kv_size % head_dim == 0, name_, ": head sizes");
+  }
+
+  const at::Tensor* layer_tensors(int64_t layer) const { return tensors_.data() + layer * tensors_per_layer_; }
+  const int64_t* layer_ints(int64_t layer) const { return ints_.data() + layer * ints_per_layer_; }
+
+  // Checks one KV cache per layer; gathers the rotary rows of `positions` from the model's tables.
+  Rotary begin_step(const at::Tensor& positions, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                    const std::vector<at::Tensor>& kv_caches) const {
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), name_, ": ", num_layers(),
+                " KV caches needed, got ", kv_caches.size());
+    return {rope_cos.index_select(0, positions), rope_sin.index_select(0, positions)};
+  }
+
+  // qkv [rows, q_size + 2 kv_size] (the qkv product; scaled by `row_scale` when given, plus `bias` when not empty,
+  // then rotated, in place) -> the attention output [rows, q_size] after storing the rows' K and V in `kv_cache` at
+  // their slots (`blocks`, `offsets`); `window` 0 for full attention.
+  at::Tensor attend(at::Tensor& qkv, const std::optional<at::Tensor>& row_scale, const at::Tensor& bias,
+                    const Rotary& rotary, at::Tensor& kv_cache, const at::Tensor& blocks, const at::Tensor& offsets,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window) const {
+    const std::optional<at::Tensor> maybe_bias = bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt;
+    scale_bias_rotate_(qkv, row_scale, maybe_bias, rotary.cos, rotary.sin, q_size_ + kv_size_);
+    const std::vector<int64_t> heads{q_size_ / head_dim_, kv_size_ / head_dim_, kv_size_ / head_dim_};
+    const auto qkv_heads = qkv.view({qkv.size(0), -1, head_dim_}).split_with_sizes(heads, 1);
+    store_kv_cache_(kv_cache, qkv_heads[1], qkv_heads[2], blocks, offsets);
+    return paged_decode_attention(qkv_heads[0].contiguous(), kv_cache, block_tables, seq_lens, scale_, window);
+  }
+
+  const char* name_;
+  size_t tensors_per_layer_, ints_per_layer_;
+  std::vector<at::Tensor> tensors_;
+  std::vector<int64_t> ints_;
+  at::Tensor final_norm_;
+  double eps_;
+  int64_t head_dim_, q_size_, kv_size_;
+  double scale_;
+};
+
 // A decode-only step over a stack of block layers at TP=1 in one call (model/llama.py `BlockDecodeStack`): per
 // layer the calls `LlamaDecoderLayer._forward_blocks` makes, in the same order on the same inputs, so the same bits:
 //   qkv = block_linear_fused(rms_norm(x)); scale_bias_rotate_(qkv, bias, cos, sin); store_kv_cache_(k, v);
 //   attn = paged_decode_attention(q); x = o(attn) + x; x = down(silu_mul(gate_up(rms_norm(x)))) + x
 // then the final RMSNorm. What it saves is the Python around ~7 calls per layer (about 210 per step), not work.
-class BlockDecodeStack {
+class BlockDecodeStack : public DecodeStackBase {
  public:
   // Per layer, 15 tensors: input_norm, post_attention_norm, qkv bias (an empty tensor for none), then qs, d, m of
   // qkv, o, gate_up, down (m empty but for Q4_1); 9 ints: the four kinds, the four out_features, the window (0: none).
   BlockDecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, at::Tensor final_norm, double eps,
                    int64_t head_dim, int64_t q_size, int64_t kv_size, double scale, std::string path)
-      : tensors_(std::move(tensors)), ints_(std::move(ints)), final_norm_(std::move(final_norm)), eps_(eps),
-        head_dim_(head_dim), q_size_(q_size), kv_size_(kv_size), scale_(scale), path_(std::move(path)) {
-    TORCH_CHECK(!ints_.empty() && tensors_.size() % kTensors == 0 && ints_.size() % kInts == 0 &&
-                    tensors_.size() / kTensors == ints_.size() / kInts,
-                "BlockDecodeStack: ", kTensors, " tensors and ", kInts, " ints per layer");
-    TORCH_CHECK(head_dim > 0 && q_size % head_dim == 0 && kv_size % head_dim == 0, "BlockDecodeStack: head sizes");
-  }
-
-  int64_t num_layers() const { return static_cast<int64_t>(ints_.size() / kInts); }
+      : DecodeStackBase("BlockDecodeStack", kTensors, kInts, std::move(tensors), std::move(ints), std::move(final_norm),
+                        eps, head_dim, q_size, kv_size, scale),
+        path_(std::move(path)) {}
 
   // hidden [rows, hidden] float32 (row i: sequence i's one token), positions [rows] int64, rope_cos / rope_sin
   // [max_positions, head_dim] float32 (the model's sign-folded tables), one KV cache per layer, blocks / offsets
@@ -548,22 +602,14 @@ class BlockDecodeStack {
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& rope_cos,
                      const at::Tensor& rope_sin, std::vector<at::Tensor> kv_caches, const at::Tensor& blocks,
                      const at::Tensor& offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
-    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "BlockDecodeStack: ", num_layers(),
-                " KV caches needed, got ", kv_caches.size());
-    const int64_t rows = hidden.size(0);
-    const at::Tensor cos = rope_cos.index_select(0, positions), sin = rope_sin.index_select(0, positions);
-    const std::vector<int64_t> heads{q_size_ / head_dim_, kv_size_ / head_dim_, kv_size_ / head_dim_};
+    const Rotary rotary = begin_step(positions, rope_cos, rope_sin, kv_caches);
     at::Tensor x = hidden.contiguous();
     for (int64_t l = 0; l < num_layers(); ++l) {
-      const at::Tensor* t = tensors_.data() + l * kTensors;
-      const int64_t* n = ints_.data() + l * kInts;
-      const std::optional<at::Tensor> bias = t[2].numel() ? std::optional<at::Tensor>(t[2]) : std::nullopt;
+      const at::Tensor* t = layer_tensors(l);
+      const int64_t* n = layer_ints(l);
       at::Tensor qkv = block_linear_fused(x, 1, t[0], eps_, std::nullopt, t[3], t[4], t[5], n[0], n[4], path_);
-      scale_bias_rotate_(qkv, std::nullopt, bias, cos, sin, q_size_ + kv_size_);
-      const auto qkv_heads = qkv.view({rows, -1, head_dim_}).split_with_sizes(heads, 1);
-      store_kv_cache_(kv_caches[l], qkv_heads[1], qkv_heads[2], blocks, offsets);
       const at::Tensor attn =
-          paged_decode_attention(qkv_heads[0].contiguous(), kv_caches[l], block_tables, seq_lens, scale_, n[8]);
+          attend(qkv, std::nullopt, t[2], rotary, kv_caches[l], blocks, offsets, block_tables, seq_lens, n[8]);
       x = block_linear_fused(attn, 0, std::nullopt, 0.0, x, t[6], t[7], t[8], n[1], n[5], path_);
       const at::Tensor gate_up = block_linear_fused(x, 1, t[1], eps_, std::nullopt, t[9], t[10], t[11], n[2], n[6], path_);
       x = block_linear_fused(gate_up, 2, std::nullopt, 0.0, x, t[12], t[13], t[14], n[3], n[7], path_);
@@ -573,12 +619,6 @@ class BlockDecodeStack {
 
  private:
   static constexpr size_t kTensors = 15, kInts = 9;
-  std::vector<at::Tensor> tensors_;
-  std::vector<int64_t> ints_;
-  at::Tensor final_norm_;
-  double eps_;
-  int64_t head_dim_, q_size_, kv_size_;
-  double scale_;
   std::string path_;
 };
 
@@ -590,7 +630,7 @@ class BlockDecodeStack {
 // then the final RMSNorm. A product runs the kernel the weight's choice names for this step's rows: VNNI (packed,
 // correction, scale) or AVX2 (packed, an empty tensor, scale); the stack is built per row class (`model/llama.py`).
 // What it saves is the Python around ~11 calls per layer, not work.
-class Int8DecodeStack {
+class Int8DecodeStack : public DecodeStackBase {
  public:
   static constexpr int64_t kVnni = 0, kAvx2 = 1;
 
@@ -599,44 +639,30 @@ class Int8DecodeStack {
   // four in_features, the four out_features, the window (0: none).
   Int8DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, at::Tensor final_norm, double eps,
                   int64_t head_dim, int64_t q_size, int64_t kv_size, double scale)
-      : tensors_(std::move(tensors)), ints_(std::move(ints)), final_norm_(std::move(final_norm)), eps_(eps),
-        head_dim_(head_dim), q_size_(q_size), kv_size_(kv_size), scale_(scale) {
-    TORCH_CHECK(!ints_.empty() && tensors_.size() % kTensors == 0 && ints_.size() % kInts == 0 &&
-                    tensors_.size() / kTensors == ints_.size() / kInts,
-                "Int8DecodeStack: ", kTensors, " tensors and ", kInts, " ints per layer");
-    TORCH_CHECK(head_dim > 0 && q_size % head_dim == 0 && kv_size % head_dim == 0, "Int8DecodeStack: head sizes");
-    for (size_t l = 0; l < ints_.size() / kInts; ++l)
-      for (size_t w = 0; w < 4; ++w) {
-        const int64_t kernel = ints_[l * kInts + w];
+      : DecodeStackBase("Int8DecodeStack", kTensors, kInts, std::move(tensors), std::move(ints), std::move(final_norm),
+                        eps, head_dim, q_size, kv_size, scale) {
+    for (int64_t l = 0; l < num_layers(); ++l)
+      for (int64_t w = 0; w < 4; ++w) {
+        const int64_t kernel = layer_ints(l)[w];
         TORCH_CHECK(kernel == kVnni || kernel == kAvx2, "Int8DecodeStack: kernel ", kernel, " of layer ", l);
         TORCH_CHECK(kernel != kVnni || int8_vnni_available(), "Int8DecodeStack: this build has no VNNI product");
         TORCH_CHECK(kernel != kAvx2 || int8_avx2_available(), "Int8DecodeStack: this build has no AVX2 product");
       }
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(ints_.size() / kInts); }
-
   // Arguments, result and errors as BlockDecodeStack::forward's.
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& rope_cos,
                      const at::Tensor& rope_sin, std::vector<at::Tensor> kv_caches, const at::Tensor& blocks,
                      const at::Tensor& offsets, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
-    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "Int8DecodeStack: ", num_layers(),
-                " KV caches needed, got ", kv_caches.size());
-    const int64_t rows = hidden.size(0);
-    const at::Tensor cos = rope_cos.index_select(0, positions), sin = rope_sin.index_select(0, positions);
-    const std::vector<int64_t> heads{q_size_ / head_dim_, kv_size_ / head_dim_, kv_size_ / head_dim_};
+    const Rotary rotary = begin_step(positions, rope_cos, rope_sin, kv_caches);
     at::Tensor x = hidden.contiguous();
     for (int64_t l = 0; l < num_layers(); ++l) {
-      const at::Tensor* t = tensors_.data() + l * kTensors;
-      const int64_t* n = ints_.data() + l * kInts;
-      const std::optional<at::Tensor> bias = t[2].numel() ? std::optional<at::Tensor>(t[2]) : std::nullopt;
+      const at::Tensor* t = layer_tensors(l);
+      const int64_t* n = layer_ints(l);
       auto [qx, row_scale] = rms_norm_quantize(x, t[0], eps_);
       at::Tensor qkv = product(qx, t + 3, n, 0);
-      scale_bias_rotate_(qkv, row_scale, bias, cos, sin, q_size_ + kv_size_);
-      const auto qkv_heads = qkv.view({rows, -1, head_dim_}).split_with_sizes(heads, 1);
-      store_kv_cache_(kv_caches[l], qkv_heads[1], qkv_heads[2], blocks, offsets);
       const at::Tensor attn =
-          paged_decode_attention(qkv_heads[0].contiguous(), kv_caches[l], block_tables, seq_lens, scale_, n[12]);
+          attend(qkv, row_scale, t[2], rotary, kv_caches[l], blocks, offsets, block_tables, seq_lens, n[12]);
       std::tie(qx, row_scale) = quantize_rows(attn.contiguous());
       at::Tensor o = product(qx, t + 6, n, 1);
       x = add_scaled_(x, o, row_scale);
@@ -656,13 +682,6 @@ class Int8DecodeStack {
     if (n[w] == kVnni) return int8_gemm_vnni(qx, t[0], t[1], t[2], n[4 + w], n[8 + w]);
     return int8_gemm_avx2(qx, t[0], t[2], n[4 + w], n[8 + w]);
   }
-
-  std::vector<at::Tensor> tensors_;
-  std::vector<int64_t> ints_;
-  at::Tensor final_norm_;
-  double eps_;
-  int64_t head_dim_, q_size_, kv_size_;
-  double scale_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
