@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -83,26 +84,50 @@ def serving_tables(runs: dict[str, dict[str, Any]]) -> list[str]:
             f" ({arrivals(s['rate'])}, <= {s['max_concurrency']} in flight)"
             for s in run["shapes"].values()
         )
+        rounds = run.get("rounds") or 1
         lines += [
             "",
-            f"**{name}**{' (quick)' if run['quick'] else ''}: {m['cpu']}, {m['cores']} cores; {load(run)}"
-            f"{'; one CPU-bound process beside' if run['contended'] else ''}. Shapes: {shapes}.",
+            f"**{name}**{' (quick)' if run['quick'] else ''}: {m['cpu']} ({' '.join(m['flags'])}), {m['cores']} cores;"
+            f" {load(run)}{'; one CPU-bound process beside' if run['contended'] else ''}. Shapes: {shapes}.",
             "",
             f"vLLM: {run['vllm'] or 'not installed in this run'}. asyncllm: `asyncllm serve --max-model-len 2048"
             f" --max-num-seqs 64{' ' + run['asyncllm_args'] if run.get('asyncllm_args') else ''}`.",
+        ]
+        if rounds > 1:
+            lines += [
+                "",
+                f"Medians over {rounds} rounds (every server ran every shape once per round); `vs vLLM` is the median",
+                "of the ratios to vLLM's figure of the same round, with their range.",
+            ]
+        lines += [
             "",
             "| shape | server | output tok/s | vs vLLM | mean TTFT | p99 TTFT | mean TPOT | p99 ITL |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for shape in run["shapes"]:
-            rows = [r for r in run["results"] if r["shape"] == shape]
-            ref = next((r["output_tok_s"] for r in rows if r["server"] == "vllm-fp32"), None)
-            for r in rows:
-                ratio = f"{r['output_tok_s'] / ref:.2f}x" if ref else "-"
-                lines.append(
-                    f"| {shape} | {r['server']} | {r['output_tok_s']:.1f} | {ratio} | {r['mean_ttft']:.2f} s"
-                    f" | {r['p99_ttft']:.2f} s | {r['mean_tpot'] * 1e3:.1f} ms | {r['p99_itl'] * 1e3:.0f} ms |"
-                )
+            lines += serving_rows(shape, [r for r in run["results"] if r["shape"] == shape])
+    return lines
+
+
+def serving_rows(shape: str, rows: list[dict[str, Any]]) -> list[str]:
+    """One table row per server of one shape: medians over the rounds in `rows`, the ratio to vLLM taken within
+    each round (so a drift of the host over the run reaches every server alike)."""
+    vllm = {r.get("round", 0): r["output_tok_s"] for r in rows if r["server"] == "vllm-fp32"}
+    lines = []
+    for server in dict.fromkeys(r["server"] for r in rows):
+        runs = [r for r in rows if r["server"] == server]
+        ratios = [r["output_tok_s"] / vllm[r.get("round", 0)] for r in runs if vllm.get(r.get("round", 0))]
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
+        if len(ratios) > 1:
+            ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+        tok_s, ttft, p99_ttft, tpot, p99_itl = (
+            statistics.median(r[key] for r in runs)
+            for key in ("output_tok_s", "mean_ttft", "p99_ttft", "mean_tpot", "p99_itl")
+        )
+        lines.append(
+            f"| {shape} | {server} | {tok_s:.1f} | {ratio} | {ttft:.2f} s | {p99_ttft:.2f} s | {tpot * 1e3:.1f} ms"
+            f" | {p99_itl * 1e3:.0f} ms |"
+        )
     return lines
 
 
