@@ -3,9 +3,11 @@ still win, the stats report block size and bytes, and the cache costs resident m
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
+import os
 import pathlib
 
 import pytest
@@ -147,6 +149,28 @@ def test_real_engine_populates_its_cache_when_asked(model_path: str) -> None:
             assert torch.count_nonzero(cache) == 0
     finally:
         core.shutdown()
+
+
+class _RefusingBuffer:
+    """Stands in for an mmap whose kernel answers `madvise` with one errno."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def madvise(self, option: int) -> None:
+        raise OSError(self.code, os.strerror(self.code))
+
+
+def test_populating_falls_back_to_writes_only_where_the_kernel_lacks_the_advice() -> None:
+    """EINVAL (a kernel before 5.14 does not know MADV_POPULATE_WRITE): every page is written instead. Any other
+    error (ENOMEM: the memory is not there) reaches the caller, which names the cache size (`Worker`)."""
+    real = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(real, dtype=torch.uint8)
+    huge_pages.populate_pages(_RefusingBuffer(errno.EINVAL), flat)  # type: ignore[arg-type]
+    assert _resident_bytes(flat.data_ptr(), 4 << 20) == 4 << 20
+    with pytest.raises(OSError, match=os.strerror(errno.ENOMEM)) as refused:
+        huge_pages.populate_pages(_RefusingBuffer(errno.ENOMEM), flat)  # type: ignore[arg-type]
+    assert refused.value.errno == errno.ENOMEM
 
 
 async def test_real_engine_reports_block_size_and_cache_bytes(model_path: str) -> None:

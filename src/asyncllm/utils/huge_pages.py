@@ -7,7 +7,7 @@ jump around a large region (a weight stream of ~100 MB per step, KV cache blocks
 `shmem_enabled` instead ("never" by default).
 
 Populating (`populate=True`) writes every page at allocation instead (`madvise(MADV_POPULATE_WRITE)`, Linux 5.14+,
-`madvise(2)`; elsewhere one write per 4 KiB page): the memory is then resident from the start, and the first writes
+`madvise(2)`; elsewhere one write per base page): the memory is then resident from the start, and the first writes
 into it take no page fault. On a VM a first fault can cost far more than zeroing: measured 2026-12-06 on a KVM
 guest (AMD EPYC), 0.46-6 GB/s for 2 MiB pages written the first time against 240-310 GB/s for the same pages
 written again.
@@ -63,7 +63,7 @@ def populate_pages(buffer: mmap.mmap, flat: torch.Tensor) -> None:
     """Make every page of the zero-filled mapping `buffer` (viewed whole as the uint8 tensor `flat`) resident:
     `madvise(MADV_POPULATE_WRITE)` faults them all in writable, in huge pages where advised and granted, without
     changing a byte. Where the kernel does not know that advice (EINVAL: Linux before 5.14, or not Linux), one
-    zero byte is written per 4 KiB page (`write_every_page`), which the memory held already.
+    zero byte is written per base page (`write_every_page`), which the memory held already.
 
     Raises:
         OSError: the kernel cannot populate the mapping (ENOMEM: not enough memory; madvise(2)).
